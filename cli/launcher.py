@@ -1,0 +1,241 @@
+"""``wafl run``: a server and N client processes on this machine, with progress and a report.
+
+Processes talk over localhost, or, with ``--link-rate``, each in its own network namespace
+behind a shaped link (``wafl.cli.netns.Star``). The output folder gets ``config.json``,
+``results.jsonl``, ``reports.jsonl``, ``timelines.json``, ``logs/`` and ``accuracy.png``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from wafl.common.config import RunConfig
+
+
+@dataclass
+class RunSummary:
+    out_dir: Path
+    ok: bool
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    wall_s: float = 0.0
+    server_code: int | None = None
+    client_codes: list[int | None] = field(default_factory=list)
+
+    @property
+    def final(self) -> dict[str, Any]:
+        return self.rows[-1] if self.rows else {}
+
+
+def default_out(cfg: RunConfig) -> Path:
+    return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.algorithm.replace('+', '_')}-{os.getpid()}"
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return env
+
+
+def launch(cfg: RunConfig, out_dir: Path | None = None, link_rate: str | None = None, show_progress: bool = True, timeout_s: float = 3600.0, port: int = 50051) -> RunSummary:
+    """Runs the federation described by ``cfg`` to its end; returns what it measured."""
+    out = out_dir or default_out(cfg)
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    for stale in ("results.jsonl", "reports.jsonl", "timelines.json", "server.json"):
+        (out / stale).unlink(missing_ok=True)
+    cfg_file = out / "run-config.json"
+    cfg_file.write_text(json.dumps(json.loads(cfg.to_json()), indent=2))
+    ready = out / "server.json"
+    star = None
+    host = "127.0.0.1"
+    bind_port = 0
+    if link_rate:
+        from wafl.cli.netns import Star, check_permissions
+
+        check_permissions()
+        star = Star(cfg.num_clients, link_rate)
+        host = star.server_address
+        bind_port = port
+    procs: list[subprocess.Popen[bytes]] = []
+    t0 = time.monotonic()
+    summary = RunSummary(out, ok=False)
+    try:
+        prefix = star.exec_prefix("server") if star else []
+        server_cmd = [*prefix, sys.executable, "-m", "wafl.cli.main", "server", "--config", str(cfg_file), "--host", host, "--port", str(bind_port), "--out", str(out), "--ready-file", str(ready), "--threads", "1", "--quiet"]
+        server = _spawn(server_cmd, logs / "server.log")
+        procs.append(server)
+        bound = _wait_ready(ready, server, logs / "server.log")
+        address = f"{host}:{bound}"
+        for i in range(cfg.num_clients):
+            prefix = star.exec_prefix(f"client{i}") if star else []
+            cmd = [*prefix, sys.executable, "-m", "wafl.cli.main", "client", "--server", address, "--index", str(i), "--state-dir", str(out / "clients"), "--log-file", str(logs / f"client-{i}.jsonl"), "--threads", "1", "--quiet"]
+            if cfg.data_dir:
+                cmd += ["--data-dir", cfg.data_dir]
+            procs.append(_spawn(cmd, logs / f"client-{i}.log"))
+        progress = Progress(cfg.rounds, enabled=show_progress)
+        results = out / "results.jsonl"
+        deadline = t0 + timeout_s
+        while server.poll() is None:
+            progress.update(_read_rows(results), time.monotonic() - t0)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"run exceeded --timeout {timeout_s}s")
+            dead = [i for i, p in enumerate(procs[1:]) if p.poll() not in (None, 0)]
+            if dead and len(dead) == cfg.num_clients:
+                raise RuntimeError(f"every client exited with an error; see {logs}/client-*.log")
+            time.sleep(0.2)
+        summary.rows = _read_rows(results)
+        progress.update(summary.rows, time.monotonic() - t0)
+        progress.close()
+        summary.server_code = server.returncode
+        for p in procs[1:]:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.terminate()
+        summary.client_codes = [p.poll() for p in procs[1:]]
+        summary.ok = server.returncode == 0 and len(summary.rows) == cfg.rounds
+        if server.returncode != 0:
+            print(f"wafl: the server exited with code {server.returncode}; last lines of {logs / 'server.log'}:\n{_tail(logs / 'server.log')}", file=sys.stderr)
+    finally:
+        _stop(procs)
+        if star is not None:
+            star.close()
+    summary.wall_s = time.monotonic() - t0
+    (out / "summary.json").write_text(json.dumps({"ok": summary.ok, "wall_s": round(summary.wall_s, 3), "final": summary.final, "server_code": summary.server_code, "client_codes": summary.client_codes}, indent=2))
+    if summary.rows:
+        plot_accuracy(summary.rows, out / "accuracy.png", cfg)
+    if show_progress:
+        print(final_table(summary, cfg))
+    return summary
+
+
+def _spawn(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
+    f = open(log, "wb")
+    return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
+
+
+def _wait_ready(ready: Path, server: subprocess.Popen[bytes], log: Path, timeout_s: float = 120.0) -> int:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if ready.exists():
+            return int(json.loads(ready.read_text())["port"])
+        if server.poll() is not None:
+            raise RuntimeError(f"the server exited with code {server.returncode} before listening:\n{_tail(log)}")
+        time.sleep(0.05)
+    raise TimeoutError(f"the server did not start listening within {timeout_s}s:\n{_tail(log)}")
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def _tail(path: Path, n: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+def _read_rows(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            break  # a line being written
+    return rows
+
+
+class Progress:
+    """A one-line progress bar over rounds on stderr."""
+
+    def __init__(self, total: int, enabled: bool = True, width: int = 30) -> None:
+        self.total, self.enabled, self.width = total, enabled, width
+        self.tty = sys.stderr.isatty()
+        self.last = ""
+        self.last_done = -1
+
+    def update(self, rows: list[dict[str, Any]], elapsed: float) -> None:
+        if not self.enabled:
+            return
+        done = len(rows)
+        if not self.tty and done == self.last_done:
+            return  # off a terminal: one line per round, not per tick
+        self.last_done = done
+        filled = int(self.width * done / self.total)
+        last = rows[-1] if rows else {}
+        acc = f" gm {last['gm_accuracy']:.3f}" if last.get("gm_accuracy") is not None else ""
+        pm = f" pm {last['pm_accuracy']:.3f}" if last.get("pm_accuracy") is not None else ""
+        line = f"{chr(13) if self.tty else ''}round {done:>3}/{self.total} [{'#' * filled}{'.' * (self.width - filled)}]{acc}{pm} {elapsed:6.1f}s"
+        if line != self.last:
+            sys.stderr.write(line if self.tty else line + "\n")
+            sys.stderr.flush()
+            self.last = line
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+
+
+def final_table(s: RunSummary, cfg: RunConfig) -> str:
+    f = s.final
+    mb = lambda b: f"{(b or 0) / 1e6:.2f} MB"  # noqa: E731
+    up = sum(r.get("bytes_up", 0) for r in s.rows)
+    down = sum(r.get("bytes_down", 0) for r in s.rows)
+    lines = [
+        f"{'run':<16}{cfg.algorithm} / {cfg.protocol} / {cfg.dataset} / {cfg.num_clients} clients / {cfg.partition}",
+        f"{'rounds':<16}{len(s.rows)} of {cfg.rounds}",
+        f"{'gm_accuracy':<16}{_fmt(f.get('gm_accuracy'))}",
+        f"{'pm_accuracy':<16}{_fmt(f.get('pm_accuracy'))}",
+        f"{'best gm':<16}{_fmt(max((r['gm_accuracy'] for r in s.rows if r.get('gm_accuracy') is not None), default=None))}",
+        f"{'wall time':<16}{s.wall_s:.1f} s",
+        f"{'traffic':<16}up {mb(up)}, down {mb(down)}",
+        f"{'output':<16}{s.out_dir}",
+        f"{'status':<16}{'ok' if s.ok else 'FAILED'}",
+    ]
+    return "\n".join(lines)
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.4f}"
+
+
+def plot_accuracy(rows: list[dict[str, Any]], path: Path, cfg: RunConfig) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    rounds = [r["round"] for r in rows]
+    ax.plot(rounds, [r.get("gm_accuracy") for r in rows], marker="o", ms=3, label="GM (global test set)")
+    if any(r.get("pm_accuracy") is not None for r in rows):
+        ax.plot(rounds, [r.get("pm_accuracy") for r in rows], marker="s", ms=3, label="PM (local test sets)")
+    ax.set_xlabel("round")
+    ax.set_ylabel("accuracy")
+    ax.set_title(f"{cfg.algorithm}, {cfg.dataset}, {cfg.num_clients} clients, {cfg.partition}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

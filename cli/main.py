@@ -1,0 +1,186 @@
+"""The ``wafl`` command: ``run``, ``server``, ``client``, ``bench``, ``health``."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from wafl.common.config import ConfigError, RunConfig, load_config
+
+
+def _kv(text: str) -> tuple[str, Any]:
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    k, v = text.split("=", 1)
+    try:
+        value: Any = json.loads(v)
+    except ValueError:
+        value = v
+    return k.strip(), value
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("run configuration (defaults <- --config file <- these flags)")
+    g.add_argument("--config", help="TOML or JSON file with configuration fields")
+    g.add_argument("--dataset")
+    g.add_argument("--data-dir", dest="data_dir", help="folder holding the larger datasets")
+    g.add_argument("--partition", choices=["dirichlet", "dirichlet-equal", "iid"])
+    g.add_argument("--alpha", type=float, help="per-class Dirichlet concentration")
+    g.add_argument("--delta", type=float, help="class-prior concentration of dirichlet-equal")
+    g.add_argument("--clients", dest="num_clients", type=int)
+    g.add_argument("--rounds", type=int)
+    g.add_argument("--fraction", type=float, help="share of clients selected per round")
+    g.add_argument("--act-prob", dest="act_prob", type=float, help="independent per-client activation probability")
+    g.add_argument("--algorithm", help="e.g. fedavg, scd, ditto, fedhkd, fedproto, fedprox+asd")
+    g.add_argument("--protocol", choices=["wait-free", "compute-and-wait"])
+    g.add_argument("--model")
+    g.add_argument("--seed", type=int)
+    g.add_argument("--device", help="auto, cpu, cuda or cuda:N")
+    g.add_argument("--param", "-p", action="append", type=_kv, default=[], metavar="KEY=VALUE", help="algorithm parameter, repeatable")
+    g.add_argument("--set", action="append", type=_kv, default=[], metavar="FIELD=VALUE", help="any configuration field, repeatable")
+
+
+def _resolve_config(a: argparse.Namespace) -> RunConfig:
+    names = ("dataset", "data_dir", "partition", "alpha", "delta", "num_clients", "rounds", "fraction", "act_prob", "algorithm", "protocol", "model", "seed", "device")
+    overrides: dict[str, Any] = {n: getattr(a, n) for n in names if getattr(a, n, None) is not None}
+    overrides.update(dict(a.set))
+    if a.param:
+        overrides["params"] = dict(a.param)
+    return load_config(a.config, overrides)
+
+
+def _setup_logging(component: str, log_file: str | None, quiet: bool = False) -> None:
+    from wafl.common.logs import configure_logging
+
+    configure_logging(component, log_file, console=not quiet)
+
+
+def cmd_run(a: argparse.Namespace) -> int:
+    from wafl.cli.launcher import launch
+
+    cfg = _resolve_config(a)
+    summary = launch(cfg, Path(a.out) if a.out else None, link_rate=a.link_rate, show_progress=not a.quiet, timeout_s=a.timeout)
+    return 0 if summary.ok else 1
+
+
+def cmd_server(a: argparse.Namespace) -> int:
+    from wafl.server.app import serve
+
+    cfg = _resolve_config(a)
+    out = Path(a.out)
+    _setup_logging("server", a.log_file or str(out / "logs" / "server.jsonl"), a.quiet)
+    _threads(a.threads)
+    return asyncio.run(serve(cfg, a.host, a.port, out, token=a.token or os.environ.get("WAFL_TOKEN", ""), resume=a.resume, ready_file=Path(a.ready_file) if a.ready_file else None))
+
+
+def cmd_client(a: argparse.Namespace) -> int:
+    from wafl.client.app import run_client
+
+    _setup_logging(f"client-{a.index}", a.log_file, a.quiet)
+    _threads(a.threads)
+    return asyncio.run(
+        run_client(a.server, a.index, Path(a.state_dir) if a.state_dir else None, a.data_dir, a.device, token=a.token or os.environ.get("WAFL_TOKEN", ""), reconnect_s=a.reconnect_s)
+    )
+
+
+def cmd_health(a: argparse.Namespace) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(a.server) as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=a.service), timeout=a.timeout)
+    except grpc.RpcError as e:
+        print(f"{a.server}: {e.code().name} {e.details()}", file=sys.stderr)
+        return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    print(f"{a.server}: {status}")
+    return 0 if resp.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    from wafl.cli.bench import bench_protocols
+
+    cfg = _resolve_config(a)
+    return bench_protocols(cfg, Path(a.out), link_rate=a.link_rate, target=a.target, show_progress=not a.quiet)
+
+
+def _threads(n: int | None) -> None:
+    import torch
+
+    torch.set_num_threads(n or 1)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="wafl", description="Wait-free federated learning over gRPC.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("run", help="a whole federation on this machine: a server and N client processes")
+    _config_args(r)
+    r.add_argument("--out", help="output folder (default runs/<time>-<algorithm>)")
+    r.add_argument("--link-rate", help="run each process in its own network namespace with links shaped to RATE (e.g. 20mbit; root only)")
+    r.add_argument("--timeout", type=float, default=3600.0, help="seconds before the run is stopped")
+    r.add_argument("--quiet", action="store_true")
+    r.set_defaults(fn=cmd_run)
+
+    s = sub.add_parser("server", help="the aggregation server of one run")
+    _config_args(s)
+    s.add_argument("--host", default=os.environ.get("WAFL_HOST", "0.0.0.0"))
+    s.add_argument("--port", type=int, default=int(os.environ.get("WAFL_PORT", "50051")))
+    s.add_argument("--out", default=os.environ.get("WAFL_OUT", "runs/server"))
+    s.add_argument("--token", help="shared secret clients must present (or WAFL_TOKEN)")
+    s.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    s.add_argument("--ready-file", help="write the bound port here once listening")
+    s.add_argument("--log-file")
+    s.add_argument("--threads", type=int, default=None)
+    s.add_argument("--quiet", action="store_true")
+    s.set_defaults(fn=cmd_server)
+
+    c = sub.add_parser("client", help="one client of a run")
+    c.add_argument("--server", default=os.environ.get("WAFL_SERVER", "localhost:50051"), help="HOST:PORT")
+    c.add_argument("--index", type=int, default=int(os.environ["WAFL_CLIENT_INDEX"]) if os.environ.get("WAFL_CLIENT_INDEX", "").isdigit() else None, required=not os.environ.get("WAFL_CLIENT_INDEX", "").isdigit())
+    c.add_argument("--state-dir", default=os.environ.get("WAFL_STATE_DIR"), help="keeps the personalized model and client state across restarts")
+    c.add_argument("--data-dir", default=os.environ.get("WAFL_DATA_DIR"))
+    c.add_argument("--device", default=os.environ.get("WAFL_DEVICE"))
+    c.add_argument("--token")
+    c.add_argument("--reconnect-s", type=float, default=120.0, help="give up after this long without the server")
+    c.add_argument("--log-file")
+    c.add_argument("--threads", type=int, default=None)
+    c.add_argument("--quiet", action="store_true")
+    c.set_defaults(fn=cmd_client)
+
+    b = sub.add_parser("bench", help="measurements")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    bp = bsub.add_parser("protocols", help="wait-free vs compute-and-wait, same seeds, real wall-clock")
+    _config_args(bp)
+    bp.add_argument("--out", default="runs/bench-protocols")
+    bp.add_argument("--link-rate", help="shape every link to RATE (root only), e.g. 20mbit")
+    bp.add_argument("--target", type=float, default=0.9, help="PM accuracy for zeta_total_s")
+    bp.add_argument("--quiet", action="store_true")
+    bp.set_defaults(fn=cmd_bench)
+
+    h = sub.add_parser("health", help="gRPC health check of a server (exit 0 when SERVING)")
+    h.add_argument("--server", default=os.environ.get("WAFL_SERVER", "localhost:50051"))
+    h.add_argument("--service", default="")
+    h.add_argument("--timeout", type=float, default=3.0)
+    h.set_defaults(fn=cmd_health)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args) or 0)
+    except ConfigError as e:
+        print(f"wafl: configuration error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

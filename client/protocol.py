@@ -1,0 +1,149 @@
+"""The client's round protocol: wait-free or compute-and-wait, one code path.
+
+Per broadcast: evaluate the PM trained in the round that just closed (and report it), then,
+if selected, train the GM for ``local_epochs`` and
+
+* wait-free: start the upload in the background at once and train the PM batch after batch
+  until the next broadcast's header arrives (checked between batches, so the PM stops within
+  one batch of it; ``pm_min_steps``/``pm_max_epochs`` bound the loop);
+* compute-and-wait: train the PM for ``pm_epochs``, then upload, then idle.
+
+Every phase is recorded on the client's timeline; training runs in a worker thread so the
+event loop keeps streaming.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import structlog
+
+from wafl.client.session import ReceivedModel, Session
+from wafl.client.timeline import Timeline
+from wafl.client.trainer import Trainer
+
+log = structlog.get_logger("client")
+
+
+class RoundProtocol:
+    def __init__(self, session: Session, trainer: Trainer, protocol: str) -> None:
+        if protocol not in ("wait-free", "compute-and-wait"):
+            raise ValueError(f"protocol={protocol!r} is not one of ['wait-free', 'compute-and-wait']")
+        self.session = session
+        self.trainer = trainer
+        self.protocol = protocol
+        self.timeline = Timeline()
+        self.pm_trained_round: int | None = None
+        self.uploads: set[asyncio.Task[Any]] = set()
+        self.bytes_up = 0
+
+    async def run(self) -> None:
+        models = self.session.models()
+        idle_since: float | None = None
+        async for model in _prefetch(models):
+            if idle_since is not None:
+                self.timeline.events.append(_event("idle", model.round - 1, idle_since, self.timeline.now()))
+            await self._evaluate_pm(model)
+            if model.final:
+                await self._drain_uploads()
+                await self.session.report(model.round - 1, {"final": 1.0, "bytes_up": float(self.bytes_up)}, self.timeline.events, self.timeline.start_unix)
+                log.info("run.final", round=model.round - 1)
+                return
+            await self._round(model)
+            idle_since = self.timeline.now()
+
+    async def _round(self, model: ReceivedModel) -> None:
+        t = self.trainer
+        r = model.round
+        seen = self.session.headers_seen
+        await asyncio.to_thread(t.begin_round, r, model.state, model.knowledge, model.server_state)
+        selected = self.session.client_id in model.selected
+        if selected:
+            with self.timeline.phase("gm_train", r):
+                stats = await asyncio.to_thread(t.train_gm)
+                knowledge = await asyncio.to_thread(t.knowledge)
+                metrics = {"train_loss": stats.mean_loss, "train_steps": float(stats.steps)}
+                if t.algorithm.local_model_is_personal:
+                    acc, n = await asyncio.to_thread(t.evaluate_local, t.gm)
+                    metrics.update(pm_accuracy=acc, pm_test_samples=float(n))
+                state = await asyncio.to_thread(t.gm_upload_state)
+        if t.algorithm.personalized and self.protocol == "compute-and-wait" and selected and self.trainer.cfg.pm_epochs > 0:
+            with self.timeline.phase("pm_train", r):
+                await asyncio.to_thread(t.train_pm, None, float(t.cfg.pm_epochs))
+            self.pm_trained_round = r
+        if selected:
+            upload = asyncio.create_task(self._upload(r, state, metrics, knowledge))
+            self.uploads.add(upload)
+            upload.add_done_callback(self.uploads.discard)
+            if self.protocol == "compute-and-wait":
+                await upload
+        if t.algorithm.personalized and self.protocol == "wait-free" and (selected or self.pm_trained_round is not None):
+            with self.timeline.phase("pm_train", r):
+                await asyncio.to_thread(
+                    t.train_pm,
+                    lambda: self.session.headers_seen > seen,
+                    t.cfg.pm_max_epochs,
+                    t.cfg.pm_min_steps,
+                )
+            self.pm_trained_round = r
+
+    async def _upload(self, r: int, state: Any, metrics: dict[str, float], knowledge: Any) -> None:
+        with self.timeline.phase("upload", r):
+            n = await self.session.upload(r, state, self.trainer.num_samples, metrics, knowledge)
+        self.bytes_up += n
+
+    async def _evaluate_pm(self, model: ReceivedModel) -> None:
+        """After a broadcast: the PM trained in the round it closes is evaluated and reported."""
+        r = self.pm_trained_round
+        if r is None or self.trainer.pm is None:
+            return
+        with self.timeline.phase("evaluate", r):
+            acc, n = await asyncio.to_thread(self.trainer.evaluate_local, self.trainer.pm)
+        self.pm_trained_round = None
+        await self.session.report(r, {"pm_accuracy": acc, "pm_test_samples": float(n)})
+
+    async def _drain_uploads(self) -> None:
+        if self.uploads:
+            await asyncio.gather(*self.uploads, return_exceptions=True)
+
+
+def _event(phase: str, round: int, start: float, end: float) -> Any:
+    from wafl.client.timeline import PhaseEvent
+
+    return PhaseEvent(phase, round, start, end)
+
+
+async def _prefetch(models: Any) -> Any:
+    """Yields broadcasts; when several queued up while training, only the newest is kept."""
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+    done = object()
+
+    async def pump() -> None:
+        try:
+            async for m in models:
+                await queue.put(m)
+        except BaseException as e:  # surfaced to the consumer
+            await queue.put(e)
+        finally:
+            await queue.put(done)
+
+    task = asyncio.create_task(pump())
+    try:
+        while True:
+            item = await queue.get()
+            while not queue.empty():
+                nxt = queue.get_nowait()
+                if nxt is done or isinstance(nxt, BaseException):
+                    queue.put_nowait(nxt)
+                    break
+                if isinstance(item, BaseException) or item is done:
+                    break
+                if not item.final:
+                    item = nxt
+            if item is done:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        task.cancel()

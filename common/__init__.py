@@ -1,0 +1,1 @@
+"""Shared pieces of wafl: wire codec, configuration, data, models, algorithms, logging."""

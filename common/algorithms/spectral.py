@@ -1,0 +1,170 @@
+"""Spectral co-distillation (SCD): differentiable weight spectra and the divergence between them.
+
+The spectrum of a model is ``s(w) = |DFT(w)|`` computed with ``torch.fft`` on the live
+parameters, so a loss built from it has a gradient. Two ways to build it exist:
+
+* ``"model"``: one 1-D DFT of the whole flattened trainable-weight vector (the paper).
+* ``"layer"``: per module owning a ``.weight`` parameter (conv, linear, BN gamma; no biases,
+  no buffers), weights with more than two dimensions are reshaped to ``(out, -1)``; 2-D weights
+  get ``fft2``, 1-D weights ``fft``; the results are flattened and concatenated in module order.
+
+The SCD term is ``D(normalize(trunc s(student)) || normalize(trunc s(teacher)))`` where ``D`` is
+a KL divergence (a sum over frequencies). Truncation keeps the lowest frequencies (the first
+``ceil(tau * d)`` entries) and happens *before* normalization, so each truncated spectrum is
+renormalized to a probability vector over the kept entries only.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+SpectrumMode = Literal["model", "layer"]
+_MODES = ("model", "layer")
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in _MODES:
+        raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
+
+
+def flat_weights(model: nn.Module, trainable_only: bool = True) -> Tensor:
+    """All parameters of ``model`` flattened and concatenated in ``model.parameters()`` order.
+
+    Only parameters with ``requires_grad`` are used unless ``trainable_only`` is False. The
+    result is built from the live parameters, so it is differentiable with respect to them.
+    """
+    params = [p for p in model.parameters() if p.requires_grad or not trainable_only]
+    if not params:
+        raise ValueError(
+            "model has no trainable parameters"
+            + ("; pass trainable_only=False for a frozen model" if trainable_only else "")
+        )
+    return torch.cat([p.reshape(-1) for p in params])
+
+
+def layer_weights(model: nn.Module, trainable_only: bool = True) -> list[Tensor]:
+    """The ``.weight`` parameter of every module that owns one, in ``model.modules()`` order.
+
+    Biases, BatchNorm beta and buffers (running statistics) are not included. With
+    ``trainable_only`` (the default) weights with ``requires_grad=False`` are skipped.
+    """
+    weights: list[Tensor] = []
+    for module in model.modules():
+        w = module._parameters.get("weight")
+        if isinstance(w, nn.Parameter) and (w.requires_grad or not trainable_only):
+            weights.append(w)
+    if not weights:
+        raise ValueError(
+            "model has no module with a trainable .weight parameter"
+            + ("; pass trainable_only=False for a frozen model" if trainable_only else "")
+        )
+    return weights
+
+
+def _magnitude(x: Tensor, eps: float) -> Tensor:
+    """``sqrt(re^2 + im^2 + eps)``: a magnitude whose gradient exists at zero."""
+    return torch.sqrt(x.real.square() + x.imag.square() + eps)
+
+
+def magnitude_spectrum(
+    model: nn.Module, mode: SpectrumMode = "model", eps: float = 1e-12, trainable_only: bool = True
+) -> Tensor:
+    """The 1-D magnitude spectrum ``|DFT(w)|`` of ``model``'s weights (see the module docstring).
+
+    Differentiable with respect to the parameters; the magnitude is ``sqrt(re^2 + im^2 + eps)``.
+    """
+    _check_mode(mode)
+    if mode == "model":
+        return _magnitude(torch.fft.fft(flat_weights(model, trainable_only)), eps)
+    parts: list[Tensor] = []
+    for w in layer_weights(model, trainable_only):
+        if w.dim() > 2:
+            w = w.reshape(w.shape[0], -1)
+        elif w.dim() == 0:
+            w = w.reshape(1)
+        spec = torch.fft.fft2(w) if w.dim() == 2 else torch.fft.fft(w)
+        parts.append(_magnitude(spec, eps).reshape(-1))
+    return torch.cat(parts)
+
+
+def teacher_spectrum(
+    model: nn.Module, mode: SpectrumMode = "model", eps: float = 1e-12, trainable_only: bool = True
+) -> Tensor:
+    """A detached magnitude spectrum of a frozen teacher, to compute once per round.
+
+    Uses the same parameter selection as :func:`magnitude_spectrum`; a teacher whose parameters
+    all have ``requires_grad=False`` needs ``trainable_only=False``.
+    """
+    with torch.no_grad():
+        return magnitude_spectrum(model, mode, eps, trainable_only).detach()
+
+
+def truncated_length(d: int, tau: float) -> int:
+    """``ceil(tau * d)``, the number of lowest-frequency entries kept out of ``d``.
+
+    The product is rounded to 9 decimals before the ceiling so that floating-point noise
+    (``0.7 * 10 == 7.000000000000001``) does not keep one entry too many; at least one entry
+    is always kept.
+    """
+    if isinstance(tau, bool) or not isinstance(tau, numbers.Real):
+        raise ValueError(f"tau must be a real number in (0, 1], got {tau!r}")
+    tau = float(tau)
+    if not (0.0 < tau <= 1.0):
+        raise ValueError(f"tau must be in (0, 1], got {tau!r}")
+    if d < 1:
+        raise ValueError(f"cannot truncate an empty spectrum (d={d})")
+    return max(1, min(d, math.ceil(round(tau * d, 9))))
+
+
+def truncate(s: Tensor, tau: float) -> Tensor:
+    """The first ``ceil(tau * d)`` entries of the 1-D spectrum ``s`` (the lowest frequencies)."""
+    if s.dim() != 1:
+        raise ValueError(f"spectrum must be 1-D, got shape {tuple(s.shape)}")
+    return s[: truncated_length(s.shape[0], tau)]
+
+
+def normalize(s: Tensor, eps: float = 1e-12) -> Tensor:
+    """The probability vector ``(s + eps) / sum(s + eps)`` of a non-negative 1-D spectrum."""
+    if s.dim() != 1 or s.shape[0] == 0:
+        raise ValueError(f"spectrum must be a non-empty 1-D tensor, got shape {tuple(s.shape)}")
+    s = s + eps
+    return s / s.sum()
+
+
+def spectral_kl(p: Tensor, q: Tensor) -> Tensor:
+    """``D(p || q) = sum_k p_k (log p_k - log q_k)``, a sum over entries (``0 log 0 = 0``)."""
+    if p.shape != q.shape:
+        raise ValueError(f"shape mismatch: p {tuple(p.shape)} vs q {tuple(q.shape)}")
+    return (torch.xlogy(p, p) - torch.xlogy(p, q)).sum()
+
+
+def scd_term(
+    student: nn.Module,
+    teacher_spectrum: Tensor,
+    mode: SpectrumMode = "model",
+    tau: float | None = None,
+    eps: float = 1e-12,
+) -> Tensor:
+    """The SCD regularizer ``D(normalize(trunc s(student)) || normalize(trunc teacher_spectrum))``.
+
+    ``teacher_spectrum`` is a precomputed magnitude spectrum (see :func:`teacher_spectrum`) built
+    with the same ``mode`` and is treated as a constant. ``tau=None`` means no truncation (the PM
+    term ``D(s(w_p) || s(w_G))``); a ``tau`` in (0, 1] gives the GM term. Both spectra are truncated
+    first and normalized afterwards. The result has a gradient with respect to the student's
+    trainable parameters.
+    """
+    s = magnitude_spectrum(student, mode, eps)
+    t = teacher_spectrum.detach().to(device=s.device, dtype=s.dtype)
+    if t.shape != s.shape:
+        raise ValueError(
+            f"teacher spectrum has shape {tuple(t.shape)} but the student's is {tuple(s.shape)}; "
+            "were they built with the same mode and architecture?"
+        )
+    if tau is not None:
+        s = truncate(s, tau)
+        t = truncate(t, tau)
+    return spectral_kl(normalize(s, eps), normalize(t, eps))

@@ -1,0 +1,210 @@
+"""Run configuration: one dataclass, validated once at the edge, every error naming its field.
+
+Sources, later ones winning: defaults, a TOML or JSON file (``--config``), command-line
+overrides. The server resolves it and hands it to every client in ``JoinReply.config_json``,
+so clients need only the server's address and their index.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+PROTOCOLS = ("wait-free", "compute-and-wait")
+OPTIMIZERS = ("sgd", "adam")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and the value."""
+
+
+@dataclass
+class RunConfig:
+    # data
+    dataset: str = "digits"
+    data_dir: str | None = None
+    partition: str = "dirichlet"
+    alpha: float = 0.5  # per-class Dirichlet concentration
+    delta: float = 0.3  # class-prior concentration of the equal-size Dirichlet split
+    local_test_fraction: float = 0.25
+    # federation
+    num_clients: int = 10
+    rounds: int = 25
+    fraction: float = 1.0  # share of clients selected per round
+    act_prob: float | None = None  # independent per-client activation probability (replaces fraction)
+    min_clients: int | None = None  # uploads needed to close a round once the deadline passed
+    round_deadline_s: float = 120.0
+    join_timeout_s: float = 300.0
+    max_round_retries: int = 3
+    seed: int = 0
+    # model and local training
+    model: str = "cnn"
+    code_len: int = 32
+    algorithm: str = "fedavg"
+    params: dict[str, Any] = field(default_factory=dict)  # algorithm hyper-parameters
+    optimizer: str = "sgd"
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    batch_size: int = 32
+    local_epochs: int = 2  # E_G
+    # personalized model and protocol
+    protocol: str = "wait-free"
+    pm_epochs: int = 1  # E_P (compute-and-wait)
+    pm_min_steps: int = 0
+    pm_max_epochs: float | None = None
+    device: str = "auto"
+    eval_batch_size: int = 256
+    checkpoint: bool = True
+
+    def validate(self) -> "RunConfig":
+        """Checks every field; returns self. Raises :class:`ConfigError` naming the first bad one."""
+        from wafl.common.algorithms import registry
+        from wafl.common.datasets import DATASETS
+        from wafl.common.models import MODELS
+        from wafl.common.partition import PARTITIONS
+
+        _one_of("dataset", self.dataset, sorted(DATASETS))
+        _one_of("partition", self.partition, PARTITIONS)
+        _one_of("model", self.model, sorted(MODELS))
+        _one_of("protocol", self.protocol, PROTOCOLS)
+        _one_of("optimizer", self.optimizer, OPTIMIZERS)
+        _positive("alpha", self.alpha)
+        _positive("delta", self.delta)
+        _in_range("local_test_fraction", self.local_test_fraction, 0.0, 1.0, low_open=True)
+        _int_at_least("num_clients", self.num_clients, 1)
+        _int_at_least("rounds", self.rounds, 1)
+        _in_range("fraction", self.fraction, 0.0, 1.0, low_open=True)
+        if self.act_prob is not None:
+            _in_range("act_prob", self.act_prob, 0.0, 1.0, low_open=True)
+        if self.min_clients is not None:
+            _int_at_least("min_clients", self.min_clients, 1)
+            if self.min_clients > self.num_clients:
+                raise ConfigError(f"min_clients={self.min_clients} is more than num_clients={self.num_clients}")
+        _positive("round_deadline_s", self.round_deadline_s)
+        _positive("join_timeout_s", self.join_timeout_s)
+        _int_at_least("max_round_retries", self.max_round_retries, 0)
+        _int_at_least("seed", self.seed, 0)
+        _int_at_least("code_len", self.code_len, 1)
+        _positive("lr", self.lr)
+        _in_range("momentum", self.momentum, 0.0, 1.0, high_open=True)
+        _in_range("weight_decay", self.weight_decay, 0.0, math.inf)
+        _int_at_least("batch_size", self.batch_size, 1)
+        _int_at_least("local_epochs", self.local_epochs, 1)
+        _int_at_least("pm_epochs", self.pm_epochs, 0)
+        _int_at_least("pm_min_steps", self.pm_min_steps, 0)
+        if self.pm_max_epochs is not None:
+            _positive("pm_max_epochs", self.pm_max_epochs)
+        _int_at_least("eval_batch_size", self.eval_batch_size, 1)
+        if not (self.device in ("auto", "cpu", "cuda") or (self.device.startswith("cuda:") and self.device[5:].isdigit())):
+            raise ConfigError(f"device={self.device!r} is not one of auto, cpu, cuda, cuda:N")
+        try:
+            self.params = registry.resolve(self.algorithm, self.params).params
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        return self
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @staticmethod
+    def from_mapping(data: Mapping[str, Any]) -> "RunConfig":
+        names = {f.name for f in dataclasses.fields(RunConfig)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ConfigError(f"unknown configuration field(s) {unknown}; known: {sorted(names)}")
+        cfg = RunConfig()
+        for k, v in data.items():
+            setattr(cfg, k, _coerce(k, v))
+        return cfg
+
+    @staticmethod
+    def from_json(text: str) -> "RunConfig":
+        return RunConfig.from_mapping(json.loads(text))
+
+
+def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> RunConfig:
+    """Defaults <- file (TOML or JSON) <- overrides (``None`` values ignored), validated."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        text = p.read_text()
+        try:
+            loaded = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
+        except (ValueError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid {'JSON' if p.suffix == '.json' else 'TOML'}: {e}") from None
+        data.update(loaded)
+    for k, v in (overrides or {}).items():
+        if v is None:
+            continue
+        if k == "params":
+            data["params"] = {**data.get("params", {}), **v}
+        else:
+            data[k] = v
+    return RunConfig.from_mapping(data).validate()
+
+
+
+
+def _coerce(name: str, value: Any) -> Any:
+    f = {f.name: f for f in dataclasses.fields(RunConfig)}[name]
+    t = str(f.type)
+    try:
+        if value is None:
+            if "None" in t:
+                return None
+            raise ConfigError(f"{name} may not be empty")
+        if t.startswith("int"):
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        if t.startswith("float"):
+            return float(value)
+        if t.startswith("bool"):
+            if isinstance(value, str):
+                if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError
+                return value.lower() in ("true", "1", "yes")
+            return bool(value)
+        if t.startswith("dict"):
+            if not isinstance(value, Mapping):
+                raise ValueError
+            return dict(value)
+        if t.startswith("str"):
+            if not isinstance(value, str):
+                raise ValueError
+            return value
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}={value!r} is not a valid {t}") from None
+    return value
+
+
+def _one_of(name: str, value: Any, allowed: Any) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name}={value!r} is not one of {list(allowed)}")
+
+
+def _positive(name: str, value: float) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise ConfigError(f"{name}={value!r} must be a positive number")
+
+
+def _int_at_least(name: str, value: int, low: int) -> None:
+    if not isinstance(value, int) or value < low:
+        raise ConfigError(f"{name}={value!r} must be an integer >= {low}")
+
+
+def _in_range(name: str, value: float, low: float, high: float, low_open: bool = False, high_open: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not math.isnan(value)
+    if ok:
+        ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+    if not ok:
+        lo = "(" if low_open else "["
+        hi = ")" if high_open else "]"
+        raise ConfigError(f"{name}={value!r} must lie in {lo}{low}, {high}{hi}")

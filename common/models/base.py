@@ -1,0 +1,28 @@
+"""The split that every wafl model follows: ``features(x) -> h`` then ``classifier(h) -> logits``.
+
+FedHKD, FedProto, FedRep and FedRoD need the representation ``h``; every other algorithm only
+calls the model. Keeping the split in one base class lets one trainer serve them all.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class SplitModel(nn.Module):
+    """A classifier made of a feature extractor ending in a ``code_len`` projection and a linear head."""
+
+    def __init__(self, features: nn.Module, code_len: int, num_classes: int) -> None:
+        super().__init__()
+        self.features = features
+        self.classifier = nn.Linear(code_len, num_classes)
+        self.code_len = code_len
+        self.num_classes = num_classes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+    def forward_split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(h, logits)`` from one pass."""
+        h = self.features(x)
+        return h, self.classifier(h)

@@ -1,0 +1,120 @@
+"""Client shards: Dirichlet label skew, equal-size Dirichlet (FedDyn/ASD style), IID.
+
+Every partition is a pure function of ``(labels, num_clients, concentration, seed)``, so each
+process (server or client) rebuilds the same split by itself and takes its own index; nothing
+is shipped between processes. A client's local test set is drawn from the global test split
+with the same class proportions as its local train set.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+PARTITIONS = ("dirichlet", "dirichlet-equal", "iid")
+
+
+def iid_partition(num_samples: int, num_clients: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng([seed, 1])
+    perm = rng.permutation(num_samples)
+    return [np.sort(p) for p in np.array_split(perm, num_clients)]
+
+
+def dirichlet_partition(labels: np.ndarray, num_clients: int, alpha: float, seed: int, min_size: int = 10, max_tries: int = 1000) -> list[np.ndarray]:
+    """Per-class Dirichlet split: class c's samples go to clients in proportions ~ Dir(alpha).
+
+    Redrawn (deterministically) until every client holds at least ``min_size`` samples.
+    """
+    labels = np.asarray(labels)
+    classes = np.unique(labels)
+    rng = np.random.default_rng([seed, 2])
+    min_size = min(min_size, len(labels) // num_clients)
+    for _ in range(max_tries):
+        shards: list[list[int]] = [[] for _ in range(num_clients)]
+        for c in classes:
+            idx = np.flatnonzero(labels == c)
+            rng.shuffle(idx)
+            p = rng.dirichlet(np.full(num_clients, alpha))
+            cuts = (np.cumsum(p) * len(idx)).astype(int)[:-1]
+            for k, part in enumerate(np.split(idx, cuts)):
+                shards[k].extend(part.tolist())
+        if min(len(s) for s in shards) >= min_size:
+            return [np.sort(np.asarray(s, dtype=np.int64)) for s in shards]
+    raise ValueError(f"alpha={alpha}: no Dirichlet split gave every one of {num_clients} clients {min_size} samples in {max_tries} tries")
+
+
+def dirichlet_equal_partition(labels: np.ndarray, num_clients: int, delta: float, seed: int) -> list[np.ndarray]:
+    """Equal-size clients, each with a class prior ~ Dir(delta) (the FedDyn/ASD papers' split).
+
+    Each sample slot of a client draws a class from that client's prior, renormalized over the
+    classes that still have samples left, and takes one sample of it without replacement.
+    """
+    labels = np.asarray(labels)
+    num_classes = int(labels.max()) + 1
+    rng = np.random.default_rng([seed, 3])
+    priors = rng.dirichlet(np.full(num_classes, delta), size=num_clients)
+    pools = [list(rng.permutation(np.flatnonzero(labels == c))) for c in range(num_classes)]
+    remaining = np.array([len(p) for p in pools], dtype=float)
+    size = len(labels) // num_clients
+    left = np.full(num_clients, size)
+    shards: list[list[int]] = [[] for _ in range(num_clients)]
+    while left.sum() > 0:
+        k = int(rng.integers(num_clients))
+        if left[k] == 0:
+            continue
+        prior = priors[k] * (remaining > 0)
+        if prior.sum() <= 0:  # every class the client favours is used up: fall back to what is left
+            prior = (remaining > 0).astype(float)
+        c = int(rng.choice(num_classes, p=prior / prior.sum()))
+        shards[k].append(int(pools[c].pop()))
+        remaining[c] -= 1
+        left[k] -= 1
+    return [np.sort(np.asarray(s, dtype=np.int64)) for s in shards]
+
+
+def local_test_indices(test_labels: np.ndarray, train_labels_of_client: np.ndarray, fraction: float, seed: int, client_index: int) -> np.ndarray:
+    """A local test set of ``round(fraction * n_train)`` samples with the client's train class proportions."""
+    test_labels = np.asarray(test_labels)
+    num_classes = int(max(test_labels.max(), train_labels_of_client.max() if len(train_labels_of_client) else 0)) + 1
+    counts = np.bincount(train_labels_of_client, minlength=num_classes).astype(float)
+    total = max(1, int(round(fraction * counts.sum())))
+    want = counts / counts.sum() * total
+    n = np.floor(want).astype(int)
+    for c in np.argsort(-(want - n))[: total - n.sum()]:  # largest remainders
+        n[c] += 1
+    rng = np.random.default_rng([seed, 4, client_index])
+    picked: list[np.ndarray] = []
+    for c in range(num_classes):
+        if n[c] == 0:
+            continue
+        pool = np.flatnonzero(test_labels == c)
+        picked.append(rng.choice(pool, size=min(n[c], len(pool)), replace=False))
+    return np.sort(np.concatenate(picked)) if picked else np.zeros(0, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One client's indices into the global train and test sets."""
+
+    index: int
+    train: np.ndarray
+    test: np.ndarray
+
+
+def partition(train_labels: np.ndarray, num_clients: int, kind: str, alpha: float, delta: float, seed: int) -> list[np.ndarray]:
+    if kind == "dirichlet":
+        return dirichlet_partition(train_labels, num_clients, alpha, seed)
+    if kind == "dirichlet-equal":
+        return dirichlet_equal_partition(train_labels, num_clients, delta, seed)
+    if kind == "iid":
+        return iid_partition(len(train_labels), num_clients, seed)
+    raise ValueError(f"partition={kind!r} is not one of {PARTITIONS}")
+
+
+def client_shard(train_labels: np.ndarray, test_labels: np.ndarray, num_clients: int, kind: str, alpha: float, delta: float, seed: int, index: int, test_fraction: float) -> Shard:
+    """Client ``index``'s shard, rebuilt from the seed alone."""
+    if not 0 <= index < num_clients:
+        raise ValueError(f"client index {index} is outside 0..{num_clients - 1}")
+    train = partition(train_labels, num_clients, kind, alpha, delta, seed)[index]
+    test = local_test_indices(test_labels, np.asarray(train_labels)[train], test_fraction, seed, index)
+    return Shard(index, train, test)

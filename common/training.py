@@ -1,0 +1,138 @@
+"""The one local trainer every algorithm runs, plus batching and evaluation.
+
+``run_phase`` trains a model on a stream of batches with cross-entropy plus the algorithm's
+loss terms, stopping early when ``should_stop()`` turns true (checked between batches: the
+wait-free PM loop stops within one batch of a broadcast) or after ``max_steps``.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+from wafl.common.algorithms.base import Forward, LossTerm, RoundContext, cross_entropy
+from wafl.common.models.base import SplitModel
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def batches(dataset: Dataset, indices: np.ndarray, batch_size: int, shuffle: bool, generator: np.random.Generator | None = None, device: torch.device | None = None) -> Iterator[Batch]:
+    """One pass over ``dataset[indices]``. Tensor datasets are sliced directly (no per-sample collate)."""
+    idx = np.asarray(indices)
+    if shuffle:
+        idx = (generator or np.random.default_rng()).permutation(idx)
+    tensors = getattr(dataset, "tensors", None)
+    pin = device is not None and device.type == "cuda"
+    for start in range(0, len(idx), batch_size):
+        part = idx[start : start + batch_size]
+        if tensors is not None:
+            t = torch.from_numpy(part)
+            x, y = tensors[0][t], tensors[1][t]
+        else:
+            items = [dataset[int(i)] for i in part]
+            x = torch.stack([it[0] for it in items])
+            y = torch.as_tensor([int(it[1]) for it in items], dtype=torch.int64)
+        if device is not None and device.type != "cpu":
+            if pin:
+                x, y = x.pin_memory(), y.pin_memory()
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        yield x, y
+
+
+def epochs(dataset: Dataset, indices: np.ndarray, batch_size: int, generator: np.random.Generator, num_epochs: float | None, device: torch.device | None = None) -> Iterator[Batch]:
+    """Shuffled passes over the data: ``num_epochs`` of them (fractions allowed), or forever when None."""
+    per_epoch = max(1, math.ceil(len(indices) / batch_size))
+    limit = None if num_epochs is None else max(1, int(round(num_epochs * per_epoch)))
+    n = 0
+    while True:
+        for b in batches(dataset, indices, batch_size, True, generator, device):
+            if limit is not None and n >= limit:
+                return
+            yield b
+            n += 1
+
+
+def make_optimizer(name: str, params: Sequence[nn.Parameter] | Iterator[nn.Parameter], lr: float, momentum: float, weight_decay: float) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+    raise ValueError(f"optimizer={name!r} is not one of ['sgd', 'adam']")
+
+
+@dataclass
+class PhaseStats:
+    steps: int = 0
+    samples: int = 0
+    loss_sum: float = 0.0
+    seconds: float = 0.0
+    stopped_early: bool = False
+
+    @property
+    def mean_loss(self) -> float:
+        return self.loss_sum / self.steps if self.steps else float("nan")
+
+
+def run_phase(
+    model: SplitModel,
+    terms: Sequence[LossTerm],
+    ctx: RoundContext,
+    data: Iterator[Batch],
+    optimizer: torch.optim.Optimizer,
+    should_stop: Callable[[], bool] | None = None,
+    min_steps: int = 0,
+    on_step: Callable[[int], None] | None = None,
+) -> PhaseStats:
+    """Trains ``model`` on ``data`` with ``CE + sum(terms)``; see the module docstring."""
+    stats = PhaseStats()
+    t0 = time.perf_counter()
+    for term in terms:
+        term.begin(ctx, model)
+    model.train()
+    for x, y in data:
+        if should_stop is not None and stats.steps >= min_steps and should_stop():
+            stats.stopped_early = True
+            break
+        h, logits = model.forward_split(x)
+        out = Forward(x, y, h, logits, ctx)
+        loss = cross_entropy(out)
+        for term in terms:
+            loss = loss + term(model, out, ctx)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        stats.steps += 1
+        stats.samples += len(y)
+        stats.loss_sum += float(loss.detach())
+        if on_step is not None:
+            on_step(stats.steps)
+    for term in terms:
+        term.end(ctx, model)
+    stats.seconds = time.perf_counter() - t0
+    return stats
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, dataset: Dataset, indices: np.ndarray, batch_size: int = 256, device: torch.device | None = None) -> tuple[float, int, float]:
+    """``(accuracy, num_samples, mean_loss)`` of ``model`` on ``dataset[indices]``."""
+    was_training = model.training
+    model.eval()
+    correct = 0
+    total = 0
+    loss = 0.0
+    for x, y in batches(dataset, indices, batch_size, False, device=device):
+        logits = model(x)
+        loss += float(F.cross_entropy(logits, y, reduction="sum"))
+        correct += int((logits.argmax(1) == y).sum())
+        total += len(y)
+    model.train(was_training)
+    if total == 0:
+        return float("nan"), 0, float("nan")
+    return correct / total, total, loss / total

@@ -1,0 +1,161 @@
+"""Serializers for the two streams that carry tensor chunks, without protobuf's byte copies.
+
+The messages are the ones in ``protos/wafl/v1/federation.proto`` and any protobuf client can
+speak them. On wafl's own side a chunk is encoded by writing the small protobuf prefix and then
+the raw tensor bytes in one join (one copy), and decoded by reading the protobuf wire format
+directly so that ``data`` stays a zero-copy view of the received message. Every other message
+goes through the generated protobuf classes. A stock client's chunk decodes identically.
+"""
+from __future__ import annotations
+
+from typing import Callable, TypeVar
+
+from google.protobuf.message import DecodeError, Message
+
+from wafl.common.codec import RawChunk
+from wafl.common.proto import federation_pb2 as pb
+
+CHUNK_FIELD = 2  # field number of `chunk` in UploadMessage and BroadcastMessage
+_DATA_FIELD = 15  # field number of `data` in TensorChunk
+_LEN = 2
+_VARINT = 0
+_I32 = 5
+_I64 = 1
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    result = 0
+    shift = 0
+    while True:
+        if pos >= len(buf):
+            raise DecodeError("truncated varint")
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return result, pos
+        shift += 7
+        if shift > 63:
+            raise DecodeError("varint too long")
+
+
+def _skip(buf: memoryview, pos: int, wire_type: int) -> int:
+    if wire_type == _VARINT:
+        return _read_varint(buf, pos)[1]
+    if wire_type == _I64:
+        return pos + 8
+    if wire_type == _LEN:
+        n, pos = _read_varint(buf, pos)
+        return pos + n
+    if wire_type == _I32:
+        return pos + 4
+    raise DecodeError(f"unsupported wire type {wire_type}")
+
+
+def encode_chunk(c: RawChunk) -> bytes:
+    """The bytes of ``{UploadMessage|BroadcastMessage}(chunk=c)``, data copied once."""
+    head = pb.TensorChunk(name=c.name, dtype=c.dtype, shape=list(c.shape), offset=c.offset).SerializeToString()
+    n = len(c.data)
+    data_prefix = _varint((_DATA_FIELD << 3) | _LEN) + _varint(n) if n else b""
+    inner_len = len(head) + len(data_prefix) + n
+    outer = _varint((CHUNK_FIELD << 3) | _LEN) + _varint(inner_len)
+    return b"".join((outer, head, data_prefix, c.data))
+
+
+def _decode_chunk(buf: memoryview) -> RawChunk:
+    name = ""
+    dtype = 0
+    shape: list[int] = []
+    offset = 0
+    data: memoryview | bytes = b""
+    pos = 0
+    end = len(buf)
+    while pos < end:
+        key, pos = _read_varint(buf, pos)
+        field, wt = key >> 3, key & 7
+        if field == 1 and wt == _LEN:
+            n, pos = _read_varint(buf, pos)
+            name = bytes(buf[pos : pos + n]).decode("utf-8")
+            pos += n
+        elif field == 2 and wt == _VARINT:
+            dtype, pos = _read_varint(buf, pos)
+        elif field == 3 and wt == _LEN:  # packed
+            n, pos = _read_varint(buf, pos)
+            stop = pos + n
+            while pos < stop:
+                v, pos = _read_varint(buf, pos)
+                shape.append(v - (1 << 64) if v >= 1 << 63 else v)
+        elif field == 3 and wt == _VARINT:  # unpacked repeated
+            v, pos = _read_varint(buf, pos)
+            shape.append(v - (1 << 64) if v >= 1 << 63 else v)
+        elif field == 4 and wt == _VARINT:
+            offset, pos = _read_varint(buf, pos)
+        elif field == _DATA_FIELD and wt == _LEN:
+            n, pos = _read_varint(buf, pos)
+            data = buf[pos : pos + n]
+            pos += n
+        else:
+            pos = _skip(buf, pos, wt)
+        if pos > end:
+            raise DecodeError("truncated TensorChunk")
+    return RawChunk(name, dtype, tuple(shape), offset, data)
+
+
+M = TypeVar("M", bound=Message)
+
+
+def _decoder(cls: type[M]) -> Callable[[bytes], M | RawChunk]:
+    def decode(raw: bytes) -> M | RawChunk:
+        buf = memoryview(raw)
+        try:
+            key, pos = _read_varint(buf, 0) if len(buf) else (0, 0)
+            if key == (CHUNK_FIELD << 3) | _LEN:
+                n, pos = _read_varint(buf, pos)
+                if pos + n == len(buf):  # the message is exactly one chunk: the fast path
+                    return _decode_chunk(buf[pos:])
+        except (DecodeError, UnicodeDecodeError):
+            pass  # let protobuf produce its own error below
+        msg = cls.FromString(raw)
+        if msg.WhichOneof("kind") == "chunk":
+            return RawChunk.from_proto(msg.chunk)
+        return msg
+
+    return decode
+
+
+class PreEncoded:
+    """A message already serialized (a broadcast chunk encoded once for every subscriber)."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+
+def _encoder(cls: type[M]) -> Callable[[M | RawChunk | PreEncoded], bytes]:
+    def encode(msg: M | RawChunk | PreEncoded) -> bytes:
+        if isinstance(msg, PreEncoded):
+            return msg.data
+        if isinstance(msg, RawChunk):
+            return encode_chunk(msg)
+        return msg.SerializeToString()
+
+    return encode
+
+
+decode_upload = _decoder(pb.UploadMessage)
+encode_upload = _encoder(pb.UploadMessage)
+decode_broadcast = _decoder(pb.BroadcastMessage)
+encode_broadcast = _encoder(pb.BroadcastMessage)

@@ -1,0 +1,116 @@
+"""Streaming weighted aggregation: server memory O(model), not O(clients x model).
+
+Each upload is folded into one running float64 sum chunk by chunk as it streams in. Because a
+transfer is only accepted at its trailer (CRC, completeness), every fold also appends the raw
+chunk bytes to an unlinked spill file on disk (the page cache, not the server's heap); an
+upload that fails after some folds is subtracted back out from that file, so it leaves no
+trace beyond float64 rounding (a relative 1e-16, far below the float32 the model is stored
+in). The global model itself is never touched until the round closes.
+"""
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import threading
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from wafl.common.codec import ChunkError, FLOAT_WIRE_DTYPES, Manifest, RawChunk, TensorSpec, itemsize, numpy_view, torch_dtype
+
+
+class Accumulator:
+    """Running ``sum_i w_i * x_i`` per tensor (float64), the committed weight and count."""
+
+    def __init__(self, manifest: Manifest, spill_dir: str | None = None) -> None:
+        self.manifest = manifest
+        self.sums = {s.name: np.zeros(s.numel, dtype=np.float64) for s in manifest}
+        self.lock = threading.Lock()
+        self.total_weight = 0.0
+        self.count = 0
+        self.spill_dir = spill_dir
+        self.open_folds: set["UploadFold"] = set()
+
+    def begin(self, weight: float) -> "UploadFold":
+        if not (math.isfinite(weight) and weight > 0):
+            raise ValueError(f"aggregation weight {weight} must be positive")
+        fold = UploadFold(self, weight)
+        with self.lock:
+            self.open_folds.add(fold)
+        return fold
+
+    def cancel_open(self) -> int:
+        """Rolls back every fold still in flight (the round is closing); returns how many."""
+        with self.lock:
+            folds = list(self.open_folds)
+        for f in folds:
+            f.rollback()
+        return len(folds)
+
+    def mean(self) -> dict[str, torch.Tensor]:
+        """The weighted mean in each tensor's own dtype (integers rounded)."""
+        if self.count == 0:
+            raise ValueError("no upload was aggregated")
+        out: dict[str, torch.Tensor] = {}
+        for s in self.manifest:
+            m = self.sums[s.name] / self.total_weight
+            dt = torch_dtype(s.dtype)
+            t = torch.from_numpy(m.reshape(s.shape))
+            out[s.name] = t.to(dt) if dt.is_floating_point else torch.round(t).to(dt)
+        return out
+
+
+class UploadFold:
+    """One upload's contribution, folded chunk by chunk; ``commit`` or ``rollback`` ends it."""
+
+    def __init__(self, acc: Accumulator, weight: float) -> None:
+        self.acc = acc
+        self.weight = weight
+        self.spill = tempfile.TemporaryFile(dir=acc.spill_dir)
+        self.folded: list[tuple[str, int, int, int]] = []  # (name, start element, elements, wire dtype)
+        self.state = "open"
+
+    def add(self, spec: TensorSpec, chunk: RawChunk) -> None:
+        """Checks the chunk's values (finite) and folds ``weight * values`` into the sum."""
+        values = numpy_view(chunk.data, spec.dtype)
+        if values.size == 0:
+            return
+        contribution = np.multiply(values, self.weight, dtype=np.float64)
+        if spec.dtype in FLOAT_WIRE_DTYPES and not math.isfinite(float(contribution.sum())):
+            # A float64 sum of finite values this size cannot overflow: NaN/Inf is in the data.
+            bad = "NaN" if np.isnan(values).any() else "Inf"
+            raise ChunkError(f"tensor {spec.name!r}: {bad} value in chunk at byte {chunk.offset}")
+        start = chunk.offset // itemsize(spec.dtype)
+        self.spill.write(chunk.data)
+        with self.acc.lock:
+            if self.state != "open":
+                raise ChunkError("the round closed while this upload was streaming", "ABORTED")
+            self.acc.sums[spec.name][start : start + values.size] += contribution
+            self.folded.append((spec.name, start, values.size, spec.dtype))
+
+    def commit(self) -> None:
+        with self.acc.lock:
+            if self.state != "open":
+                raise ChunkError("the round closed while this upload was streaming", "ABORTED")
+            self.acc.total_weight += self.weight
+            self.acc.count += 1
+            self.state = "committed"
+            self.acc.open_folds.discard(self)
+        self.spill.close()
+
+    def rollback(self) -> None:
+        """Subtracts what was folded (read back from the spill file); idempotent."""
+        with self.acc.lock:
+            if self.state != "open":
+                return
+            self.state = "rolled back"
+            self.acc.open_folds.discard(self)
+            self.spill.seek(0)
+            for name, start, n, wire in self.folded:
+                nbytes = n * itemsize(wire)
+                data = self.spill.read(nbytes)
+                self.acc.sums[name][start : start + n] -= np.multiply(numpy_view(data, wire), self.weight, dtype=np.float64)
+            self.folded.clear()
+        self.spill.close()

@@ -1,0 +1,69 @@
+"""Starts the gRPC server (federation, health, reflection) and drives one run to its end."""
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from wafl.common.codec import MAX_CHUNK_BYTES
+from wafl.common.config import RunConfig
+from wafl.common.proto import federation_pb2 as pb
+from wafl.server.engine import RoundEngine
+from wafl.server.service import SERVICE, FederationService, handlers
+
+MESSAGE_LIMIT = MAX_CHUNK_BYTES + (64 << 10)  # one chunk plus its header; nothing larger is ever needed
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", MESSAGE_LIMIT),
+    ("grpc.max_send_message_length", MESSAGE_LIMIT),
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+]
+
+
+async def serve(cfg: RunConfig, host: str, port: int, out_dir: Path, token: str = "", resume: bool = False, ready_file: Path | None = None, final_report_timeout_s: float = 30.0) -> int:
+    """Runs the federation; returns 0 on a completed run. Writes the bound port to ``ready_file``."""
+    import structlog
+
+    log = structlog.get_logger("server")
+    engine = RoundEngine(cfg, out_dir, token=token, resume=resume)
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    server.add_generic_rpc_handlers([handlers(FederationService(engine))])
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    for name in ("", SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("server.listening", address=f"{host}:{bound}", run_id=engine.run_id, out=str(out_dir))
+    if ready_file is not None:
+        tmp = ready_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"port": bound, "run_id": engine.run_id}))
+        tmp.replace(ready_file)
+    code = 0
+    try:
+        await engine.run()
+        try:
+            await asyncio.wait_for(engine.final_reported.wait(), final_report_timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("final_reports.missing", got=len(engine.final_reports), clients=len(engine.clients))
+        engine.results.close_before(cfg.rounds + 1)
+    except Exception as e:  # a run that cannot finish is logged with its reason
+        log.error("run.aborted", error=str(e))
+        code = 1
+    finally:
+        for name in ("", SERVICE):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await server.stop(grace=2.0)
+        engine.executor.shutdown(wait=False, cancel_futures=True)
+    return code
+
+
+__all__ = ["GRPC_OPTIONS", "MESSAGE_LIMIT", "serve", "pb"]

@@ -1,0 +1,70 @@
+"""The run's record: ``results.jsonl`` (one line per round), ``reports.jsonl``, ``timelines.json``.
+
+A round's line is written once the clients that trained in it have reported their
+personalized-model accuracy for it (they evaluate right after the broadcast that closes the
+round), or when the next round closes, whichever comes first; lines stay in round order.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+
+class ResultsLog:
+    def __init__(self, out_dir: Path, run_start: float) -> None:
+        self.out_dir = out_dir
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.results_path = out_dir / "results.jsonl"
+        self.reports_path = out_dir / "reports.jsonl"
+        self.run_start = run_start
+        self.pending: dict[int, tuple[dict[str, Any], set[str]]] = {}
+        self.reports: dict[int, dict[str, tuple[float, int]]] = {}  # round -> client -> (pm_acc, n_test)
+        self.timelines: dict[str, Any] = {}
+        self.rows: list[dict[str, Any]] = []
+
+    def add_round(self, row: dict[str, Any], expected_reports: set[str]) -> None:
+        self.pending[row["round"]] = (row, set(expected_reports))
+        self._flush()
+
+    def add_report(self, client_id: str, round: int, metrics: dict[str, float], timeline: list[dict[str, Any]] | None = None, client_start_unix: float | None = None) -> None:
+        now = time.monotonic() - self.run_start
+        with self.reports_path.open("a") as f:
+            f.write(json.dumps({"client": client_id, "round": round, "t_s": round_(now), **{k: round_(v) for k, v in metrics.items()}}) + "\n")
+        if "pm_accuracy" in metrics:
+            self.reports.setdefault(round, {})[client_id] = (metrics["pm_accuracy"], int(metrics.get("pm_test_samples", 1)))
+        if timeline:
+            self.timelines[client_id] = {"client_start_unix": client_start_unix, "events": timeline}
+            (self.out_dir / "timelines.json").write_text(json.dumps(self.timelines, indent=1))
+        self._flush()
+
+    def pm_accuracy(self, round: int) -> float | None:
+        got = self.reports.get(round)
+        if not got:
+            return None
+        n = sum(k for _, k in got.values())
+        return sum(a * k for a, k in got.values()) / n if n else None
+
+    def close_before(self, round: int) -> None:
+        """Writes every pending line of a round earlier than ``round`` (its reports are late)."""
+        for r in sorted(self.pending):
+            if r < round:
+                self.pending[r] = (self.pending[r][0], set())
+        self._flush()
+
+    def _flush(self) -> None:
+        for r in sorted(self.pending):
+            row, expected = self.pending[r]
+            if not expected.issubset(self.reports.get(r, {})):
+                break  # keep order: a later round waits for this one
+            del self.pending[r]
+            row["pm_accuracy"] = round_(self.pm_accuracy(r))
+            row["pm_reports"] = len(self.reports.get(r, {}))
+            self.rows.append(row)
+            with self.results_path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+def round_(v: float | None, digits: int = 6) -> float | None:
+    return None if v is None else round(float(v), digits)

@@ -1,0 +1,283 @@
+"""Regularizers and server updates checked against slow, independent re-computations."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from wafl.common.algorithms.regularizers import (
+    asd_kl,
+    asd_term,
+    asd_weights,
+    feddyn_client_state_update,
+    feddyn_server_update,
+    feddyn_term,
+    fedavgm_update,
+    not_true_logits,
+    ntd_term,
+    params_snapshot,
+    proximal_term,
+)
+
+
+def tiny_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double()
+
+
+def random_like_params(model: nn.Module, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in model.parameters()]
+
+
+def flat_np(tensors) -> np.ndarray:
+    return np.concatenate([t.detach().numpy().reshape(-1) for t in tensors])
+
+
+# ----------------------------------------------------------------------------- FedProx / Ditto
+
+
+def test_proximal_value_and_gradient():
+    model = tiny_model()
+    anchor = random_like_params(model, 1)
+    mu = 0.37
+    loss = proximal_term(model, anchor, mu)
+
+    w, a = flat_np(model.parameters()), flat_np(anchor)
+    slow = 0.0
+    for wi, ai in zip(w.tolist(), a.tolist()):
+        slow += (wi - ai) ** 2
+    assert loss.item() == pytest.approx(mu / 2 * slow, rel=1e-12)
+
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    np.testing.assert_allclose(flat_np(grads), mu * (w - a), rtol=1e-12, atol=1e-14)
+
+
+def test_proximal_zero_at_anchor_and_frozen_params_skipped():
+    model = tiny_model()
+    assert proximal_term(model, params_snapshot(model), 1.0).item() == 0.0
+    model[0].bias.requires_grad_(False)
+    anchor = params_snapshot(model)
+    assert len(anchor) == 3
+    with pytest.raises(ValueError, match="anchor"):
+        proximal_term(model, random_like_params(model, 2), 1.0)  # 4 tensors for 3 trainable params
+
+
+# ----------------------------------------------------------------------------- FedDyn
+
+
+def test_feddyn_term_value_and_gradient():
+    model = tiny_model()
+    anchor = random_like_params(model, 1)
+    state = random_like_params(model, 2)
+    alpha = 0.1
+    loss = feddyn_term(model, anchor, state, alpha)
+
+    w, a, g = flat_np(model.parameters()), flat_np(anchor), flat_np(state)
+    lin = sum(wi * gi for wi, gi in zip(w.tolist(), g.tolist()))
+    quad = sum((wi - ai) ** 2 for wi, ai in zip(w.tolist(), a.tolist()))
+    assert loss.item() == pytest.approx(-lin + alpha / 2 * quad, rel=1e-12)
+
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    np.testing.assert_allclose(flat_np(grads), -g + alpha * (w - a), rtol=1e-12, atol=1e-14)
+
+
+def test_feddyn_two_rounds_by_hand():
+    # alpha = 0.5, m = 3 clients; all numbers below are computed by hand.
+    alpha, m = 0.5, 3
+    t = lambda *v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
+    w_g = t(1.0, 2.0)
+    h = t(0.0, 0.0)
+    g = {0: [t(0.0, 0.0)], 1: [t(0.0, 0.0)], 2: [t(0.0, 0.0)]}
+
+    # round 1: clients 0 and 1
+    local = {0: t(2.0, 2.0), 1: t(0.0, 4.0)}
+    for k, w in local.items():
+        g[k] = feddyn_client_state_update(g[k], [w], [w_g], alpha)
+    torch.testing.assert_close(g[0][0], t(-0.5, 0.0))
+    torch.testing.assert_close(g[1][0], t(0.5, -1.0))
+    w_g, h = feddyn_server_update(w_g, local[0] + local[1], 2, h, alpha, m)
+    torch.testing.assert_close(h, t(0.0, -1 / 3))
+    torch.testing.assert_close(w_g, t(1.0, 11 / 3))
+
+    # round 2: clients 1 and 2
+    local = {1: t(1.0, 3.0), 2: t(3.0, 5.0)}
+    for k, w in local.items():
+        g[k] = feddyn_client_state_update(g[k], [w], [w_g], alpha)
+    torch.testing.assert_close(g[0][0], t(-0.5, 0.0))  # untouched
+    torch.testing.assert_close(g[1][0], t(0.5, -2 / 3))
+    torch.testing.assert_close(g[2][0], t(-1.0, -2 / 3))
+    w_g, h = feddyn_server_update(w_g, local[1] + local[2], 2, h, alpha, m)
+    torch.testing.assert_close(h, t(-1 / 3, -4 / 9))
+    torch.testing.assert_close(w_g, t(8 / 3, 44 / 9))
+
+
+def test_feddyn_server_update_random_against_numpy():
+    rng = np.random.default_rng(0)
+    w_g, h = rng.normal(size=(3, 2)), rng.normal(size=(3, 2))
+    locals_ = [rng.normal(size=(3, 2)) for _ in range(4)]
+    alpha, m = 0.01, 10
+    new_g, new_h = feddyn_server_update(
+        torch.from_numpy(w_g), torch.from_numpy(sum(locals_)), 4, torch.from_numpy(h), alpha, m
+    )
+    exp_h = h.copy()
+    for wk in locals_:
+        exp_h -= alpha / m * (wk - w_g)
+    exp_g = np.mean(locals_, axis=0) - exp_h / alpha
+    np.testing.assert_allclose(new_h.numpy(), exp_h, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(new_g.numpy(), exp_g, rtol=1e-9, atol=1e-9)
+    with pytest.raises(ValueError):
+        feddyn_server_update(torch.from_numpy(w_g), torch.from_numpy(w_g), 0, torch.from_numpy(h), alpha, m)
+
+
+def test_feddyn_client_state_does_not_mutate():
+    g = [torch.ones(2)]
+    out = feddyn_client_state_update(g, [torch.full((2,), 3.0)], [torch.full((2,), 1.0)], 0.25)
+    torch.testing.assert_close(out[0], torch.full((2,), 0.5))
+    torch.testing.assert_close(g[0], torch.ones(2))
+
+
+# ----------------------------------------------------------------------------- FedAvgM
+
+
+def test_fedavgm_two_steps_against_numpy():
+    rng = np.random.default_rng(1)
+    w, v = rng.normal(size=5), np.zeros(5)
+    beta, eta = 0.9, 0.7
+    tw, tv = torch.from_numpy(w), torch.from_numpy(v)
+    for _ in range(2):
+        avg = rng.normal(size=5)
+        tw, tv = fedavgm_update(tw, torch.from_numpy(avg), tv, beta, eta)
+        v = beta * v + (w - avg)
+        w = w - eta * v
+        np.testing.assert_allclose(tv.numpy(), v, rtol=1e-12)
+        np.testing.assert_allclose(tw.numpy(), w, rtol=1e-12)
+    # beta = 0, eta = 1 is plain FedAvg
+    new_w, _ = fedavgm_update(torch.zeros(3), torch.arange(3.0), torch.ones(3), 0.0, 1.0)
+    torch.testing.assert_close(new_w, torch.arange(3.0))
+
+
+# ----------------------------------------------------------------------------- ASD
+
+
+def _softmax(row: list[float], temp: float = 1.0) -> list[float]:
+    mx = max(row)
+    e = [math.exp((x - mx) / temp) for x in row]
+    s = sum(e)
+    return [x / s for x in e]
+
+
+def _slow_asd(z, s, y, freq, temp, uniform=False):
+    """Returns (weights, KL per sample, total) with plain Python loops."""
+    b = len(z)
+    kls, a = [], []
+    for i in range(b):
+        qg, qk = _softmax(s[i], temp), _softmax(z[i], temp)
+        kls.append(sum(pg * (math.log(pg) - math.log(pk)) for pg, pk in zip(qg, qk)))  # KL(global||local)
+        p1 = _softmax(s[i], 1.0)
+        entropy = -sum(p * math.log(p) for p in p1)
+        a.append(math.exp(-entropy) / freq[y[i]])
+    alpha = [1.0 / b] * b if uniform else [ai / sum(a) for ai in a]
+    return alpha, kls, sum(al * kl for al, kl in zip(alpha, kls))
+
+
+@pytest.mark.parametrize("temp", [1.0, 2.0, 4.0])
+def test_asd_against_loops(temp):
+    torch.manual_seed(0)
+    b, c = 6, 5
+    z = torch.randn(b, c, dtype=torch.float64) * 2
+    s = torch.randn(b, c, dtype=torch.float64) * 2
+    y = torch.tensor([0, 1, 1, 4, 2, 0])
+    freq = torch.tensor([0.4, 0.1, 0.2, 0.05, 0.25], dtype=torch.float64)
+
+    alpha, kls, total = _slow_asd(z.tolist(), s.tolist(), y.tolist(), freq.tolist(), temp)
+    np.testing.assert_allclose(asd_weights(s, y, freq).numpy(), alpha, rtol=1e-10)
+    np.testing.assert_allclose(asd_kl(z, s, temp).detach().numpy(), kls, rtol=1e-10)
+    assert asd_term(z, s, y, freq, temp).item() == pytest.approx(total, rel=1e-10)
+    assert asd_weights(s, y, freq).sum().item() == pytest.approx(1.0, rel=1e-12)
+    # KL direction matters: the reverse direction gives a different number
+    reverse = [
+        sum(pk * (math.log(pk) - math.log(pg)) for pg, pk in zip(_softmax(si, temp), _softmax(zi, temp)))
+        for zi, si in zip(z.tolist(), s.tolist())
+    ]
+    assert not np.allclose(kls, reverse, rtol=1e-3)
+    # counts instead of frequencies give the same weights
+    torch.testing.assert_close(asd_weights(s, y, freq * 200), asd_weights(s, y, freq))
+
+
+def test_asd_uniform_equals_batch_mean_kl():
+    torch.manual_seed(1)
+    z, s = torch.randn(7, 4, dtype=torch.float64), torch.randn(7, 4, dtype=torch.float64)
+    y = torch.randint(0, 4, (7,))
+    freq = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
+    got = asd_term(z, s, y, freq, 2.0, uniform=True)
+    ref = F.kl_div(F.log_softmax(z / 2, 1), F.log_softmax(s / 2, 1), log_target=True, reduction="batchmean")
+    assert got.item() == pytest.approx(ref.item(), rel=1e-10)
+    _, _, slow = _slow_asd(z.tolist(), s.tolist(), y.tolist(), freq.tolist(), 2.0, uniform=True)
+    assert got.item() == pytest.approx(slow, rel=1e-10)
+
+
+def test_asd_gradient_only_through_student():
+    torch.manual_seed(2)
+    b, c, temp = 5, 3, 2.0
+    z = torch.randn(b, c, dtype=torch.float64, requires_grad=True)
+    s = torch.randn(b, c, dtype=torch.float64, requires_grad=True)
+    y = torch.tensor([0, 1, 2, 2, 1])
+    freq = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
+    asd_term(z, s, y, freq, temp).backward()
+    assert s.grad is None
+    # analytic: d/dz_i [alpha_i KL_i] = alpha_i * (softmax(z_i/T) - softmax(s_i/T)) / T
+    alpha = asd_weights(s.detach(), y, freq)
+    expected = alpha[:, None] * (torch.softmax(z.detach() / temp, 1) - torch.softmax(s.detach() / temp, 1)) / temp
+    torch.testing.assert_close(z.grad, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_asd_zero_frequency_raises():
+    z = torch.randn(3, 3)
+    y = torch.tensor([0, 2, 1])
+    with pytest.raises(ValueError, match=r"class\(es\) \[2\]"):
+        asd_term(z, z.clone(), y, torch.tensor([0.5, 0.5, 0.0]), 2.0)
+    # a zero frequency for a class absent from the batch is fine
+    asd_term(z, z.clone(), torch.tensor([0, 1, 1]), torch.tensor([0.5, 0.5, 0.0]), 2.0)
+
+
+# ----------------------------------------------------------------------------- FedNTD
+
+
+def _slow_ntd(z, s, y, temp):
+    total = 0.0
+    for zi, si, yi in zip(z, s, y):
+        zs = [v for c, v in enumerate(zi) if c != yi]
+        ss = [v for c, v in enumerate(si) if c != yi]
+        qs, qt = _softmax(zs, temp), _softmax(ss, temp)
+        total += sum(pt * (math.log(pt) - math.log(ps)) for pt, ps in zip(qt, qs))  # KL(teacher||student)
+    return temp**2 * total / len(z)
+
+
+def test_not_true_selection():
+    logits = torch.arange(12.0).reshape(3, 4)
+    out = not_true_logits(logits, torch.tensor([0, 2, 3]))
+    torch.testing.assert_close(out, torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 7.0], [8.0, 9.0, 10.0]]))
+
+
+@pytest.mark.parametrize("temp", [1.0, 3.0])
+def test_ntd_against_loops(temp):
+    torch.manual_seed(3)
+    z = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    s = torch.randn(6, 5, dtype=torch.float64)
+    y = torch.tensor([0, 4, 2, 2, 1, 3])
+    got = ntd_term(z, s, y, temp)
+    assert got.item() == pytest.approx(_slow_ntd(z.tolist(), s.tolist(), y.tolist(), temp), rel=1e-10)
+    # the true-class logit carries no gradient and does not change the loss
+    got.backward()
+    assert torch.all(z.grad[torch.arange(6), y] == 0)
+    z2 = z.detach().clone()
+    z2[torch.arange(6), y] += 10.0
+    assert ntd_term(z2, s, y, temp).item() == pytest.approx(got.item(), rel=1e-12)
+    # it differs from a plain KL over all classes
+    full = F.kl_div(F.log_softmax(z / temp, 1), F.log_softmax(s / temp, 1), log_target=True, reduction="batchmean")
+    assert abs(full.item() * temp**2 - got.item()) > 1e-6

@@ -1,0 +1,251 @@
+"""Spectral co-distillation math checked against numpy and slow Python re-computations."""
+from __future__ import annotations
+
+import copy
+import math
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from wafl.common.algorithms.spectral import (
+    flat_weights,
+    layer_weights,
+    magnitude_spectrum,
+    normalize,
+    scd_term,
+    spectral_kl,
+    teacher_spectrum,
+    truncate,
+)
+
+
+def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """conv (2x1x3x3) + BN(2) + linear (3x2): 18 + 2 + 2 + 2 + 6 + 3 = 33 parameters."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(
+        nn.Conv2d(1, 2, 3),
+        nn.BatchNorm2d(2),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(2, 3),
+    )
+    with torch.no_grad():
+        for p in model.parameters():  # BN gamma/beta start at 1/0: randomize them too
+            p.copy_(torch.randn_like(p))
+    return model.to(dtype)
+
+
+def np_params(model: nn.Module) -> list[np.ndarray]:
+    return [p.detach().cpu().double().numpy().copy() for p in model.parameters()]
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+def test_flat_weights_order_and_live():
+    model = tiny_model()
+    w = flat_weights(model)
+    expected = np.concatenate([a.reshape(-1) for a in np_params(model)])
+    assert w.shape == (33,)
+    np.testing.assert_allclose(w.detach().numpy(), expected, rtol=0, atol=0)
+    assert w.requires_grad
+    w.sum().backward()
+    for p in model.parameters():
+        assert p.grad is not None and torch.all(p.grad == 1)
+
+
+def test_flat_weights_skips_frozen():
+    model = tiny_model()
+    model[0].bias.requires_grad_(False)
+    assert flat_weights(model).shape == (31,)
+    model.requires_grad_(False)
+    with pytest.raises(ValueError):
+        flat_weights(model)
+    assert flat_weights(model, trainable_only=False).shape == (33,)
+
+
+def test_layer_weights_selection():
+    model = tiny_model()
+    ws = layer_weights(model)
+    assert [tuple(w.shape) for w in ws] == [(2, 1, 3, 3), (2,), (3, 2)]
+    assert ws[0] is model[0].weight and ws[1] is model[1].weight and ws[2] is model[4].weight
+
+
+# ----------------------------------------------------------------------------- spectra
+
+
+def test_model_spectrum_matches_numpy():
+    model = tiny_model()
+    flat = np.concatenate([a.reshape(-1) for a in np_params(model)])
+    expected = np.abs(np.fft.fft(flat))
+    got = magnitude_spectrum(model, "model", eps=0.0)
+    np.testing.assert_allclose(got.detach().double().numpy(), expected, rtol=1e-5, atol=1e-5)
+    # the eps version differs only by sqrt(|X|^2 + eps)
+    got_eps = magnitude_spectrum(model, "model", eps=1e-4).detach().double().numpy()
+    np.testing.assert_allclose(got_eps, np.sqrt(expected**2 + 1e-4), rtol=1e-5, atol=1e-5)
+
+
+def test_layer_spectrum_matches_numpy():
+    model = tiny_model(dtype=torch.float64)
+    conv_w = model[0].weight.detach().numpy().reshape(2, 9)
+    bn_w = model[1].weight.detach().numpy()
+    lin_w = model[4].weight.detach().numpy()
+    expected = np.concatenate(
+        [
+            np.abs(np.fft.fft2(conv_w)).reshape(-1),
+            np.abs(np.fft.fft(bn_w)),
+            np.abs(np.fft.fft2(lin_w)).reshape(-1),
+        ]
+    )
+    got = magnitude_spectrum(model, "layer", eps=0.0)
+    assert got.shape == (18 + 2 + 6,)
+    np.testing.assert_allclose(got.detach().numpy(), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_invalid_mode():
+    with pytest.raises(ValueError, match="mode"):
+        magnitude_spectrum(tiny_model(), "bogus")  # type: ignore[arg-type]
+
+
+def test_magnitude_gradient_finite_at_zero():
+    model = nn.Linear(4, 1, bias=False)
+    with torch.no_grad():
+        model.weight.zero_()
+    s = magnitude_spectrum(model, "model")
+    s.sum().backward()
+    assert torch.isfinite(model.weight.grad).all()
+
+
+# ----------------------------------------------------------------------------- truncation
+
+
+@pytest.mark.parametrize(
+    "tau,d",
+    [
+        ("0.4", 10), ("0.3", 10), ("0.7", 10), ("0.4", 33), ("0.01", 7), ("1.0", 5), ("0.5", 1),
+        ("0.35", 20), ("0.9", 3),
+        ("0.07", 100), ("0.55", 100),  # float products 7.000000000000001 and 55.00000000000001
+    ],
+)
+def test_truncation_length(tau: str, d: int):
+    s = torch.arange(d, dtype=torch.float32)
+    out = truncate(s, float(tau))
+    k = math.ceil(Fraction(tau) * d)
+    assert out.shape == (k,)
+    assert torch.equal(out, s[:k])
+
+
+@pytest.mark.parametrize("tau", [0.0, -0.1, 1.5, float("nan"), float("inf"), True, "0.4", None])
+def test_invalid_tau(tau):
+    with pytest.raises(ValueError, match="tau"):
+        truncate(torch.ones(10), tau)  # type: ignore[arg-type]
+    if tau is not None:
+        with pytest.raises(ValueError, match="tau"):
+            scd_term(tiny_model(), teacher_spectrum(tiny_model(1)), "model", tau)  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------- divergence
+
+
+def test_normalize_is_probability():
+    torch.manual_seed(0)
+    s = torch.rand(12, dtype=torch.float64) + 0.1
+    p = normalize(s)
+    assert abs(float(p.sum()) - 1.0) < 1e-12
+    np.testing.assert_allclose(p.numpy(), s.numpy() / s.numpy().sum(), rtol=1e-9)
+
+
+def test_spectral_kl_matches_loop():
+    torch.manual_seed(0)
+    p = normalize(torch.rand(17, dtype=torch.float64))
+    q = normalize(torch.rand(17, dtype=torch.float64))
+    slow = 0.0
+    for pk, qk in zip(p.tolist(), q.tolist()):
+        slow += pk * (math.log(pk) - math.log(qk))
+    assert float(spectral_kl(p, q)) == pytest.approx(slow, rel=1e-12)
+    assert float(spectral_kl(p, q)) > 0
+    # not symmetric, and a sum (not a mean): scaling the length changes nothing in the formula
+    assert float(spectral_kl(q, p)) != pytest.approx(slow, rel=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["model", "layer"])
+@pytest.mark.parametrize("tau", [None, 0.4])
+def test_scd_term_matches_slow_numpy(mode, tau):
+    student = tiny_model(0, torch.float64)
+    teacher = tiny_model(1, torch.float64)
+    got = scd_term(student, teacher_spectrum(teacher, mode), mode, tau).item()
+
+    def np_spec(model):
+        if mode == "model":
+            return np.abs(np.fft.fft(np.concatenate([a.reshape(-1) for a in np_params(model)])))
+        w = np_params(model)
+        # parameters order: conv w, conv b, bn gamma, bn beta, linear w, linear b
+        return np.concatenate(
+            [
+                np.abs(np.fft.fft2(w[0].reshape(2, 9))).ravel(),
+                np.abs(np.fft.fft(w[2])),
+                np.abs(np.fft.fft2(w[4])).ravel(),
+            ]
+        )
+
+    s, t = np_spec(student), np_spec(teacher)
+    if tau is not None:  # truncate first, then normalize
+        k = math.ceil(tau * len(s))
+        s, t = s[:k], t[:k]
+    p, q = s / s.sum(), t / t.sum()
+    slow = sum(pk * (math.log(pk) - math.log(qk)) for pk, qk in zip(p, q))
+    assert got == pytest.approx(slow, rel=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["model", "layer"])
+@pytest.mark.parametrize("tau", [None, 0.4])
+def test_zero_divergence_for_identical_models(mode, tau):
+    student = tiny_model(3)
+    teacher = copy.deepcopy(student)
+    teacher.requires_grad_(False)
+    ts = teacher_spectrum(teacher, mode, trainable_only=False)
+    assert not ts.requires_grad
+    assert abs(scd_term(student, ts, mode, tau).item()) < 1e-6
+    assert scd_term(student, teacher_spectrum(tiny_model(4), mode), mode, tau).item() > 1e-4
+
+
+def test_teacher_spectrum_shape_mismatch():
+    with pytest.raises(ValueError, match="shape"):
+        scd_term(tiny_model(), teacher_spectrum(tiny_model(), "layer"), "model", None)
+
+
+# ----------------------------------------------------------------------------- gradient
+
+
+@pytest.mark.parametrize("mode", ["model", "layer"])
+@pytest.mark.parametrize("tau", [None, 0.4])
+def test_scd_gradient_matches_finite_differences(mode, tau):
+    student = tiny_model(0, torch.float64)
+    ts = teacher_spectrum(tiny_model(1, torch.float64), mode)
+
+    loss = scd_term(student, ts, mode, tau)
+    grads = torch.autograd.grad(loss, list(student.parameters()), allow_unused=True)
+    flat_grad = torch.cat(
+        [(g if g is not None else torch.zeros_like(p)).reshape(-1) for g, p in zip(grads, student.parameters())]
+    )
+    assert flat_grad.abs().max() > 1e-4
+
+    h = 1e-6
+    numeric = []
+    with torch.no_grad():
+        for p in student.parameters():
+            flat = p.view(-1)
+            for i in range(flat.numel()):
+                orig = float(flat[i])
+                flat[i] = orig + h
+                up = scd_term(student, ts, mode, tau).item()
+                flat[i] = orig - h
+                down = scd_term(student, ts, mode, tau).item()
+                flat[i] = orig
+                numeric.append((up - down) / (2 * h))
+    np.testing.assert_allclose(flat_grad.numpy(), np.array(numeric), rtol=1e-5, atol=1e-8)
+    if mode == "layer":  # biases and BN beta are not part of the layer spectrum
+        assert grads[1] is None or torch.all(grads[1] == 0)
