@@ -81,7 +81,10 @@ class Trainer:
     def train_gm(self) -> PhaseStats:
         assert self.ctx is not None
         data = epochs(self.data.train, self.train_idx, self.cfg.batch_size, self.rng, self.cfg.local_epochs, self.device)
-        return run_phase(self.gm, self.algorithm.gm_terms, self.ctx, data, self._optimizer(self.gm))
+        stats = run_phase(self.gm, self.algorithm.gm_terms, self.ctx, data, self._optimizer(self.gm))
+        if self.client_state:
+            self.save_state()  # client state the GM phase updated (FedDyn's g_k)
+        return stats
 
     def train_pm(self, should_stop: Callable[[], bool] | None = None, num_epochs: float | None = None, min_steps: int = 0) -> PhaseStats:
         """Trains the PM for ``num_epochs`` (None: until ``should_stop``), on its own CUDA stream on a GPU."""

@@ -59,6 +59,7 @@ class RunConfig:
     pm_max_epochs: float | None = None
     device: str = "auto"
     eval_batch_size: int = 256
+    eval_every: int = 1  # evaluate the global model every N rounds (0: only after the last)
     checkpoint: bool = True
 
     def validate(self) -> "RunConfig":
@@ -100,6 +101,7 @@ class RunConfig:
         if self.pm_max_epochs is not None:
             _positive("pm_max_epochs", self.pm_max_epochs)
         _int_at_least("eval_batch_size", self.eval_batch_size, 1)
+        _int_at_least("eval_every", self.eval_every, 0)
         if not (self.device in ("auto", "cpu", "cuda") or (self.device.startswith("cuda:") and self.device[5:].isdigit())):
             raise ConfigError(f"device={self.device!r} is not one of auto, cpu, cuda, cuda:N")
         try:

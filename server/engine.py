@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
 import uuid
 from collections import OrderedDict
@@ -36,6 +35,7 @@ from wafl.common.proto import federation_pb2 as pb
 from wafl.server.aggregator import Accumulator
 from wafl.server.checkpoint import load_checkpoint, save_checkpoint
 from wafl.server.results import ResultsLog, round_
+from wafl.server.selection import select_clients
 
 log = structlog.get_logger("server")
 
@@ -186,17 +186,8 @@ class RoundEngine:
 
     # ----------------------------------------------------------------- rounds
     def select(self, round: int) -> set[str]:
-        """Reproducible selection from (seed, round) over the clients in index order."""
-        ids = [self.clients[c].client_id for c in sorted(self.clients, key=lambda c: self.clients[c].index)]
-        rng = np.random.default_rng([self.cfg.seed, 5, round])
-        if self.cfg.act_prob is not None:
-            chosen = [c for c, u in zip(ids, rng.random(len(ids))) if u < self.cfg.act_prob]
-            if not chosen:
-                chosen = [ids[int(rng.integers(len(ids)))]]
-        else:
-            k = max(1, int(round_half_up(self.cfg.fraction * len(ids))))
-            chosen = [ids[i] for i in sorted(rng.choice(len(ids), size=k, replace=False))]
-        return set(chosen)
+        ids = [c.client_id for c in sorted(self.clients.values(), key=lambda c: c.index)]
+        return select_clients(self.cfg.seed, round, ids, self.cfg.fraction, self.cfg.act_prob)
 
     async def run(self) -> None:
         try:
@@ -247,7 +238,11 @@ class RoundEngine:
         if cancelled:
             log.warning("round.cancelled_uploads", round=r, count=cancelled)
         await loop.run_in_executor(self.executor, self._aggregate, state)
-        acc, n_test, loss = await loop.run_in_executor(self.executor, self._evaluate)
+        every = self.cfg.eval_every
+        if r == self.cfg.rounds or (every and r % every == 0):
+            acc, _, loss = await loop.run_in_executor(self.executor, self._evaluate)
+        else:
+            acc = loss = None
         if self.cfg.checkpoint:
             await loop.run_in_executor(self.executor, self._checkpoint, r)
         self.results.close_before(r)
@@ -313,7 +308,7 @@ class RoundEngine:
             final=final,
             num_tensors=len(self.manifest),
             total_bytes=self.model_bytes,
-            server_state_json=json.dumps(self.algorithm.server_state_for_clients() if hasattr(self.algorithm, "server_state_for_clients") else {}),
+            server_state_json="{}",
         )
         version = (self.broadcast.version + 1) if self.broadcast else 1
         return Broadcast(version, header, chunks, knowledge, pb.BroadcastTrailer(crc32=crc32_of(self.global_state.values())), self.model_bytes)
@@ -375,10 +370,6 @@ class UploadRefused(Exception):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
-
-
-def round_half_up(x: float) -> int:
-    return int(math.floor(x + 0.5))
 
 
 def _mean(values: list[Any]) -> float | None:

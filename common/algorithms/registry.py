@@ -54,7 +54,7 @@ RegBuilder = Callable[[dict[str, Any]], list[LossTerm]]
 
 _BASES: dict[str, tuple[dict[str, Param], Builder]] = {}
 _REGULARIZERS: dict[str, tuple[dict[str, Param], RegBuilder]] = {}
-_MODULES = ("fedavg",)
+_MODULES = ("fedavg", "fedprox", "feddyn", "fedavgm", "fedntd", "ditto", "scd", "fedhkd", "fedproto", "asd")
 _loaded = False
 
 

@@ -8,6 +8,7 @@ from wafl.common.datasets.cifar import load_cifar10, load_cifar100
 from wafl.common.datasets.digits import load_digits_dataset
 from wafl.common.datasets.imagefolder import load_imagefolder
 from wafl.common.datasets.svhn import load_svhn
+from wafl.common.datasets.synthetic import LOADERS as SYNTHETIC
 from wafl.common.datasets.tinyimagenet import load_tinyimagenet
 
 # name -> loader(data_dir) -> FederatedDataset
@@ -18,6 +19,7 @@ DATASETS: dict[str, Callable[[str | None], FederatedDataset]] = {
     "svhn": load_svhn,
     "tinyimagenet": load_tinyimagenet,
     "imagefolder": load_imagefolder,
+    **SYNTHETIC,
 }
 
 

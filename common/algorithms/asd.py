@@ -1,0 +1,33 @@
+"""Adaptive self-distillation (ASD), a regularizer for any base method: ``fedavg+asd``, ``feddyn+asd``...
+
+``lambda * sum_i alpha_i KL(q_global,i || q_local,i)`` at temperature T, with sample weights
+``alpha_i`` from the teacher's entropy and the client's label frequencies (``asd_uniform``:
+``alpha_i = 1/B``). The teacher is a frozen eval-mode copy of the received global model.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from wafl.common.algorithms.base import Forward, LossTerm, RoundContext
+from wafl.common.algorithms.registry import Param, register_regularizer
+from wafl.common.algorithms.regularizers import asd_term
+
+
+class AdaptiveSelfDistillation(LossTerm):
+    name = "asd"
+
+    def __init__(self, weight: float, temperature: float, uniform: bool) -> None:
+        self.weight, self.temperature, self.uniform = weight, temperature, uniform
+
+    def __call__(self, model: nn.Module, out: Forward, ctx: RoundContext) -> torch.Tensor:
+        return self.weight * asd_term(out.logits, out.teacher_logits, out.y, ctx.label_freq, self.temperature, self.uniform)
+
+
+def build(p: dict) -> list[LossTerm]:
+    if p["asd_lambda"] == 0:
+        return []  # exactly the base method
+    return [AdaptiveSelfDistillation(p["asd_lambda"], p["asd_temperature"], p["asd_uniform"])]
+
+
+register_regularizer("asd", {"asd_lambda": Param(2.0, ">= 0"), "asd_temperature": Param(2.0, "> 0"), "asd_uniform": Param(False, "bool")}, build)

@@ -1,0 +1,9 @@
+"""Ditto: the GM trains with plain cross-entropy and is averaged; the PM ``v`` trains with
+``CE + (mu/2) ||v - w_global||^2`` and never leaves the client."""
+from __future__ import annotations
+
+from wafl.common.algorithms.base import Algorithm
+from wafl.common.algorithms.fedprox import Proximal
+from wafl.common.algorithms.registry import Param, register
+
+register("ditto", {"mu": Param(0.1, "> 0")}, lambda p, run: Algorithm("ditto", p, pm_terms=[Proximal(p["mu"])]))

@@ -1,0 +1,54 @@
+"""FedHKD: hyper-knowledge (class-mean representations and soft predictions, Gaussian DP noise
+on the representations) shared with the model; the loss pulls the classifier and the features
+towards the global knowledge. ``gamma = 0`` is FedHKD*. The personalized model is the local
+model right after local training."""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from wafl.common.algorithms.base import Algorithm, Forward, LossTerm, RoundContext
+from wafl.common.algorithms.hyperknowledge import Knowledge, extract_knowledge, fedhkd_loss_terms
+from wafl.common.algorithms.registry import Param, register
+from wafl.common.models.base import SplitModel
+
+
+class HyperKnowledgeLoss(LossTerm):
+    name = "fedhkd"
+
+    def __init__(self, lam: float, gamma: float, temperature: float) -> None:
+        self.lam, self.gamma, self.temperature = lam, gamma, temperature
+
+    def __call__(self, model: nn.Module, out: Forward, ctx: RoundContext) -> torch.Tensor:
+        t1, t2 = fedhkd_loss_terms(out.h, out.y, model.classifier, ctx.knowledge, self.temperature)  # type: ignore[arg-type]
+        return self.lam * t1 + self.gamma * t2
+
+
+def build(p: dict[str, Any], run: dict[str, Any]) -> Algorithm:
+    def knowledge(model: SplitModel, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], ctx: RoundContext, gen: torch.Generator) -> Knowledge:
+        return extract_knowledge(model, batches, ctx.label_freq.numel(), p["nu"], p["zeta"], p["sigma"], p["temperature"], gen)
+
+    return Algorithm(
+        "fedhkd",
+        p,
+        gm_terms=[HyperKnowledgeLoss(p["lambda"], p["gamma"], p["temperature"])],
+        knowledge=knowledge,
+        local_model_is_personal=True,
+    )
+
+
+register(
+    "fedhkd",
+    {
+        "lambda": Param(0.05, ">= 0"),
+        "gamma": Param(0.05, ">= 0"),
+        "temperature": Param(0.5, "> 0"),
+        "nu": Param(0.25, "[0, 1)"),
+        "zeta": Param(3.0, "> 0"),
+        "sigma": Param(7.0, ">= 0"),
+        "delta": Param(1e-5, "(0, 1)"),
+    },
+    build,
+)

@@ -1,0 +1,26 @@
+"""FedNTD: cross-entropy plus ``beta * KL`` on the not-true classes, teacher = received global model."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from wafl.common.algorithms.base import Algorithm, Forward, LossTerm, RoundContext
+from wafl.common.algorithms.registry import Param, register
+from wafl.common.algorithms.regularizers import ntd_term
+
+
+class NotTrueDistillation(LossTerm):
+    name = "ntd"
+
+    def __init__(self, beta: float, temperature: float) -> None:
+        self.beta, self.temperature = beta, temperature
+
+    def __call__(self, model: nn.Module, out: Forward, ctx: RoundContext) -> torch.Tensor:
+        return self.beta * ntd_term(out.logits, out.teacher_logits, out.y, self.temperature)
+
+
+register(
+    "fedntd",
+    {"ntd_beta": Param(1.0, ">= 0"), "ntd_temperature": Param(1.0, "> 0")},
+    lambda p, run: Algorithm("fedntd", p, gm_terms=[NotTrueDistillation(p["ntd_beta"], p["ntd_temperature"])]),
+)

@@ -1,0 +1,46 @@
+"""Spectral co-distillation (SCD): GM and PM distil each other through their weight spectra.
+
+GM, starting from the received global model: ``CE + lambda_g * D(trunc_tau s(w_G) || trunc_tau s(w_p^{t-1}))``.
+PM, after the GM update: ``CE + lambda_p * D(s(w_p) || s(w_G,i^t))``. The teacher's spectrum is
+taken once per phase (frozen); a zero weight drops the term, so ``lambda_g = lambda_p = 0``
+trains the GM exactly as FedAvg does.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from wafl.common.algorithms.base import Algorithm, Forward, LossTerm, RoundContext
+from wafl.common.algorithms.registry import Param, register
+from wafl.common.algorithms.spectral import scd_term, teacher_spectrum
+
+
+class SpectralDistillation(LossTerm):
+    """``weight * D(student spectrum || teacher spectrum)``; the teacher is the PM (for the GM) or the GM (for the PM)."""
+
+    def __init__(self, weight: float, teacher: str, mode: str, tau: float | None) -> None:
+        self.weight, self.teacher, self.mode, self.tau = weight, teacher, mode, tau
+        self.name = f"scd_{'gm' if teacher == 'pm' else 'pm'}"
+        self.target: torch.Tensor | None = None
+
+    def begin(self, ctx: RoundContext, model: nn.Module) -> None:
+        source = ctx.pm if self.teacher == "pm" else ctx.gm
+        assert source is not None, "SCD needs both models"
+        self.target = teacher_spectrum(source, self.mode)  # type: ignore[arg-type]
+
+    def __call__(self, model: nn.Module, out: Forward, ctx: RoundContext) -> torch.Tensor:
+        assert self.target is not None
+        return self.weight * scd_term(model, self.target, self.mode, self.tau)  # type: ignore[arg-type]
+
+
+def build(p: dict, run: dict) -> Algorithm:
+    gm = [SpectralDistillation(p["lambda_g"], "pm", p["spectrum"], p["tau"])] if p["lambda_g"] > 0 else []
+    pm = [SpectralDistillation(p["lambda_p"], "gm", p["spectrum"], None)] if p["lambda_p"] > 0 else []
+    return Algorithm("scd", p, gm_terms=gm, pm_terms=pm)
+
+
+register(
+    "scd",
+    {"lambda_g": Param(0.3, ">= 0"), "lambda_p": Param(0.4, ">= 0"), "tau": Param(0.4, "(0, 1]"), "spectrum": Param("model", "model|layer")},
+    build,
+)

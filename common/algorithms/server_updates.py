@@ -1,0 +1,63 @@
+"""Server updates with state across rounds (FedAvgM momentum, FedDyn's ``h``), checkpointed."""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from wafl.common.algorithms.base import ServerUpdate
+from wafl.common.algorithms.regularizers import fedavgm_update, feddyn_server_update
+
+_BUFFER_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
+
+
+def is_weight(name: str, t: torch.Tensor) -> bool:
+    """Floating tensors that are trained (not normalization statistics)."""
+    return t.is_floating_point() and not name.endswith(_BUFFER_SUFFIXES)
+
+
+class MomentumUpdate(ServerUpdate):
+    """FedAvgM: ``v <- beta v + (w - mean)``, ``w <- w - eta v`` on every trained tensor."""
+
+    def __init__(self, beta: float, eta: float) -> None:
+        self.beta, self.eta = beta, eta
+        self.velocity: dict[str, torch.Tensor] = {}
+
+    def finalize(self, prev: Mapping[str, torch.Tensor], mean: dict[str, torch.Tensor], participants: int) -> dict[str, torch.Tensor]:
+        out = dict(mean)
+        for k, w in prev.items():
+            if is_weight(k, w):
+                v = self.velocity.get(k, torch.zeros_like(w))
+                out[k], self.velocity[k] = fedavgm_update(w, mean[k], v, self.beta, self.eta)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"velocity": self.velocity}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.velocity = dict(state.get("velocity", {}))
+
+
+class FedDynUpdate(ServerUpdate):
+    """FedDyn: uniform mean over participants, ``h <- h - alpha/m sum(w_k - w)``, ``w <- mean - h/alpha``."""
+
+    def __init__(self, alpha: float, num_clients: int) -> None:
+        self.alpha, self.num_clients = alpha, num_clients
+        self.h: dict[str, torch.Tensor] = {}
+
+    def weight(self, num_samples: int) -> float:
+        return 1.0
+
+    def finalize(self, prev: Mapping[str, torch.Tensor], mean: dict[str, torch.Tensor], participants: int) -> dict[str, torch.Tensor]:
+        out = dict(mean)
+        for k, w in prev.items():
+            if is_weight(k, w):
+                h = self.h.get(k, torch.zeros_like(w))
+                out[k], self.h[k] = feddyn_server_update(w, mean[k].to(w.dtype) * participants, participants, h, self.alpha, self.num_clients)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"h": self.h}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.h = dict(state.get("h", {}))
