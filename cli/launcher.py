@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -50,6 +51,7 @@ def launch(cfg: RunConfig, out_dir: Path | None = None, link_rate: str | None = 
     logs.mkdir(parents=True, exist_ok=True)
     for stale in ("results.jsonl", "reports.jsonl", "timelines.json", "server.json"):
         (out / stale).unlink(missing_ok=True)
+    shutil.rmtree(out / "clients", ignore_errors=True)  # PMs of an earlier run in this folder would be resumed
     cfg_file = out / "run-config.json"
     cfg_file.write_text(json.dumps(json.loads(cfg.to_json()), indent=2))
     ready = out / "server.json"

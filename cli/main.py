@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from wafl.cli.netns import LinkShapingUnavailable
 from wafl.common.config import ConfigError, RunConfig, load_config
 
 
@@ -178,6 +179,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"wafl: configuration error: {e}", file=sys.stderr)
         return 2
+    except LinkShapingUnavailable as e:
+        print(f"wafl: {e}", file=sys.stderr)
+        return e.exit_code
     except KeyboardInterrupt:
         return 130
 

@@ -21,6 +21,7 @@ import structlog
 from wafl.client.session import ReceivedModel, Session
 from wafl.client.timeline import Timeline
 from wafl.client.trainer import Trainer
+from wafl.common.codec import crc32_of
 
 log = structlog.get_logger("client")
 
@@ -46,7 +47,8 @@ class RoundProtocol:
             await self._evaluate_pm(model)
             if model.final:
                 await self._drain_uploads()
-                await self.session.report(model.round - 1, {"final": 1.0, "bytes_up": float(self.bytes_up)}, self.timeline.events, self.timeline.start_unix)
+                final = {"final": 1.0, "bytes_up": float(self.bytes_up), "global_crc32": float(crc32_of(model.state.values()))}
+                await self.session.report(model.round - 1, final, self.timeline.events, self.timeline.start_unix)
                 log.info("run.final", round=model.round - 1)
                 return
             await self._round(model)

@@ -225,7 +225,7 @@ class TransferChecker:
             raise ChunkError(f"tensor {c.name!r}: dtype {dtype_name(c.dtype)}, manifest says {dtype_name(spec.dtype)}")
         if tuple(c.shape) != spec.shape:
             raise ChunkError(f"tensor {c.name!r}: shape {list(c.shape)}, manifest says {list(spec.shape)}")
-        if i == self.index + 1 and self._current_complete():
+        if i > self.index and self._current_complete():
             self._advance()
         if i != self.index:
             expected = self.manifest[self.index].name if self.index < len(self.manifest) else "(none: all tensors received)"

@@ -115,6 +115,10 @@ class RoundEngine:
         if resume:
             self._resume()
         (out_dir / "config.json").write_text(json.dumps(json.loads(cfg.to_json()), indent=2))
+        if self.algorithm.privacy is not None:
+            report = {"per_release": self.algorithm.privacy(1), "per_run": self.algorithm.privacy(cfg.rounds)}
+            (out_dir / "privacy.json").write_text(json.dumps(report, indent=2))
+            log.info("privacy", epsilon_per_release=report["per_release"]["epsilon_per_release"], epsilon_per_run=report["per_run"]["epsilon_per_run"], delta=report["per_run"]["delta"], composition=report["per_run"]["composition"])
 
     # ----------------------------------------------------------------- state
     def _resume(self) -> None:
@@ -259,6 +263,8 @@ class RoundEngine:
             "train_loss": round_(_mean([m.get("train_loss") for m in state.metrics.values()])),
         }
         self.bytes_down = 0
+        if self.algorithm.privacy is not None:
+            row["epsilon"] = self.algorithm.privacy(r)["epsilon_per_run"]  # a client that took part in every round so far
         for k in ("local_accuracy",):
             v = _weighted([(m.get(k), m.get("local_test_samples", 1)) for m in state.metrics.values()])
             if v is not None:

@@ -126,6 +126,7 @@ class Algorithm:
     knowledge: KnowledgeExtractor | None = None  # shared after local training (FedHKD, FedProto)
     server: ServerUpdate = field(default_factory=ServerUpdate)
     local_model_is_personal: bool = False  # PM accuracy = the local model right after training
+    privacy: Callable[[int], dict[str, Any]] | None = None  # releases -> the DP guarantee, for the record
 
     @property
     def personalized(self) -> bool:

@@ -4,6 +4,7 @@ towards the global knowledge. ``gamma = 0`` is FedHKD*. The personalized model i
 model right after local training."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Iterable
 
 import torch
@@ -13,6 +14,7 @@ from wafl.common.algorithms.base import Algorithm, Forward, LossTerm, RoundConte
 from wafl.common.algorithms.hyperknowledge import Knowledge, extract_knowledge, fedhkd_loss_terms
 from wafl.common.algorithms.registry import Param, register
 from wafl.common.models.base import SplitModel
+from wafl.common.privacy import privacy_report
 
 
 class HyperKnowledgeLoss(LossTerm):
@@ -30,12 +32,18 @@ def build(p: dict[str, Any], run: dict[str, Any]) -> Algorithm:
     def knowledge(model: SplitModel, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], ctx: RoundContext, gen: torch.Generator) -> Knowledge:
         return extract_knowledge(model, batches, ctx.label_freq.numel(), p["nu"], p["zeta"], p["sigma"], p["temperature"], gen)
 
+    def privacy(releases: int) -> dict[str, Any]:
+        if p["sigma"] == 0:
+            return {"sigma": 0.0, "delta": p["delta"], "zeta": p["zeta"], "releases": releases, "epsilon_per_release": None, "epsilon_per_run": None, "composition": "none: sigma = 0 adds no noise, epsilon is unbounded"}
+        return dataclasses.asdict(privacy_report(p["sigma"], p["delta"], p["zeta"], releases))
+
     return Algorithm(
         "fedhkd",
         p,
         gm_terms=[HyperKnowledgeLoss(p["lambda"], p["gamma"], p["temperature"])],
         knowledge=knowledge,
         local_model_is_personal=True,
+        privacy=privacy,
     )
 
 

@@ -1,0 +1,1 @@
+"""Benchmarks of wafl (run each as ``python benchmarks/<name>.py`` from the repository root)."""

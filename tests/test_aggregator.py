@@ -1,0 +1,138 @@
+"""Streaming aggregation: FedAvg against a numpy re-computation, rollback, server updates."""
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from wafl.common.algorithms import registry
+from wafl.common.codec import ChunkError, iter_chunks, manifest_of
+from wafl.server.aggregator import Accumulator
+
+
+def make_state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "conv.weight": torch.randn(8, 3, 3, 3, generator=g),
+        "fc.weight": torch.randn(300, 70, generator=g),  # several chunks at 16 KiB
+        "fc.bias": torch.randn(70, generator=g).to(torch.float16),
+        "bn.num_batches_tracked": torch.tensor(seed * 10, dtype=torch.int64),
+    }
+
+
+def fold(acc: Accumulator, state: dict[str, torch.Tensor], weight: float, chunk_bytes: int = 16384, commit: bool = True):
+    specs = {s.name: s for s in acc.manifest}
+    f = acc.begin(weight)
+    for c in iter_chunks(state.items(), chunk_bytes):
+        f.add(specs[c.name], c)
+    if commit:
+        f.commit()
+    return f
+
+
+def numpy_fedavg(states, weights):
+    total = sum(weights)
+    out = {}
+    for k in states[0]:
+        s = sum(w * states[i][k].double().numpy() for i, w in enumerate(weights)) / total
+        out[k] = s
+    return out
+
+
+def test_streamed_fedavg_matches_numpy() -> None:
+    states = [make_state(s) for s in range(4)]
+    weights = [12, 40, 7, 101]
+    acc = Accumulator(manifest_of(states[0]))
+    for st, w in zip(states, weights):
+        fold(acc, st, w)
+    got = acc.mean()
+    want = numpy_fedavg(states, weights)
+    for k in want:
+        assert got[k].dtype == states[0][k].dtype and got[k].shape == states[0][k].shape
+        if got[k].is_floating_point():
+            tol = 1e-3 if got[k].dtype == torch.float16 else 1e-6
+            np.testing.assert_allclose(got[k].double().numpy(), want[k], rtol=tol, atol=tol)
+        else:
+            assert int(got[k]) == int(np.round(want[k]))
+
+
+def test_rollback_leaves_no_trace() -> None:
+    states = [make_state(s) for s in range(3)]
+    acc = Accumulator(manifest_of(states[0]))
+    fold(acc, states[0], 5)
+    partial = fold(acc, {k: (v * 1e6 if v.dtype == torch.float32 else v) for k, v in states[2].items()}, 9, commit=False)
+    fold(acc, states[1], 3)
+    partial.rollback()
+    partial.rollback()  # idempotent
+    want = numpy_fedavg(states[:2], [5, 3])
+    got = acc.mean()
+    assert acc.count == 2
+    np.testing.assert_allclose(got["fc.weight"].double().numpy(), want["fc.weight"], rtol=1e-6, atol=1e-7)
+
+
+def test_nan_chunk_is_refused_before_folding() -> None:
+    good = make_state(0)
+    bad = {k: v.clone() for k, v in good.items()}
+    bad["fc.weight"][-1, -1] = float("nan")  # in the last chunk of that tensor
+    acc = Accumulator(manifest_of(good))
+    f = acc.begin(1.0)
+    specs = {s.name: s for s in acc.manifest}
+    with pytest.raises(ChunkError, match="NaN"):
+        for c in iter_chunks(bad.items(), 16384):
+            f.add(specs[c.name], c)
+    f.rollback()
+    assert all(np.all(s == 0) for s in acc.sums.values())
+
+
+def test_cancel_open_rolls_back_in_flight_folds_and_refuses_more() -> None:
+    st = make_state(1)
+    acc = Accumulator(manifest_of(st))
+    f = fold(acc, st, 2, commit=False)
+    assert acc.cancel_open() == 1
+    assert all(np.allclose(s, 0) for s in acc.sums.values())
+    with pytest.raises(ChunkError) as e:
+        f.commit()
+    assert e.value.code == "ABORTED"
+
+
+def test_concurrent_folds_from_threads() -> None:
+    states = [make_state(s) for s in range(6)]
+    acc = Accumulator(manifest_of(states[0]))
+    threads = [threading.Thread(target=fold, args=(acc, st, i + 1, 4096)) for i, st in enumerate(states)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    want = numpy_fedavg(states, [1, 2, 3, 4, 5, 6])
+    np.testing.assert_allclose(acc.mean()["fc.weight"].double().numpy(), want["fc.weight"], rtol=1e-6, atol=1e-7)
+
+
+def test_fedavgm_server_state_against_hand_computation() -> None:
+    algo = registry.resolve("fedavgm", {"server_momentum": 0.5, "server_lr": 1.0})
+    w0 = {"w": torch.tensor([1.0, 2.0])}
+    m1 = {"w": torch.tensor([0.0, 1.0])}
+    out1 = algo.server.finalize(w0, dict(m1), 2)
+    # v1 = 0.5*0 + (w0 - m1) = [1, 1]; w1 = w0 - v1 = [0, 1]
+    assert torch.allclose(out1["w"], torch.tensor([0.0, 1.0]))
+    m2 = {"w": torch.tensor([0.0, 0.0])}
+    out2 = algo.server.finalize(out1, dict(m2), 2)
+    # v2 = 0.5*[1,1] + ([0,1] - [0,0]) = [0.5, 1.5]; w2 = [0,1] - v2 = [-0.5, -0.5]
+    assert torch.allclose(out2["w"], torch.tensor([-0.5, -0.5]))
+    saved = algo.server.state_dict()
+    fresh = registry.resolve("fedavgm", {"server_momentum": 0.5, "server_lr": 1.0})
+    fresh.server.load_state_dict(saved)
+    assert torch.equal(fresh.server.velocity["w"], algo.server.velocity["w"])
+
+
+def test_feddyn_server_state_two_rounds_by_hand() -> None:
+    algo = registry.resolve("feddyn", {"alpha": 0.5}, {"num_clients": 4})
+    assert algo.server.weight(123) == 1.0  # uniform mean over participants
+    w0 = {"w": torch.tensor([1.0])}
+    # round 1: participants w_k = 3 and 5 -> mean 4; h = 0 - 0.5/4*((3-1)+(5-1)) = -0.75; w = 4 - (-0.75/0.5) = 5.5
+    out1 = algo.server.finalize(w0, {"w": torch.tensor([4.0])}, 2)
+    assert torch.allclose(algo.server.h["w"], torch.tensor([-0.75]))
+    assert torch.allclose(out1["w"], torch.tensor([5.5]))
+    # round 2: one participant w_k = 6.5 -> h = -0.75 - 0.5/4*(6.5-5.5) = -0.875; w = 6.5 + 1.75 = 8.25
+    out2 = algo.server.finalize(out1, {"w": torch.tensor([6.5])}, 1)
+    assert torch.allclose(algo.server.h["w"], torch.tensor([-0.875]))
+    assert torch.allclose(out2["w"], torch.tensor([8.25]))

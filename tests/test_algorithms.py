@@ -1,0 +1,128 @@
+"""Algorithms plugged into the one trainer: exact reductions, composition, client state."""
+import copy
+from collections import OrderedDict
+
+import pytest
+import torch
+
+from wafl.client.trainer import Trainer
+from wafl.common.algorithms import registry
+from wafl.common.config import load_config
+from wafl.common.datasets import load_dataset
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_dataset("digits")
+
+
+def one_round(digits, algorithm: str, params: dict | None = None, index: int = 0, rounds_done: int = 0, state_dir=None, pm: bool = False):
+    cfg = load_config(None, {"algorithm": algorithm, "params": params or {}, "local_epochs": 1, "num_clients": 5})
+    t = Trainer(cfg, index, state_dir=state_dir, dataset=digits, device="cpu")
+    g = OrderedDict((k, v.clone()) for k, v in t.gm.state_dict().items())
+    t.begin_round(1 + rounds_done, g)
+    t.train_gm()
+    if pm:
+        t.train_pm(None, 1.0)
+    return t
+
+
+def weights(model) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_scd_with_zero_weights_trains_the_gm_exactly_like_fedavg(digits) -> None:
+    a = one_round(digits, "fedavg")
+    b = one_round(digits, "scd", {"lambda_g": 0, "lambda_p": 0})
+    assert all(torch.equal(x, y) for x, y in zip(weights(a.gm), weights(b.gm)))
+    c = one_round(digits, "scd", {"lambda_g": 0.3})
+    assert not all(torch.equal(x, y) for x, y in zip(weights(a.gm), weights(c.gm)))
+
+
+def test_scd_gm_term_pulls_towards_the_pm_spectrum(digits) -> None:
+    """With a PM different from the global model, the GM term is non-zero and has a gradient."""
+    cfg = load_config(None, {"algorithm": "scd", "local_epochs": 1, "num_clients": 5})
+    t = Trainer(cfg, 0, dataset=digits, device="cpu")
+    g = OrderedDict((k, v.clone()) for k, v in t.gm.state_dict().items())
+    ctx = t.begin_round(1, g)
+    with torch.no_grad():  # a scaled copy has the same normalized spectrum: perturb instead
+        gen = torch.Generator().manual_seed(0)
+        for p in t.pm.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    term = t.algorithm.gm_terms[0]
+    term.begin(ctx, t.gm)
+    x, y = digits.train.tensors[0][:8], digits.train.tensors[1][:8]
+    from wafl.common.algorithms.base import Forward
+
+    h, logits = t.gm.forward_split(x)
+    loss = term(t.gm, Forward(x, y, h, logits, ctx), ctx)
+    assert loss.item() > 0
+    loss.backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in t.gm.parameters())
+
+
+@pytest.mark.parametrize("base", ["fedavg", "fedprox", "feddyn", "fedntd"])
+def test_asd_with_zero_lambda_is_exactly_the_base_method(digits, base: str) -> None:
+    a = one_round(digits, base)
+    b = one_round(digits, f"{base}+asd", {"asd_lambda": 0})
+    assert all(torch.equal(x, y) for x, y in zip(weights(a.gm), weights(b.gm)))
+    c = one_round(digits, f"{base}+asd", {"asd_lambda": 2.0})
+    assert not all(torch.equal(x, y) for x, y in zip(weights(a.gm), weights(c.gm)))
+
+
+def test_composition_appends_one_term_and_keeps_the_base() -> None:
+    base = registry.resolve("fedprox", {"mu": 0.1})
+    both = registry.resolve("fedprox+asd", {"mu": 0.1})
+    assert [t.name for t in base.gm_terms] == ["proximal"]
+    assert [t.name for t in both.gm_terms] == ["proximal", "asd"]
+    dyn = registry.resolve("feddyn+asd", {}, {"num_clients": 7})
+    assert type(dyn.server).__name__ == "FedDynUpdate" and dyn.server.num_clients == 7
+
+
+def test_ditto_pm_is_trained_and_gm_is_plain(digits) -> None:
+    a = one_round(digits, "fedavg")
+    d = one_round(digits, "ditto", pm=True)
+    assert all(torch.equal(x, y) for x, y in zip(weights(a.gm), weights(d.gm)))
+    assert not all(torch.equal(x, y) for x, y in zip(weights(d.gm), weights(d.pm)))
+
+
+def test_feddyn_client_state_persists_across_a_restart(digits, tmp_path) -> None:
+    t = one_round(digits, "feddyn", {"alpha": 0.1}, state_dir=tmp_path)
+    g_k = [g.clone() for g in t.client_state["feddyn_grad"]]
+    assert any(g.abs().sum() > 0 for g in g_k)
+    # g_k = -alpha (w_k - w_g) after the first round (g starts at 0)
+    w_g = [p.detach() for p in t.ctx.teacher.parameters()]
+    for g, wk, wg in zip(g_k, t.gm.parameters(), w_g):
+        assert torch.allclose(g, -0.1 * (wk.detach() - wg), atol=1e-6)
+    cfg = copy.deepcopy(t.cfg)
+    restarted = Trainer(cfg, 0, state_dir=tmp_path, dataset=digits, device="cpu")
+    assert all(torch.equal(a, b) for a, b in zip(restarted.client_state["feddyn_grad"], g_k))
+
+
+def test_pm_persists_across_a_restart(digits, tmp_path) -> None:
+    t = one_round(digits, "scd", state_dir=tmp_path, pm=True)
+    again = Trainer(copy.deepcopy(t.cfg), 0, state_dir=tmp_path, dataset=digits, device="cpu")
+    assert again.pm_initialized
+    assert all(torch.equal(a, b) for a, b in zip(weights(t.pm), weights(again.pm)))
+    other = Trainer(load_config(None, {"algorithm": "scd", "seed": 9, "num_clients": 5}), 0, state_dir=tmp_path, dataset=digits, device="cpu")
+    assert not other.pm_initialized  # another run's state is not picked up
+
+
+def test_fedhkd_shares_knowledge_and_reports_privacy(digits) -> None:
+    t = one_round(digits, "fedhkd", {"sigma": 0.0})
+    k = t.knowledge()
+    assert k and all(len(c.rep) == t.cfg.code_len and abs(float(c.soft.sum()) - 1) < 1e-4 for c in k.values())
+    counts = torch.bincount(torch.as_tensor(digits.train_labels[t.train_idx]), minlength=10)
+    assert {c.class_id for c in k.values()} == {j for j in range(10) if counts[j] >= 0.25 * counts.sum()}
+    noisy = registry.resolve("fedhkd", {"sigma": 7.0})
+    one, run = noisy.privacy(1), noisy.privacy(30)
+    assert 0 < one["epsilon_per_release"] < run["epsilon_per_run"]
+    assert registry.resolve("fedhkd", {"sigma": 0.0}).privacy(3)["epsilon_per_run"] is None
+
+
+def test_training_on_digits_beats_chance(digits) -> None:
+    t = one_round(digits, "fedavg")
+    for _ in range(3):
+        t.train_gm()
+    acc, n = t.evaluate_local(t.gm)
+    assert n > 0 and acc > 0.5

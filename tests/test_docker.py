@@ -1,0 +1,708 @@
+"""Container deployment (docker/): what can be checked without a Docker engine.
+
+* the compose files validate (``docker-compose config``; without it, a PyYAML structural check;
+  without either, those tests skip and say why) and their commands parse with the wafl CLI;
+* the Dockerfile's structure and its dependency split;
+* the entrypoint, run outside a container: client index derivation (environment, names,
+  reverse DNS against a local fake DNS server), the shaping command built for WAFL_LINK_RATE,
+  the path without CAP_NET_ADMIN, privilege dropping, the health probe against a real server
+  and a closed port;
+* the compose file's server and client, translated to processes on localhost (service name
+  ``server`` -> 127.0.0.1, volumes -> temporary folders, container names -> WAFL_CLIENT_NAME)
+  and started through the entrypoint, run one round of a two-client federation.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+DOCKER = REPO / "docker"
+COMPOSE = DOCKER / "docker-compose.yml"
+SHAPED = DOCKER / "compose.shaped.yml"
+GPU = DOCKER / "compose.gpu.yml"
+DOCKERFILE = DOCKER / "Dockerfile"
+IGNORE = DOCKER / "Dockerfile.dockerignore"
+ENTRYPOINT = DOCKER / "entrypoint.py"
+EXPECTED_TC = "tc qdisc replace dev {dev} root tbf rate 20000000bit burst 32768b latency 50ms"
+
+
+def _load_entrypoint() -> Any:
+    spec = importlib.util.spec_from_file_location("wafl_docker_entrypoint", ENTRYPOINT)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+ep = _load_entrypoint()
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    """The test's environment without WAFL_* variables, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WAFL_")}
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+def _entrypoint(*args: str, env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(ENTRYPOINT), *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# --------------------------------------------------------------------------- compose config
+
+
+_YAML_TO_JSON = "import json, sys, yaml; json.dump(yaml.safe_load(sys.stdin), sys.stdout)"
+
+
+def _compose_cli() -> list[str] | None:
+    if shutil.which("docker-compose"):
+        return [shutil.which("docker-compose") or "docker-compose"]
+    if shutil.which("docker"):
+        probe = subprocess.run(["docker", "compose", "version"], capture_output=True, text=True)
+        if probe.returncode == 0:
+            return ["docker", "compose"]
+    return None
+
+
+def _yaml_converters(cli: list[str]) -> Iterator[list[str]]:
+    """Interpreters with PyYAML: this one, then the one docker-compose (v1, Python) runs on."""
+    try:
+        import yaml  # noqa: F401
+
+        yield [sys.executable, "-c", _YAML_TO_JSON]
+    except ImportError:
+        pass
+    first = Path(cli[0])
+    try:
+        shebang = first.read_bytes()[:200].split(b"\n", 1)[0].decode()
+    except (OSError, UnicodeDecodeError):
+        return
+    if shebang.startswith("#!") and "python" in shebang:
+        yield [*shlex.split(shebang[2:]), "-c", _YAML_TO_JSON]
+
+
+_INTERP = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}")
+
+
+def _interpolate(value: Any, env: dict[str, str]) -> Any:
+    if isinstance(value, str):
+        return _INTERP.sub(lambda m: env.get(m.group(1)) or (m.group(2) or ""), value)
+    if isinstance(value, list):
+        return [_interpolate(v, env) for v in value]
+    if isinstance(value, dict):
+        return {k: _interpolate(v, env) for k, v in value.items()}
+    return value
+
+
+def compose_config(files: list[Path], env: dict[str, str] | None = None, profiles: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The resolved compose configuration of ``files``, as docker-compose sees it."""
+    env = {**_clean_env(), **(env or {})}
+    cli = _compose_cli()
+    if cli is None:
+        try:
+            import yaml
+        except ImportError:
+            pytest.skip("neither docker-compose (Debian package docker-compose) nor PyYAML is available to read the compose files")
+        if len(files) != 1:
+            pytest.skip("merging compose override files needs docker-compose")
+        raw = yaml.safe_load(files[0].read_text())
+        return _interpolate({k: v for k, v in raw.items() if not k.startswith("x-")}, env)
+    cmd = [*cli, "--project-directory", str(DOCKER)]
+    for f in files:
+        cmd += ["-f", str(f)]
+    for p in profiles:
+        cmd += ["--profile", p]
+    cmd.append("config")
+    as_json = subprocess.run([*cmd, "--format", "json"], capture_output=True, text=True, env=env, timeout=60)
+    if as_json.returncode == 0 and as_json.stdout.lstrip().startswith("{"):
+        return json.loads(as_json.stdout)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0, f"{shlex.join(cmd)} failed:\n{proc.stderr}"
+    for conv in _yaml_converters(cli):
+        out = subprocess.run(conv, input=proc.stdout, capture_output=True, text=True, timeout=60)
+        if out.returncode == 0:
+            return json.loads(out.stdout)
+    pytest.skip(f"{shlex.join(cmd)} validated the file, but no PyYAML is available to read its output")
+
+
+def _environment(service: dict[str, Any]) -> dict[str, str]:
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) if "=" in item else (item, "") for item in env)
+    return {k: "" if v is None else str(v) for k, v in env.items()}
+
+
+def _mounts(service: dict[str, Any]) -> dict[str, str]:
+    """container path -> source, for the short (``src:dst[:mode]``) and long volume syntax."""
+    out = {}
+    for v in service.get("volumes") or []:
+        if isinstance(v, dict):
+            out[v["target"]] = str(v.get("source", ""))
+        else:
+            parts = v.split(":")
+            out[parts[1]] = parts[0]
+    return out
+
+
+def _replicas(service: dict[str, Any]) -> int:
+    return int((service.get("deploy") or {}).get("replicas", service.get("scale", 1)))
+
+
+def test_compose_file_validates() -> None:
+    cfg = compose_config([COMPOSE])
+    services = cfg["services"]
+    assert {"server", "client"} <= set(services)
+    server, client = services["server"], services["client"]
+    # one image for both roles, the role is the command
+    assert server["image"] == client["image"]
+    assert server["command"][0] == "server" and client["command"] == ["client"]
+    # the shared results volume and the data folder
+    assert _mounts(server)["/results"] == _mounts(client)["/results"]
+    assert "/data" in _mounts(server) and "/data" in _mounts(client)
+    assert "results" in cfg["volumes"]
+    # the health check is the gRPC health probe of the entrypoint, clients wait for it
+    assert server["healthcheck"]["test"][-2:] == ["wafl-entrypoint", "--health"]
+    assert client["depends_on"]["server"]["condition"] == "service_healthy"
+    # scaled replicas must not share a fixed name: they derive their index from it
+    assert "container_name" not in client and "hostname" not in client
+    assert _environment(client)["WAFL_CLIENT_INDEX"] == ""
+    assert _environment(client)["WAFL_SERVER"] == "server:50051"
+    assert _replicas(client) == 4
+    for service in (server, client):
+        assert "WAFL_LINK_RATE" in _environment(service)
+
+
+def test_compose_environment_switches() -> None:
+    env = {"WAFL_PROTOCOL": "compute-and-wait", "WAFL_ALGORITHM": "fedprox", "WAFL_CLIENTS": "7", "WAFL_ROUNDS": "3", "WAFL_RUN": "cw", "WAFL_DATASET": "cifar10", "WAFL_LINK_RATE": "5mbit"}
+    cfg = compose_config([COMPOSE], env)
+    server, client = cfg["services"]["server"], cfg["services"]["client"]
+    cmd = server["command"]
+    for flag, value in (("--protocol", "compute-and-wait"), ("--algorithm", "fedprox"), ("--clients", "7"), ("--rounds", "3"), ("--dataset", "cifar10"), ("--out", "/results/cw")):
+        assert cmd[cmd.index(flag) + 1] == value
+    assert _replicas(client) == 7
+    assert _environment(client)["WAFL_STATE_DIR"] == "/results/cw/clients"
+    assert _environment(server)["WAFL_LINK_RATE"] == _environment(client)["WAFL_LINK_RATE"] == "5mbit"
+
+
+def test_compose_benchmark_profile() -> None:
+    cfg = compose_config([COMPOSE], {"WAFL_CLIENTS": "3", "WAFL_ROUNDS": "5"}, profiles=("bench",))
+    bench = cfg["services"]["bench"]
+    assert bench["profiles"] == ["bench"]
+    assert bench["command"][:2] == ["bench", "protocols"]
+    out = bench["command"][bench["command"].index("--out") + 1]
+    results = _mounts(bench)["/results"]
+    assert out.startswith("/results/") and results == _mounts(cfg["services"]["server"])["/results"]
+    assert bench["command"][bench["command"].index("--clients") + 1] == "3"
+    assert bench["image"] == cfg["services"]["server"]["image"]
+
+
+def test_compose_commands_parse_with_the_cli() -> None:
+    """What the services run is accepted by the wafl CLI itself (no flag the CLI lacks)."""
+    from wafl.cli.main import build_parser
+
+    cfg = compose_config([COMPOSE], profiles=("bench",))
+    parser = build_parser()
+    for name in ("server", "client", "bench"):
+        command = cfg["services"][name]["command"]
+        if name == "client":
+            command = [*command, "--index", "0"]  # what the entrypoint supplies (as WAFL_CLIENT_INDEX)
+        args = parser.parse_args(command)
+        assert args.command == command[0]
+    server = parser.parse_args(cfg["services"]["server"]["command"])
+    assert (server.num_clients, server.rounds, server.protocol, server.algorithm) == (4, 25, "wait-free", "fedavg")
+
+
+def test_compose_overrides_validate() -> None:
+    shaped = compose_config([COMPOSE, SHAPED], profiles=("bench",))["services"]
+    for name in ("server", "client"):
+        assert "NET_ADMIN" in shaped[name]["cap_add"]
+        assert str(shaped[name]["user"]).startswith("0")
+    assert shaped["bench"]["privileged"] is True
+    gpu = compose_config([COMPOSE, GPU], profiles=("bench",))["services"]
+    assert gpu["client"]["build"]["args"]["TORCH_VARIANT"] == "cu128"
+    devices = gpu["client"]["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["capabilities"] == ["gpu"]
+    assert _environment(gpu["client"])["WAFL_DEVICE"] == "cuda"
+    assert _replicas(gpu["client"]) == 4  # the base file's replica count survives the merge
+
+
+# --------------------------------------------------------------------------- Dockerfile
+
+
+def _instructions() -> list[tuple[str, str]]:
+    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+def test_dockerfile_structure() -> None:
+    ins = _instructions()
+    runtime = ins[max(i for i, (w, r) in enumerate(ins) if w == "FROM"):]
+    users = [r for w, r in runtime if w == "USER"]
+    assert users and users[-1] not in ("root", "0", "0:0")
+    entry = json.loads(next(r for w, r in runtime if w == "ENTRYPOINT"))
+    assert entry[-1] == "wafl-entrypoint"
+    health = next(r for w, r in runtime if w == "HEALTHCHECK")
+    assert json.loads(health[health.index("CMD") + 3:].strip()) == ["wafl-entrypoint", "--health"]
+    assert any(w == "COPY" and r.split()[-2:] == ["docker/entrypoint.py", "/usr/local/bin/wafl-entrypoint"] for w, r in runtime)
+    assert any(w == "ARG" and r == "TORCH_VARIANT=cpu" for w, r in ins)
+    assert "https://download.pytorch.org/whl/${TORCH_VARIANT}" in DOCKERFILE.read_text()
+    # dependencies are installed before the package source is copied (cache layering)
+    deps_install = next(i for i, (w, r) in enumerate(ins) if w == "RUN" and "requirements.txt" in r and "pip install" in r)
+    first_source = next(i for i, (w, r) in enumerate(ins) if w == "COPY" and r.split()[0] in ("common", "server", "client", "cli"))
+    assert deps_install < first_source
+
+
+def test_dockerfile_sources_are_in_the_build_context() -> None:
+    """Every COPY source exists and passes the allow-list of Dockerfile.dockerignore."""
+    allowed = [line[1:] for line in IGNORE.read_text().splitlines() if line.startswith("!")]
+    assert "*" in IGNORE.read_text().splitlines()  # everything else is excluded
+    sources = []
+    for word, rest in _instructions():
+        if word == "COPY" and "--from=" not in rest:
+            sources += [s for s in rest.split()[:-1] if not s.startswith("--")]
+    assert sources
+    for src in sources:
+        assert (REPO / src).exists(), src
+        assert any(src == a or src.startswith(a + "/") for a in allowed), f"{src} is excluded from the build context"
+
+
+def test_dockerfile_dependency_split(tmp_path: Path) -> None:
+    """The requirements stage's script puts torch/torchvision apart from the other dependencies."""
+    run = next(r for w, r in _instructions() if w == "RUN" and "tomllib" in r)
+    code = shlex.split(run)[2]
+    code = code.replace("/src/pyproject.toml", str(REPO / "pyproject.toml"))
+    code = code.replace("/torch.txt", str(tmp_path / "torch.txt")).replace("/requirements.txt", str(tmp_path / "requirements.txt"))
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
+    import tomllib
+
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    torch = (tmp_path / "torch.txt").read_text().split()
+    rest = (tmp_path / "requirements.txt").read_text().split()
+    assert sorted(d.split("==")[0] for d in torch) == ["torch", "torchvision"]
+    assert sorted(torch + rest) == sorted(deps)
+
+
+# --------------------------------------------------------------------------- entrypoint: index
+
+
+def _names(*pairs: tuple[str, str | None]) -> Any:
+    return lambda env: iter(pairs)
+
+
+@pytest.mark.parametrize(
+    ("name", "offset", "expected"),
+    [
+        ("wafl-client-1", "", 0),  # compose v2 container name, replica 1
+        ("wafl_client_3", "", 2),  # compose v1
+        ("docker-client-12.docker_default", "", 11),  # Docker's reverse DNS answer
+        ("docker-client-2.docker_default.", "4", 5),  # second host: index offset
+        ("client-7", "0", 6),  # swarm: hostname: client-{{.Task.Slot}}
+    ],
+)
+def test_index_from_replica_name(name: str, offset: str, expected: int) -> None:
+    env = {"WAFL_CLIENT_INDEX_OFFSET": offset}
+    index, source = ep.derive_index(env, _names(("hostname", "0123456789ab"), ("reverse DNS", name)))
+    assert index == expected
+    assert name in source
+
+
+def test_index_from_environment_wins() -> None:
+    assert ep.derive_index({"WAFL_CLIENT_INDEX": "5", "WAFL_CLIENT_INDEX_OFFSET": "9"}, _names(("hostname", "x-client-2"))) == (5, "WAFL_CLIENT_INDEX")
+    with pytest.raises(ep.EntrypointError, match="WAFL_CLIENT_INDEX='one'"):
+        ep.derive_index({"WAFL_CLIENT_INDEX": "one"}, _names())
+
+
+def test_index_failures_say_what_to_do() -> None:
+    with pytest.raises(ep.EntrypointError) as info:
+        ep.derive_index({}, _names(("hostname", "3f2a1b9c0d12"), ("reverse DNS of 172.18.0.4 via 127.0.0.11:53", None)))
+    message = str(info.value)
+    assert info.value.code == 2
+    assert "WAFL_CLIENT_INDEX" in message and "--scale client=N" in message
+    assert "hostname '3f2a1b9c0d12'" in message and "127.0.0.11:53: no name" in message
+    with pytest.raises(ep.EntrypointError, match="start at 1"):
+        ep.derive_index({}, _names(("WAFL_CLIENT_NAME", "client-0")))
+    with pytest.raises(ep.EntrypointError, match="OFFSET"):
+        ep.derive_index({"WAFL_CLIENT_INDEX_OFFSET": "-1"}, _names(("hostname", "client-1")))
+
+
+class FakeDNS:
+    """A UDP DNS server on localhost answering every PTR query with ``name`` (or NXDOMAIN)."""
+
+    def __init__(self, name: str | None) -> None:
+        self.name = name
+        self.queries: list[str] = []
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.settimeout(0.2)
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                msg, peer = self.sock.recvfrom(512)
+            except OSError:
+                continue
+            qid = msg[:2]
+            end = msg.index(b"\0", 12) + 5  # question: name, type, class
+            labels, i = [], 12
+            while msg[i]:
+                labels.append(msg[i + 1 : i + 1 + msg[i]].decode())
+                i += 1 + msg[i]
+            self.queries.append(".".join(labels))
+            if self.name is None:
+                self.sock.sendto(qid + struct.pack(">HHHHH", 0x8183, 1, 0, 0, 0) + msg[12:end], peer)
+                continue
+            rdata = b"".join(bytes([len(p)]) + p.encode() for p in self.name.split(".")) + b"\0"
+            answer = b"\xc0\x0c" + struct.pack(">HHIH", 12, 1, 600, len(rdata)) + rdata  # name: pointer to the question
+            self.sock.sendto(qid + struct.pack(">HHHHH", 0x8180, 1, 1, 0, 0) + msg[12:end] + answer, peer)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self.sock.close()
+
+
+def test_index_from_reverse_dns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The path a `--scale` replica takes: a PTR query for its own address to the resolver."""
+    monkeypatch.setattr(ep.socket, "gethostname", lambda: "3f2a1b9c0d12")  # a container's default hostname
+    monkeypatch.setattr(ep, "own_addresses", lambda: ["172.18.0.5"])
+    dns = FakeDNS("wafl-client-4.wafl_default")
+    try:
+        index, source = ep.derive_index({"WAFL_DNS_SERVER": dns.address})
+    finally:
+        dns.close()
+    assert (index, source) == (3, "reverse DNS of 172.18.0.5 'wafl-client-4.wafl_default'")
+    assert dns.queries == ["5.0.18.172.in-addr.arpa"]
+    nx = FakeDNS(None)
+    try:
+        with pytest.raises(ep.EntrypointError, match=r"reverse DNS of 172\.18\.0\.5 via 127\.0\.0\.1:\d+: no name"):
+            ep.derive_index({"WAFL_DNS_SERVER": nx.address})
+    finally:
+        nx.close()
+
+
+def test_nameservers_from_resolv_conf(tmp_path: Path) -> None:
+    conf = tmp_path / "resolv.conf"
+    conf.write_text("search example\nnameserver 127.0.0.11\nnameserver fe80::1\noptions ndots:0\n")
+    assert ep.nameservers({}, str(conf)) == [("127.0.0.11", 53)]
+    assert ep.nameservers({"WAFL_DNS_SERVER": "10.0.0.2:5353"}, str(conf)) == [("10.0.0.2", 5353)]
+
+
+def test_print_index_script() -> None:
+    ok = _entrypoint("--print-index", env=_clean_env(WAFL_CLIENT_NAME="proj-client-3", WAFL_CLIENT_INDEX_OFFSET="10"))
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.strip() == "12"
+    assert "WAFL_CLIENT_NAME 'proj-client-3'" in ok.stderr
+    if ep.replica_number(socket.gethostname()) is not None:
+        pytest.skip(f"this machine's hostname {socket.gethostname()!r} itself ends in a replica number")
+    dns = FakeDNS(None)
+    try:
+        bad = _entrypoint("--print-index", env=_clean_env(WAFL_DNS_SERVER=dns.address))
+    finally:
+        dns.close()
+    assert bad.returncode == 2
+    assert "cannot derive the client index" in bad.stderr and "WAFL_CLIENT_INDEX" in bad.stderr
+
+
+# --------------------------------------------------------------------------- entrypoint: plan, shaping
+
+
+def _dry_run(*args: str, **env: str) -> dict[str, Any]:
+    proc = _entrypoint("--dry-run", *args, env=_clean_env(**env))
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_dry_run_server_shaping_command() -> None:
+    p = _dry_run("server", "--clients", "2", "--port", "50099", WAFL_LINK_RATE="20mbit", WAFL_LINK_DEV="eth1", WAFL_ARGS="--set lr=0.01")
+    assert p["command"] == "server"
+    assert p["argv"] == [sys.executable, "-m", "wafl.cli.main", "server", "--clients", "2", "--port", "50099", "--set", "lr=0.01"]
+    assert p["shape"]["cmd"] == [sys.executable, "-m", "wafl.cli.netns", "shape", "--dev", "eth1", "--rate", "20mbit"]
+    assert p["shape"]["tc"] == EXPECTED_TC.format(dev="eth1")
+    assert p["health"] == "127.0.0.1:50099"
+    assert p["run_as"] == "wafl"
+
+
+def test_dry_run_client_and_wafl_prefix() -> None:
+    p = _dry_run("wafl", "client", WAFL_CLIENT_NAME="wafl-client-2", WAFL_SERVER="10.0.0.1:50051", WAFL_LINK_RATE="20mbit")
+    assert p["argv"][3:] == ["client"]
+    assert p["env"] == {"WAFL_CLIENT_INDEX": "1"} and p["index"] == 1
+    assert p["shape"]["tc"] == EXPECTED_TC.format(dev="eth0")
+    assert p["health"] == "10.0.0.1:50051"
+    explicit = _dry_run("client", "--index", "4", "--server", "h:1")
+    assert explicit["env"] == {} and explicit["index"] is None and explicit["health"] == "h:1"
+
+
+def test_dry_run_bench_gets_link_rate_and_keeps_root() -> None:
+    p = _dry_run("bench", "protocols", "--out", "/results/bench", WAFL_LINK_RATE="20mbit")
+    assert p["argv"][3:] == ["bench", "protocols", "--out", "/results/bench", "--link-rate", "20mbit"]
+    assert p["shape"] is None and p["run_as"] == "" and p["health"] is None
+    plain = _dry_run("bench", "protocols", "--out", "/results/bench")
+    assert "--link-rate" not in plain["argv"] and plain["run_as"] == "wafl"
+
+
+def test_dry_run_rejects_a_bad_rate() -> None:
+    proc = _entrypoint("--dry-run", "server", env=_clean_env(WAFL_LINK_RATE="fast"))
+    assert proc.returncode == 2
+    assert "WAFL_LINK_RATE='fast'" in proc.stderr and "link-rate" in proc.stderr
+
+
+def test_has_net_admin() -> None:
+    assert ep.has_net_admin("Name:\tx\nCapEff:\t000001ffffffffff\n") is True
+    assert ep.has_net_admin("CapEff:\t0000000000000000\n") is False
+    assert ep.has_net_admin("CapEff:\t0000000000001000\n") is True  # bit 12 alone
+    assert ep.has_net_admin("CapEff:\t0000000000000fff\n") is False
+
+
+def _main(argv: list[str], env: dict[str, str], net_admin: bool, run_code: int = 0) -> tuple[int, list[list[str]], list[list[str]], str]:
+    execs: list[list[str]] = []
+    runs: list[list[str]] = []
+
+    def fake_run(cmd: list[str]) -> int:
+        runs.append(cmd)
+        return run_code
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = ep.main(argv, env, execve=lambda path, args, e: execs.append(args), run=fake_run, net_admin=lambda: net_admin)
+    return code, execs, runs, err.getvalue()
+
+
+def test_shaping_runs_the_cli_then_starts_wafl(tmp_path: Path) -> None:
+    env = {"WAFL_LINK_RATE": "20mbit", "WAFL_ROLE_FILE": str(tmp_path / "role.json"), "WAFL_RUN_AS": ""}
+    code, execs, runs, _ = _main(["server"], env, net_admin=True)
+    assert code == 0
+    assert runs == [[sys.executable, "-m", "wafl.cli.netns", "shape", "--dev", "eth0", "--rate", "20mbit"]]
+    assert execs == [[sys.executable, "-m", "wafl.cli.main", "server"]]
+    assert json.loads((tmp_path / "role.json").read_text()) == {"command": "server", "health": "127.0.0.1:50051"}
+    # the CLI says shaping is unavailable (exit 77): so does the entrypoint, and nothing starts
+    code, execs, _, err = _main(["client", "--index", "1"], env, net_admin=True, run_code=77)
+    assert code == 77 and execs == []
+    assert "not available" in err and "WAFL_LINK_OPTIONAL" in err
+
+
+def test_without_net_admin_exits_77_or_warns(tmp_path: Path) -> None:
+    env = {"WAFL_LINK_RATE": "20mbit", "WAFL_ROLE_FILE": str(tmp_path / "role.json"), "WAFL_RUN_AS": ""}
+    code, execs, runs, err = _main(["server"], env, net_admin=False)
+    assert code == 77 and execs == [] and runs == []
+    assert "CAP_NET_ADMIN" in err and "cap_add: [NET_ADMIN]" in err and "compose.shaped.yml" in err
+    code, execs, runs, err = _main(["server"], {**env, "WAFL_LINK_OPTIONAL": "1"}, net_admin=False)
+    assert code == 0 and runs == []
+    assert execs == [[sys.executable, "-m", "wafl.cli.main", "server"]]
+    assert "warning" in err and "unshaped" in err
+
+
+def test_without_net_admin_script(tmp_path: Path) -> None:
+    """The script itself, in a process that really lacks CAP_NET_ADMIN: exit 77, nothing started."""
+    prefix: list[str] = []
+    if ep.has_net_admin():
+        if os.geteuid() != 0 or shutil.which("setpriv") is None:
+            pytest.skip("cannot start a process without CAP_NET_ADMIN here (needs setpriv as root)")
+        prefix = ["setpriv", "--inh-caps=-net_admin", "--bounding-set=-net_admin"]
+    env = _clean_env(WAFL_LINK_RATE="1mbit", WAFL_LINK_DEV="wafltest0", WAFL_ROLE_FILE=str(tmp_path / "role.json"))
+    proc = subprocess.run([*prefix, sys.executable, str(ENTRYPOINT), "server", "--port", "1"], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 77, proc.stderr
+    assert "needs CAP_NET_ADMIN" in proc.stderr and "wafltest0" in proc.stderr
+    assert not (tmp_path / "role.json").exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping privileges needs root")
+def test_drop_privileges_as_root() -> None:
+    """Started as root (to shape), the entrypoint becomes the unprivileged user before exec."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: drop, report, exit without running pytest's cleanup
+        try:
+            env: dict[str, str] = {}
+            ep.drop_privileges("nobody", env)
+            os.write(write, json.dumps([os.getuid(), os.geteuid(), os.getgroups(), env.get("USER")]).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    data = os.read(read, 4096)
+    os.close(read)
+    os.waitpid(pid, 0)
+    uid, euid, groups, user = json.loads(data)
+    import pwd
+
+    nobody = pwd.getpwnam("nobody").pw_uid
+    assert (uid, euid, user) == (nobody, nobody, "nobody")
+    assert 0 not in groups
+    assert ep.drop_privileges("no-such-user-wafl", {}) == "user 'no-such-user-wafl' does not exist here; staying uid 0"
+
+
+# --------------------------------------------------------------------------- entrypoint: health
+
+
+def test_health_probe_closed_port(tmp_path: Path) -> None:
+    port = _free_port()
+    role = tmp_path / "role.json"
+    role.write_text(json.dumps({"command": "client", "health": f"127.0.0.1:{port}"}))
+    proc = _entrypoint("--health", env=_clean_env(WAFL_ROLE_FILE=str(role), WAFL_HEALTH_TIMEOUT="2"))
+    assert proc.returncode != 0
+    assert f"127.0.0.1:{port}" in proc.stderr and "UNAVAILABLE" in proc.stderr
+    # no role file yet: the server default, WAFL_PORT
+    proc = _entrypoint("--health", env=_clean_env(WAFL_ROLE_FILE=str(tmp_path / "missing.json"), WAFL_PORT=str(port), WAFL_HEALTH_TIMEOUT="2"))
+    assert proc.returncode != 0 and f"127.0.0.1:{port}" in proc.stderr
+
+
+def test_health_probe_nothing_to_probe(tmp_path: Path) -> None:
+    role = tmp_path / "role.json"
+    role.write_text(json.dumps({"command": "bench", "health": None}))
+    proc = _entrypoint("--health", env=_clean_env(WAFL_ROLE_FILE=str(role)))
+    assert proc.returncode == 0 and "nothing to probe" in proc.stdout
+
+
+def _wait_healthy(health: list[str], env: dict[str, str], server: subprocess.Popen[bytes], log: Path, timeout: float = 120) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert server.poll() is None, f"the server exited with {server.returncode}:\n{log.read_text()[-3000:]}"
+        probe = subprocess.run(health, env=env, capture_output=True, text=True, timeout=60)
+        if probe.returncode == 0:
+            return probe.stdout
+        time.sleep(0.5)
+    raise AssertionError(f"the server never became healthy:\n{log.read_text()[-3000:]}")
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def test_health_probe_real_server(tmp_path: Path) -> None:
+    """The container health check against a real `wafl server` started through the entrypoint."""
+    port = _free_port()
+    env = _clean_env(WAFL_ROLE_FILE=str(tmp_path / "role.json"), WAFL_PORT=str(port), WAFL_RUN_AS="")
+    log = tmp_path / "server.log"
+    with open(log, "wb") as f:
+        server = subprocess.Popen([sys.executable, str(ENTRYPOINT), "server", "--clients", "1", "--rounds", "1", "--out", str(tmp_path / "out"), "--quiet"], env=env, stdout=f, stderr=subprocess.STDOUT)
+    try:
+        out = _wait_healthy([sys.executable, str(ENTRYPOINT), "--health"], env, server, log)
+        assert out.strip() == f"127.0.0.1:{port}: SERVING"
+        assert json.loads((tmp_path / "role.json").read_text()) == {"command": "server", "health": f"127.0.0.1:{port}"}
+    finally:
+        _stop([server])
+    after = _entrypoint("--health", env={**env, "WAFL_HEALTH_TIMEOUT": "2"})
+    assert after.returncode != 0
+
+
+# --------------------------------------------------------------------------- compose -> processes
+
+
+def _image_entrypoint() -> list[str]:
+    """The image's ENTRYPOINT, translated: tini is a PID 1 concern, wafl-entrypoint is the script."""
+    entry = json.loads(next(r for w, r in reversed(_instructions()) if w == "ENTRYPOINT"))
+    assert entry[-1] == "wafl-entrypoint"
+    return [sys.executable, str(ENTRYPOINT)]
+
+
+def test_compose_federation_as_processes(tmp_path: Path) -> None:
+    """The compose file's server and two client replicas, as local processes, run one round."""
+    cfg = compose_config([COMPOSE], {"WAFL_CLIENTS": "2", "WAFL_ROUNDS": "1", "WAFL_DATASET": "digits", "WAFL_RUN": "compose-test", "WAFL_SERVER_ARGS": "--set local_epochs=1 --seed 3"})
+    server_svc, client_svc = cfg["services"]["server"], cfg["services"]["client"]
+    port = _free_port()
+    folders = {"/results": tmp_path / "results", "/data": tmp_path / "data"}
+    for target in set(_mounts(server_svc)) | set(_mounts(client_svc)):
+        assert target in folders, f"no translation for volume {target}"
+    for path in folders.values():
+        path.mkdir()
+    container_port = str(server_svc["ports"][0]["target"] if isinstance(server_svc["ports"][0], dict) else server_svc["ports"][0].split(":")[-1])
+
+    def translate(value: str) -> str:
+        value = value.replace(f"server:{container_port}", f"127.0.0.1:{port}")
+        for target, path in folders.items():
+            if value == target or value.startswith(target + "/"):
+                value = str(path) + value[len(target):]
+        return value
+
+    def service_env(service: dict[str, Any], name: str) -> dict[str, str]:
+        env = {k: translate(v) for k, v in _environment(service).items()}
+        env.update(WAFL_ROLE_FILE=str(tmp_path / f"{name}.role.json"), WAFL_RUN_AS="")  # processes stay this user
+        return _clean_env(**env)
+
+    entry = _image_entrypoint()
+    server_env = service_env(server_svc, "server")
+    assert server_env["WAFL_PORT"] == container_port
+    server_env["WAFL_PORT"] = str(port)  # the container's port -> a free one on localhost
+    server_cmd = [*entry, *(translate(a) for a in server_svc["command"])]
+    health = [*entry, *server_svc["healthcheck"]["test"][2:]]  # ["CMD", "wafl-entrypoint", "--health"]
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        with open(logs / "server.log", "wb") as f:
+            server = subprocess.Popen(server_cmd, env=server_env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        procs.append(server)
+        # depends_on: condition: service_healthy
+        assert _wait_healthy(health, server_env, server, logs / "server.log").strip() == f"127.0.0.1:{port}: SERVING"
+        replicas = _replicas(client_svc)
+        assert replicas == 2
+        for replica in range(1, replicas + 1):
+            env = service_env(client_svc, f"client-{replica}")
+            env["WAFL_CLIENT_NAME"] = f"wafl-client-{replica}"  # the name compose gives replica N
+            with open(logs / f"client-{replica}.log", "wb") as f:
+                procs.append(subprocess.Popen([*entry, *client_svc["command"]], env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True))
+        try:
+            server.wait(timeout=180)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("the federation did not finish:\n" + "\n".join(p.read_text()[-2000:] for p in sorted(logs.iterdir()))) from None
+        codes = []
+        for p in procs[1:]:
+            codes.append(p.wait(timeout=60))
+    finally:
+        _stop(procs)
+    server_log = (logs / "server.log").read_text()
+    assert server.returncode == 0, server_log[-3000:]
+    assert codes == [0, 0], [(logs / f"client-{i}.log").read_text()[-2000:] for i in (1, 2)]
+    for replica in (1, 2):
+        assert f"client index {replica - 1} from WAFL_CLIENT_NAME 'wafl-client-{replica}'" in (logs / f"client-{replica}.log").read_text()
+    out = tmp_path / "results" / "compose-test"
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert len(rows) == 1
+    assert rows[0]["round"] == 1 and 0.0 <= rows[0]["gm_accuracy"] <= 1.0
+    assert rows[0]["clients"] == 2
+    assert (out / "clients").is_dir()  # WAFL_STATE_DIR of the clients, in the shared volume
+    # the run is over, the server is gone: the health check now fails
+    after = subprocess.run(health, env={**server_env, "WAFL_HEALTH_TIMEOUT": "2"}, capture_output=True, text=True, timeout=60)
+    assert after.returncode != 0

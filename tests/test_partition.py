@@ -1,0 +1,79 @@
+"""Partitions: deterministic from the seed, disjoint, the skew they promise, local test sets."""
+import numpy as np
+import pytest
+
+from wafl.common.datasets import load_dataset
+from wafl.common.partition import client_shard, dirichlet_equal_partition, dirichlet_partition, iid_partition, local_test_indices, partition
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_dataset("digits")
+
+
+def test_digits_split_is_fixed_and_balanced(digits) -> None:
+    assert len(digits.train_labels) + len(digits.test_labels) == 1797
+    again = load_dataset("digits")
+    assert np.array_equal(digits.test_labels, again.test_labels)
+    counts = np.bincount(digits.test_labels)
+    assert counts.min() >= 35 and counts.max() <= 37
+
+
+@pytest.mark.parametrize("kind", ["dirichlet", "dirichlet-equal", "iid"])
+def test_partition_is_deterministic_and_disjoint(digits, kind: str) -> None:
+    a = partition(digits.train_labels, 10, kind, 0.5, 0.3, seed=3)
+    b = partition(digits.train_labels, 10, kind, 0.5, 0.3, seed=3)
+    c = partition(digits.train_labels, 10, kind, 0.5, 0.3, seed=4)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert not all(np.array_equal(x, y) for x, y in zip(a, c))
+    flat = np.concatenate(a)
+    assert len(flat) == len(np.unique(flat))
+
+
+def test_dirichlet_covers_everything_and_skews_with_alpha(digits) -> None:
+    y = digits.train_labels
+
+    def mean_max_share(alpha: float) -> float:
+        shards = dirichlet_partition(y, 10, alpha, seed=0)
+        assert sorted(np.concatenate(shards).tolist()) == list(range(len(y)))
+        return float(np.mean([np.bincount(y[s], minlength=10).max() / len(s) for s in shards]))
+
+    # a client's largest class share grows as alpha shrinks; IID-like is ~0.1-0.2
+    assert mean_max_share(0.1) > mean_max_share(0.5) > mean_max_share(100.0)
+    assert mean_max_share(100.0) < 0.2
+    assert mean_max_share(0.1) > 0.5
+
+
+def test_every_dirichlet_client_gets_min_size(digits) -> None:
+    shards = dirichlet_partition(digits.train_labels, 20, 0.1, seed=1, min_size=10)
+    assert min(len(s) for s in shards) >= 10
+
+
+def test_dirichlet_equal_sizes_and_prior_skew(digits) -> None:
+    y = digits.train_labels
+    shards = dirichlet_equal_partition(y, 20, 0.3, seed=0)
+    assert {len(s) for s in shards} == {len(y) // 20}
+    shares = [np.bincount(y[s], minlength=10).max() / len(s) for s in shards]
+    assert np.mean(shares) > 0.35  # Dir(0.3) priors concentrate on few classes
+
+
+def test_iid_sizes() -> None:
+    shards = iid_partition(103, 10, seed=0)
+    assert sorted(len(s) for s in shards) == [10] * 7 + [11] * 3
+
+
+def test_local_test_set_follows_train_proportions(digits) -> None:
+    train_labels = np.array([0] * 60 + [3] * 30 + [7] * 10)
+    idx = local_test_indices(digits.test_labels, train_labels, 0.25, seed=0, client_index=2)
+    got = np.bincount(digits.test_labels[idx], minlength=10)
+    assert got[0] == 15 and got[3] == 8 and got[7] == 2 or (got[0], got[3], got[7]) == (15, 7, 3)
+    assert got.sum() == 25 and got[[1, 2, 4, 5, 6, 8, 9]].sum() == 0
+    assert len(np.unique(idx)) == len(idx)
+
+
+def test_client_shard_rebuilds_identically_in_any_process(digits) -> None:
+    a = client_shard(digits.train_labels, digits.test_labels, 10, "dirichlet", 0.5, 0.3, 0, 4, 0.25)
+    b = client_shard(digits.train_labels, digits.test_labels, 10, "dirichlet", 0.5, 0.3, 0, 4, 0.25)
+    assert np.array_equal(a.train, b.train) and np.array_equal(a.test, b.test)
+    with pytest.raises(ValueError, match="client index 10"):
+        client_shard(digits.train_labels, digits.test_labels, 10, "dirichlet", 0.5, 0.3, 0, 10, 0.25)
