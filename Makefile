@@ -1,0 +1,17 @@
+# Two entry points that work on a fresh machine: `make run` and `make test`.
+# scripts/venv.sh creates (once) and prints a virtual environment keyed by the dependency list.
+VENV = $(shell bash scripts/venv.sh)
+
+.PHONY: run test protos bench
+
+run:  ## a whole federation on the embedded digits data (server + 10 client processes)
+	$(VENV)/bin/wafl run $(ARGS)
+
+test:  ## the whole test suite
+	$(VENV)/bin/python -m pytest -q $(ARGS)
+
+protos:  ## regenerate common/proto from protos/
+	$(VENV)/bin/python -m wafl.common.protogen
+
+bench:  ## transport benchmark (writes benchmarks/results/transport.json)
+	$(VENV)/bin/python benchmarks/transport.py
