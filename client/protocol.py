@@ -65,6 +65,8 @@ class RoundProtocol:
                 stats = await asyncio.to_thread(t.train_gm)
                 knowledge = await asyncio.to_thread(t.knowledge)
                 metrics = {"train_loss": stats.mean_loss, "train_steps": float(stats.steps)}
+                if t.algorithm.knowledge is not None:
+                    metrics["knowledge_received"] = float(len(model.knowledge))
                 if t.algorithm.local_model_is_personal:
                     acc, n = await asyncio.to_thread(t.evaluate_local, t.gm)
                     metrics.update(pm_accuracy=acc, pm_test_samples=float(n))

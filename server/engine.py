@@ -263,6 +263,10 @@ class RoundEngine:
             "train_loss": round_(_mean([m.get("train_loss") for m in state.metrics.values()])),
         }
         self.bytes_down = 0
+        if self.algorithm.knowledge is not None:
+            row["knowledge_classes"] = len(self.global_knowledge)  # broadcast with the next model
+            got = [m["knowledge_received"] for m in state.metrics.values() if "knowledge_received" in m]
+            row["knowledge_received_min"] = min(got) if got else None
         if self.algorithm.privacy is not None:
             row["epsilon"] = self.algorithm.privacy(r)["epsilon_per_run"]  # a client that took part in every round so far
         for k in ("local_accuracy",):

@@ -181,6 +181,7 @@ class Model:
     computed_crc: int
     chunk_sizes: list[int] = field(default_factory=list)
     chunk_names: list[str] = field(default_factory=list)
+    knowledge: list[Any] = field(default_factory=list)
 
 
 class BroadcastListener:
@@ -202,6 +203,7 @@ class BroadcastListener:
         buffers: dict[str, bytearray] = {}
         sizes: list[int] = []
         names: list[str] = []
+        knowledge: list[Any] = []
         try:
             for msg in self.call:
                 kind = msg.WhichOneof("kind")
@@ -209,6 +211,9 @@ class BroadcastListener:
                     header = msg.header
                     buffers = {s.name: bytearray(nbytes(pb, s)) for s in self.manifest}
                     sizes, names = [], []
+                    knowledge = []
+                elif kind == "knowledge":
+                    knowledge.append(msg.knowledge)
                 elif kind == "chunk":
                     c = msg.chunk
                     buf = buffers[c.name]
@@ -223,7 +228,7 @@ class BroadcastListener:
                         raw = bytes(buffers[s.name])
                         crc = zlib.crc32(raw, crc)
                         tensors[s.name] = np.frombuffer(raw, dtype=numpy_dtype(pb, s.dtype)).reshape(tuple(s.shape)).copy()
-                    model = Model(header.round, list(header.selected), header.final, tensors, msg.trailer.crc32, crc, sizes, names)
+                    model = Model(header.round, list(header.selected), header.final, tensors, msg.trailer.crc32, crc, sizes, names, knowledge)
                     with self.cond:
                         self.models[model.round] = model
                         self.cond.notify_all()

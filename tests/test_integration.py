@@ -43,3 +43,16 @@ def test_scd_wait_free_reports_pm_accuracy_and_timelines(tmp_path) -> None:
             up = next(e for e in t["events"] if e["phase"] == "upload" and e["round"] == r)
             pm = next(e for e in t["events"] if e["phase"] == "pm_train" and e["round"] == r)
             assert pm["start_s"] <= up["end_s"]  # the PM trains while the upload is in flight
+
+
+def test_fedhkd_knowledge_flows_both_ways(tmp_path) -> None:
+    cfg = load_config(None, {"num_clients": 3, "rounds": 3, "algorithm": "fedhkd", "optimizer": "adam", "lr": 0.003})
+    s = launch(cfg, tmp_path / "run", show_progress=False, timeout_s=300)
+    assert s.ok
+    # up: the server aggregated knowledge every round; down: clients trained with it from round 2 on
+    assert all(r["knowledge_classes"] > 0 for r in s.rows)
+    assert [r["knowledge_received_min"] > 0 for r in s.rows] == [False, True, True]
+    assert all(r["pm_accuracy"] is not None for r in s.rows)
+    privacy = json.loads((tmp_path / "run" / "privacy.json").read_text())
+    assert 0 < privacy["per_release"]["epsilon_per_release"] < privacy["per_run"]["epsilon_per_run"]
+    assert s.rows[-1]["epsilon"] == privacy["per_run"]["epsilon_per_run"]
