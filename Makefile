@@ -1,6 +1,9 @@
 # Two entry points that work on a fresh machine: `make run` and `make test`.
 # scripts/venv.sh creates (once) and prints a virtual environment keyed by the dependency list.
-VENV = $(shell bash scripts/venv.sh)
+VENV := $(shell bash scripts/venv.sh)
+ifeq ($(VENV),)
+$(error scripts/venv.sh could not create the virtual environment; run it by hand to see why)
+endif
 
 .PHONY: run test protos bench
 

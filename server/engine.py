@@ -25,7 +25,7 @@ import torch
 
 from wafl.common.algorithms import registry
 from wafl.common.algorithms.hyperknowledge import ClassKnowledge, Knowledge, KnowledgeAccumulator
-from wafl.common.codec import Manifest, RawChunk, iter_chunks, manifest_of, crc32_of
+from wafl.common.codec import Manifest, iter_chunks, manifest_of, crc32_of
 from wafl.common.config import RunConfig
 from wafl.common.datasets import load_dataset
 from wafl.common.models import build_model

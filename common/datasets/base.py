@@ -1,6 +1,7 @@
 """What a dataset gives the rest of wafl: train/test sets plus their labels for partitioning."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,3 +29,19 @@ class FederatedDataset:
 
 class DatasetNotFoundError(FileNotFoundError):
     """A dataset's files are not in the folder searched; the message names both and the files expected."""
+
+
+def not_found(dataset: str, folder: str, expected: str, how: str, data_dir: str | None, problem: str | None = None, into: str = "root") -> DatasetNotFoundError:
+    """The error for a dataset whose files are not there: it names the dataset, the folder searched,
+    the files expected and how to get them. ``how`` ends with "into" and is completed with the
+    data folder (``into="root"``) or its dataset sub-folder (``into="folder"``)."""
+    if data_dir is None:
+        target = "DATA_DIR" if into == "root" else f"DATA_DIR/{folder}/"
+        return DatasetNotFoundError(
+            f"dataset {dataset!r} is read from a local folder and --data-dir is required: expected "
+            f"{expected} in DATA_DIR/{folder}/. To obtain them, {how} {target}."
+        )
+    root = os.path.abspath(data_dir)
+    searched = os.path.join(root, folder)
+    target = root if into == "root" else searched + "/"
+    return DatasetNotFoundError(f"dataset {dataset!r}: {problem or 'missing files'} in {searched} (expected files: {expected}). To obtain them, {how} {target}.")

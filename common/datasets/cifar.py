@@ -19,7 +19,7 @@ import numpy as np
 from PIL import Image
 from torch.utils.data import Dataset
 
-from wafl.common.datasets.base import DatasetNotFoundError, FederatedDataset
+from wafl.common.datasets.base import DatasetNotFoundError, FederatedDataset, not_found
 from wafl.common.datasets.transforms import eval_transform, train_transform
 
 CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar.html"
@@ -82,22 +82,9 @@ def _read_batch(path: str, label_key: str) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(images), labels
 
 
-def _not_found(
-    name: str, archive: str, folder: str, expected: list[str], data_dir: str | None, missing: list[str] | None = None
-) -> DatasetNotFoundError:
-    listed = ", ".join(expected)
+def _not_found(name: str, archive: str, folder: str, expected: list[str], data_dir: str | None, missing: list[str] | None = None) -> DatasetNotFoundError:
     how = f"download {archive} (python version) from {CIFAR_URL} and extract it into"
-    if data_dir is None:
-        return DatasetNotFoundError(
-            f"dataset {name!r} is read from a local folder and --data-dir is required: expected files "
-            f"{listed} in DATA_DIR/{folder}/. To obtain them, {how} DATA_DIR."
-        )
-    root = os.path.abspath(data_dir)
-    return DatasetNotFoundError(
-        f"dataset {name!r}: missing {', '.join(missing or expected)} in {os.path.join(root, folder)} "
-        f"(expected files: {listed}). To obtain them, {how} {root}."
-    )
-
+    return not_found(name, folder, ", ".join(expected), how, data_dir, f"missing {', '.join(missing or expected)}")
 
 def _load_cifar(
     name: str,

@@ -20,7 +20,7 @@ import numpy as np
 from PIL import Image
 from torch.utils.data import Dataset
 
-from wafl.common.datasets.base import DatasetNotFoundError, FederatedDataset
+from wafl.common.datasets.base import DatasetNotFoundError, FederatedDataset, not_found
 from wafl.common.datasets.transforms import eval_transform, train_transform
 
 FOLDER = "imagefolder"
@@ -70,16 +70,7 @@ def _not_found(data_dir: str | None, problem: str | None = None) -> DatasetNotFo
         "put the images of each class in a folder named after the class (e.g. extract an iNaturalist subset "
         "and arrange it by species) under"
     )
-    if data_dir is None:
-        return DatasetNotFoundError(
-            f"dataset 'imagefolder' is read from a local folder and --data-dir is required: expected "
-            f"{expected} in DATA_DIR/{FOLDER}/. To obtain them, {how} DATA_DIR/{FOLDER}/."
-        )
-    folder = os.path.join(os.path.abspath(data_dir), FOLDER)
-    return DatasetNotFoundError(
-        f"dataset 'imagefolder': {problem} in {folder} (expected files: {expected}). To obtain them, {how} {folder}/."
-    )
-
+    return not_found("imagefolder", FOLDER, expected, how, data_dir, problem, into="folder")
 
 def load_imagefolder(data_dir: str | None, image_size: int = DEFAULT_IMAGE_SIZE) -> FederatedDataset:
     """Class folders under ``<data_dir>/imagefolder/{train,test}``, images resized to ``image_size``."""

@@ -10,7 +10,7 @@ import os
 
 import numpy as np
 
-from wafl.common.datasets.base import DatasetNotFoundError, FederatedDataset
+from wafl.common.datasets.base import DatasetNotFoundError, FederatedDataset, not_found
 from wafl.common.datasets.cifar import ArrayImageDataset
 from wafl.common.datasets.transforms import eval_transform, train_transform
 
@@ -24,19 +24,8 @@ NUM_CLASSES = 10
 
 def _not_found(data_dir: str | None, missing: list[str] | None = None) -> DatasetNotFoundError:
     expected = [TRAIN_FILE, TEST_FILE]
-    listed = ", ".join(expected)
-    how = f"download {listed} (format 2, cropped digits) from {SVHN_URL} into"
-    if data_dir is None:
-        return DatasetNotFoundError(
-            f"dataset 'svhn' is read from a local folder and --data-dir is required: expected files "
-            f"{listed} in DATA_DIR/{FOLDER}/. To obtain them, {how} DATA_DIR/{FOLDER}/."
-        )
-    folder = os.path.join(os.path.abspath(data_dir), FOLDER)
-    return DatasetNotFoundError(
-        f"dataset 'svhn': missing {', '.join(missing or expected)} in {folder} "
-        f"(expected files: {listed}). To obtain them, {how} {folder}/."
-    )
-
+    how = f"download {', '.join(expected)} (format 2, cropped digits) from {SVHN_URL} into"
+    return not_found("svhn", FOLDER, ", ".join(expected), how, data_dir, f"missing {', '.join(missing or expected)}", into="folder")
 
 def _read_mat(path: str) -> tuple[np.ndarray, np.ndarray]:
     """``(images (N, 32, 32, 3) uint8, labels (N,) int64 in 0..9)``."""

@@ -17,7 +17,7 @@ import os
 
 import numpy as np
 
-from wafl.common.datasets.base import DatasetNotFoundError, FederatedDataset
+from wafl.common.datasets.base import DatasetNotFoundError, FederatedDataset, not_found
 from wafl.common.datasets.imagefolder import ImageFileDataset
 from wafl.common.datasets.transforms import eval_transform, train_transform
 
@@ -28,21 +28,9 @@ EXPECTED = ["wnids.txt", "train/<wnid>/images/*.JPEG", "val/images/*.JPEG", "val
 
 
 def _not_found(data_dir: str | None, missing: list[str] | None = None) -> DatasetNotFoundError:
-    listed = ", ".join(EXPECTED)
-    how = f"download {URL} and extract it into"
-    if data_dir is None:
-        return DatasetNotFoundError(
-            f"dataset 'tinyimagenet' is read from a local folder and --data-dir is required: expected "
-            f"{listed} in DATA_DIR/{FOLDER}/. To obtain them, {how} DATA_DIR."
-        )
-    root = os.path.abspath(data_dir)
     shown = missing or EXPECTED
     more = f" (and {len(shown) - 5} more)" if len(shown) > 5 else ""
-    return DatasetNotFoundError(
-        f"dataset 'tinyimagenet': missing {', '.join(shown[:5])}{more} in {os.path.join(root, FOLDER)} "
-        f"(expected files: {listed}). To obtain them, {how} {root}."
-    )
-
+    return not_found("tinyimagenet", FOLDER, ", ".join(EXPECTED), f"download {URL} and extract it into", data_dir, f"missing {', '.join(shown[:5])}{more}")
 
 def _jpegs(folder: str) -> list[str]:
     return sorted(
