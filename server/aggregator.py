@@ -10,10 +10,8 @@ in). The global model itself is never touched until the round closes.
 from __future__ import annotations
 
 import math
-import os
 import tempfile
 import threading
-from typing import Iterator
 
 import numpy as np
 import torch
