@@ -13,25 +13,34 @@ optionally behind shaped links), one after the other, into ``OUT/compute-and-wai
   ``target`` (``null`` if it never does). The PM accuracy at server time ``t`` is the mean of
   every client's latest ``pm_accuracy`` report, weighted by ``pm_test_samples``; it is defined
   once every reporting client has reported at least once;
+* ``untracked_fraction``: client wall time inside no phase at all (e.g. a report awaited
+  between rounds) / client wall time, so that waiting the phases do not name is not hidden;
 * the median phase durations ``t_gm_s``, ``t_pm_s``, ``t_upload_s``, ``t_comm_s`` (see
   :func:`comm_durations`);
 
-plus ``speedup`` = compute-and-wait ``total_s`` / wait-free ``total_s``, the ideal speedup
+``zeta_by_target_s`` repeats ``zeta_total_s`` for a few fixed targets; ``first_round_s`` and
+``later_round_s`` (median of rounds 2..) separate the first round, which carries every client
+process's one-off start-up costs, from the steady state. The top level holds ``speedup`` =
+compute-and-wait ``total_s`` / wait-free ``total_s``, ``round_speedup`` (the same for the
+median ``round_s``), the ideal speedup
 ``(T_GM + T_PM + T_comm) / (T_GM + T_comm)`` from the compute-and-wait run's medians, and
 ``speedup_vs_ideal`` = speedup / ideal. ``OUT/timelines.png`` draws every client's phases under
 both protocols (the paper's Fig. 2), ``OUT/pm_accuracy.png`` the PM accuracy against
-wall-clock.
+wall-clock. The runs' model files (``checkpoint.pt``, ``clients/``) are deleted afterwards;
+their records (``results.jsonl``, ``reports.jsonl``, ``timelines.json``, ``logs/``) stay.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
+import os
 import shutil
 import statistics
 import sys
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 from wafl.common.config import RunConfig
 
@@ -44,6 +53,7 @@ COMM_DEFINITION = (
     "the round's last uploader, whose span holds no waiting for stragglers: its upload, the server's "
     "aggregation, evaluation and checkpoint, and the broadcast's transfer."
 )
+ZETA_TARGETS = (0.5, 0.6, 0.7, 0.8, 0.9)
 IDEAL_DEFINITION = "(t_gm_s + t_pm_s + t_comm_s) / (t_gm_s + t_comm_s), medians of the compute-and-wait run (t_pm_s: pm_train under compute-and-wait)"
 
 Timelines = Mapping[str, Mapping[str, Any]]
@@ -97,6 +107,24 @@ def idle_fraction(timelines: Timelines) -> float | None:
         wall += max(float(e["end_s"]) for e in ev) - min(float(e["start_s"]) for e in ev)
         idle += sum(float(e["end_s"]) - float(e["start_s"]) for e in ev if e["phase"] == "idle")
     return idle / wall if wall > 0 else None
+
+
+def untracked_fraction(timelines: Timelines) -> float | None:
+    """Client wall time covered by no phase at all (neither compute, upload, idle nor evaluation) / client wall time."""
+    gaps = 0.0
+    wall = 0.0
+    for tl in timelines.values():
+        ev = _events(tl)
+        if not ev:
+            continue
+        covered_to = float(ev[0]["start_s"])
+        for e in ev:
+            start, end = float(e["start_s"]), float(e["end_s"])
+            if start > covered_to:
+                gaps += start - covered_to
+            covered_to = max(covered_to, end)
+        wall += covered_to - float(ev[0]["start_s"])
+    return gaps / wall if wall > 0 else None
 
 
 def comm_durations(timelines: Timelines) -> list[float]:
@@ -181,7 +209,11 @@ def summarize_run(out_dir: Path, target: float) -> dict[str, Any]:
         "round_s": _r(median(float(r["round_s"]) for r in rows if r.get("round_s") is not None)),
         "idle_fraction": _r(idle_fraction(timelines), 5),
         "idle_s": _r(idle),
+        "untracked_fraction": _r(untracked_fraction(timelines), 5),
         "zeta_total_s": _r(zeta_total(curve, target, t0)),
+        "zeta_by_target_s": {f"{x:g}": _r(zeta_total(curve, x, t0)) for x in sorted({*ZETA_TARGETS, target})},
+        "first_round_s": _r(float(rows[0]["round_s"])) if rows and rows[0].get("round_s") is not None else None,
+        "later_round_s": _r(median(float(r["round_s"]) for r in rows[1:] if r.get("round_s") is not None)),
         "t_gm_s": _r(t_gm),
         "t_pm_s": _r(t_pm),
         "t_upload_s": _r(t_up),
@@ -205,8 +237,12 @@ def compare(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     zeta_speedup = None
     if caw.get("zeta_total_s") and wf.get("zeta_total_s"):
         zeta_speedup = caw["zeta_total_s"] / wf["zeta_total_s"]
+    round_speedup = None
+    if caw.get("round_s") and wf.get("round_s"):
+        round_speedup = caw["round_s"] / wf["round_s"]
     return {
         "speedup": _r(speedup),
+        "round_speedup": _r(round_speedup),
         "ideal_speedup": _r(ideal),
         "speedup_vs_ideal": _r(speedup / ideal) if speedup is not None and ideal else None,
         "zeta_speedup": _r(zeta_speedup),
@@ -304,10 +340,15 @@ def bench_protocols(cfg: RunConfig, out: Path, link_rate: str | None = None, tar
         shutil.rmtree(run_dir / "clients", ignore_errors=True)  # no PM state of an earlier run
         if show_progress:
             print(f"[{i}/{len(PROTOCOL_ORDER)}] {protocol}: {cfg.algorithm}, {cfg.dataset}, {cfg.num_clients} clients, {cfg.rounds} rounds" + (f", links {link_rate}" if link_rate else ""), file=sys.stderr, flush=True)
+        load_before = os.getloadavg()[0]
         summary = launch(run_cfg, run_dir, link_rate=link_rate, show_progress=show_progress, timeout_s=timeout_s)
+        load_after = os.getloadavg()
         ok = ok and summary.ok
+        (run_dir / "checkpoint.pt").unlink(missing_ok=True)  # model weights: not a measurement
+        shutil.rmtree(run_dir / "clients", ignore_errors=True)
         entry = summarize_run(run_dir, target)
         entry["ok"] = summary.ok
+        entry["host_load_avg"] = {"before_1m": round(load_before, 2), "after_1m": round(load_after[0], 2), "after_5m": round(load_after[1], 2), "cpus": os.cpu_count()}
         results[protocol] = entry
         timelines[protocol] = read_timelines(run_dir / "timelines.json")
         t0 = training_start(read_jsonl(run_dir / "results.jsonl"))
@@ -349,7 +390,7 @@ def format_table(doc: Mapping[str, Any]) -> str:
     lines = [f"{'':<18}" + "".join(f"{p:>18}" for p in protos)]
     for k in keys:
         lines.append(f"{k:<18}" + "".join(f"{_fmt(doc['protocols'][p].get(k)):>18}" for p in protos))
-    for k in ("speedup", "ideal_speedup", "speedup_vs_ideal", "zeta_speedup"):
+    for k in ("speedup", "round_speedup", "ideal_speedup", "speedup_vs_ideal", "zeta_speedup"):
         lines.append(f"{k:<18}{_fmt(doc.get(k)):>18}")
     return "\n".join(lines)
 

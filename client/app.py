@@ -1,6 +1,7 @@
 """``wafl client``: join a federation, follow its broadcasts, train and upload until the end."""
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import structlog
@@ -19,6 +20,8 @@ async def run_client(address: str, index: int, state_dir: Path | None = None, da
     if threads:
         torch.set_num_threads(threads)
     client_id = f"client-{index}"
+    # The first optimizer call imports torch._dynamo (seconds of CPU): do it while joining, not in round 1.
+    warm = asyncio.create_task(asyncio.to_thread(_warm_up_torch))
     probe = Session(address, client_id, index, 0, [], token=token, reconnect_s=reconnect_s)
     reply = await probe.join()  # num_samples=0: the configuration, without registering
     await probe.close()
@@ -26,6 +29,7 @@ async def run_client(address: str, index: int, state_dir: Path | None = None, da
     dev = str(resolve_device(device or cfg.device))
     trainer = await _to_thread(Trainer, cfg, index, state_dir, data_dir, dev)
     session = Session(address, client_id, index, trainer.num_samples, trainer.label_histogram, device=dev, token=token, reconnect_s=reconnect_s)
+    await warm
     await session.join()
     log.info("client.ready", client=client_id, samples=trainer.num_samples, local_test=len(trainer.test_idx), device=dev, protocol=cfg.protocol)
     try:
@@ -36,6 +40,13 @@ async def run_client(address: str, index: int, state_dir: Path | None = None, da
 
 
 async def _to_thread(fn, *args):  # type: ignore[no-untyped-def]
-    import asyncio
-
     return await asyncio.to_thread(fn, *args)
+
+
+def _warm_up_torch() -> None:
+    """One optimizer step on a scalar: pays torch's lazy imports before the run starts."""
+    p = torch.nn.Parameter(torch.zeros(()))
+    opt = torch.optim.SGD([p], lr=0.0)
+    p.sum().backward()
+    opt.step()
+    opt.zero_grad()

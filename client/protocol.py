@@ -4,8 +4,10 @@ Per broadcast: evaluate the PM trained in the round that just closed (and report
 if selected, train the GM for ``local_epochs`` and
 
 * wait-free: start the upload in the background at once and train the PM batch after batch
-  until the next broadcast's header arrives (checked between batches, so the PM stops within
-  one batch of it; ``pm_min_steps``/``pm_max_epochs`` bound the loop);
+  until the next broadcast has been received in full (checked between batches, so the PM stops
+  within one batch of it; ``pm_min_steps``/``pm_max_epochs`` bound the loop). The PM keeps
+  training while the broadcast streams in: stopping at its header would leave the client idle
+  for the whole download;
 * compute-and-wait: train the PM for ``pm_epochs``, then upload, then idle.
 
 Every phase is recorded on the client's timeline; training runs in a worker thread so the
@@ -14,6 +16,7 @@ event loop keeps streaming.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -36,12 +39,14 @@ class RoundProtocol:
         self.timeline = Timeline()
         self.pm_trained_round: int | None = None
         self.uploads: set[asyncio.Task[Any]] = set()
+        self.reports: set[asyncio.Task[Any]] = set()  # PM reports, sent without holding up the next round
         self.bytes_up = 0
+        self.arrived = 0  # complete broadcasts received; the wait-free PM loop watches this
 
     async def run(self) -> None:
         models = self.session.models()
         idle_since: float | None = None
-        async for model in _prefetch(models):
+        async for model in _prefetch(models, self._on_arrival):
             if idle_since is not None:
                 self.timeline.events.append(_event("idle", model.round - 1, idle_since, self.timeline.now()))
             await self._evaluate_pm(model)
@@ -54,10 +59,13 @@ class RoundProtocol:
             await self._round(model)
             idle_since = self.timeline.now()
 
+    def _on_arrival(self) -> None:
+        self.arrived += 1
+
     async def _round(self, model: ReceivedModel) -> None:
         t = self.trainer
         r = model.round
-        seen = self.session.headers_seen
+        seen = self.arrived
         await asyncio.to_thread(t.begin_round, r, model.state, model.knowledge, model.server_state)
         selected = self.session.client_id in model.selected
         if selected:
@@ -85,7 +93,7 @@ class RoundProtocol:
             with self.timeline.phase("pm_train", r):
                 await asyncio.to_thread(
                     t.train_pm,
-                    lambda: self.session.headers_seen > seen,
+                    lambda: self.arrived > seen,
                     t.cfg.pm_max_epochs,
                     t.cfg.pm_min_steps,
                 )
@@ -104,11 +112,13 @@ class RoundProtocol:
         with self.timeline.phase("evaluate", r):
             acc, n = await asyncio.to_thread(self.trainer.evaluate_local, self.trainer.pm)
         self.pm_trained_round = None
-        await self.session.report(r, {"pm_accuracy": acc, "pm_test_samples": float(n)})
+        report = asyncio.create_task(self.session.report(r, {"pm_accuracy": acc, "pm_test_samples": float(n)}))
+        self.reports.add(report)
+        report.add_done_callback(self.reports.discard)
 
     async def _drain_uploads(self) -> None:
-        if self.uploads:
-            await asyncio.gather(*self.uploads, return_exceptions=True)
+        if self.uploads or self.reports:
+            await asyncio.gather(*self.uploads, *self.reports, return_exceptions=True)
 
 
 def _event(phase: str, round: int, start: float, end: float) -> Any:
@@ -117,8 +127,12 @@ def _event(phase: str, round: int, start: float, end: float) -> Any:
     return PhaseEvent(phase, round, start, end)
 
 
-async def _prefetch(models: Any) -> Any:
-    """Yields broadcasts; when several queued up while training, only the newest is kept."""
+async def _prefetch(models: Any, on_arrival: Callable[[], None] | None = None) -> Any:
+    """Yields broadcasts; when several queued up while training, only the newest is kept.
+
+    ``on_arrival`` is called as each complete broadcast is queued, while the consumer may still
+    be busy with the previous one.
+    """
     queue: asyncio.Queue[Any] = asyncio.Queue()
     done = object()
 
@@ -126,6 +140,8 @@ async def _prefetch(models: Any) -> Any:
         try:
             async for m in models:
                 await queue.put(m)
+                if on_arrival is not None:
+                    on_arrival()
         except BaseException as e:  # surfaced to the consumer
             await queue.put(e)
         finally:

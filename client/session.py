@@ -12,7 +12,7 @@ import random
 import uuid
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Mapping
+from typing import Any, AsyncIterator, Mapping
 
 import grpc
 import structlog
@@ -84,7 +84,7 @@ class Session:
     run_id: str = ""
     join_reply: pb.JoinReply | None = None
     manifest: Manifest = ()
-    headers_seen: int = 0  # broadcast headers received; the wait-free PM loop watches this
+    headers_seen: int = 0  # broadcast headers received (a broadcast is in flight when this runs ahead)
     _channel: grpc.aio.Channel | None = field(default=None, repr=False)
 
     def _open(self) -> None:

@@ -57,6 +57,7 @@ class Trainer:
         self.generator = torch.Generator().manual_seed(cfg.seed * 1000 + index)
         self.state_path = (state_dir / f"client-{index}.pt") if state_dir is not None else None
         self.ctx: RoundContext | None = None
+        self.pm_optimizer: torch.optim.Optimizer | None = None  # kept across rounds: the PM's training never restarts
         self.pm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._load_state()
 
@@ -90,13 +91,15 @@ class Trainer:
         """Trains the PM for ``num_epochs`` (None: until ``should_stop``), on its own CUDA stream on a GPU."""
         assert self.ctx is not None and self.pm is not None and self.algorithm.pm_terms is not None
         data = epochs(self.data.train, self.train_idx, self.cfg.batch_size, self.rng, num_epochs, self.device)
+        if self.pm_optimizer is None:
+            self.pm_optimizer = self._optimizer(self.pm)
         if self.pm_stream is not None:
             self.pm_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.pm_stream):
-                stats = run_phase(self.pm, self.algorithm.pm_terms, self.ctx, data, self._optimizer(self.pm), should_stop, min_steps)
+                stats = run_phase(self.pm, self.algorithm.pm_terms, self.ctx, data, self.pm_optimizer, should_stop, min_steps)
             self.pm_stream.synchronize()
         else:
-            stats = run_phase(self.pm, self.algorithm.pm_terms, self.ctx, data, self._optimizer(self.pm), should_stop, min_steps)
+            stats = run_phase(self.pm, self.algorithm.pm_terms, self.ctx, data, self.pm_optimizer, should_stop, min_steps)
         self.save_state()
         return stats
 

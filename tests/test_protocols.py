@@ -1,0 +1,208 @@
+"""``wafl bench protocols``: the figures of protocols.json on hand-computed timelines, and a short real run."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from wafl.cli import bench
+from wafl.common.config import load_config
+
+
+def _ev(phase: str, rnd: int, start: float, end: float) -> dict[str, Any]:
+    return {"phase": phase, "round": rnd, "start_s": start, "end_s": end}
+
+
+# Two clients, two compute-and-wait rounds, each on its own clock. Events are listed out of
+# order on purpose: nothing may depend on the order timelines.json happens to use.
+TIMELINES: dict[str, Any] = {
+    "client-a": {
+        "client_start_unix": 1000.0,
+        "events": [
+            _ev("gm_train", 1, 0.0, 4.0),
+            _ev("pm_train", 1, 4.0, 6.0),
+            _ev("upload", 1, 6.0, 7.0),
+            _ev("idle", 1, 7.0, 9.0),
+            _ev("evaluate", 1, 9.0, 9.5),
+            _ev("idle", 2, 16.0, 17.0),
+            _ev("gm_train", 2, 9.5, 13.5),
+            _ev("pm_train", 2, 13.5, 15.5),
+            _ev("upload", 2, 15.5, 16.0),
+            _ev("evaluate", 2, 17.0, 17.5),
+        ],
+    },
+    "client-b": {
+        "client_start_unix": 1000.5,
+        "events": [
+            _ev("gm_train", 1, 0.0, 5.0),
+            _ev("pm_train", 1, 5.0, 7.0),
+            _ev("upload", 1, 7.0, 8.0),
+            _ev("idle", 1, 8.0, 9.0),
+            _ev("evaluate", 1, 9.0, 9.2),
+            _ev("gm_train", 2, 9.2, 12.0),
+            _ev("pm_train", 2, 12.0, 14.0),
+            _ev("upload", 2, 14.0, 16.0),
+            _ev("idle", 2, 16.0, 17.0),
+            _ev("evaluate", 2, 17.0, 17.2),
+        ],
+    },
+}
+
+REPORTS: list[dict[str, Any]] = [
+    {"client": "client-b", "round": 1, "t_s": 10.0, "pm_accuracy": 0.9, "pm_test_samples": 300.0},
+    {"client": "client-a", "round": 1, "t_s": 11.0, "pm_accuracy": 0.5, "pm_test_samples": 100.0},
+    {"client": "client-a", "round": 2, "t_s": 20.0, "pm_accuracy": 0.7, "pm_test_samples": 100.0},
+    {"client": "client-a", "round": 2, "t_s": 20.5, "final": 1.0, "bytes_up": 123.0},
+    {"client": "client-b", "round": 2, "t_s": 21.0, "pm_accuracy": 0.95, "pm_test_samples": 300.0},
+]
+
+ROWS: list[dict[str, Any]] = [
+    {"round": 1, "wall_s": 12.5, "round_s": 7.5, "pm_accuracy": 0.8},
+    {"round": 2, "wall_s": 21.5, "round_s": 9.0, "pm_accuracy": 0.8875},
+]
+
+
+def test_idle_fraction_sums_idle_over_client_wall_time() -> None:
+    # idle: a 2 + 1, b 1 + 1; wall: a 17.5 - 0, b 17.2 - 0
+    assert bench.idle_fraction(TIMELINES) == pytest.approx(5.0 / 34.7)
+
+
+def test_idle_fraction_wall_starts_at_first_phase() -> None:
+    tl = {"c": {"events": [_ev("gm_train", 1, 10.0, 14.0), _ev("idle", 1, 14.0, 15.0), _ev("evaluate", 1, 15.0, 20.0)]}}
+    assert bench.idle_fraction(tl) == pytest.approx(1.0 / 10.0)
+    assert bench.idle_fraction({}) is None
+
+
+def test_untracked_fraction_counts_time_in_no_phase() -> None:
+    assert bench.untracked_fraction(TIMELINES) == pytest.approx(0.0)
+    # covered: [0, 6] (gm and an overlapping upload, then idle), [6.5, 7], [7.2, 10]
+    tl = {"c": {"events": [_ev("gm_train", 1, 0.0, 4.0), _ev("upload", 1, 3.0, 5.0), _ev("idle", 1, 5.0, 6.0), _ev("evaluate", 1, 6.5, 7.0), _ev("gm_train", 2, 7.2, 10.0)]}}
+    assert bench.untracked_fraction(tl) == pytest.approx(0.7 / 10.0)
+
+
+def test_phase_medians() -> None:
+    assert sorted(bench.phase_durations(TIMELINES, "gm_train")) == pytest.approx([2.8, 4.0, 4.0, 5.0])
+    assert bench.median(bench.phase_durations(TIMELINES, "gm_train")) == pytest.approx(4.0)
+    assert bench.median(bench.phase_durations(TIMELINES, "pm_train")) == pytest.approx(2.0)
+    assert bench.median(bench.phase_durations(TIMELINES, "upload")) == pytest.approx(1.0)  # 0.5, 1, 1, 2
+    assert bench.median([]) is None
+
+
+def test_comm_is_the_last_uploaders_span_per_round() -> None:
+    # round 1: a 9 - 6 = 3, b 9 - 7 = 2 -> 2; round 2: a 17 - 15.5 = 1.5, b 17 - 14 = 3 -> 1.5
+    assert bench.comm_durations(TIMELINES) == pytest.approx([2.0, 1.5])
+    assert bench.median(bench.comm_durations(TIMELINES)) == pytest.approx(1.75)
+
+
+def test_ideal_speedup() -> None:
+    assert bench.ideal_speedup(4.0, 2.0, 1.75) == pytest.approx(7.75 / 5.75)
+    assert bench.ideal_speedup(3.0, 0.0, 1.0) == pytest.approx(1.0)
+    assert bench.ideal_speedup(None, 2.0, 1.0) is None
+
+
+def test_pm_curve_weights_latest_reports_by_test_size() -> None:
+    curve = bench.pm_accuracy_curve(REPORTS)
+    # t=10: only b has reported -> no point; t=11: (0.5*100 + 0.9*300)/400; t=20: a's newer 0.7; t=21: b's 0.95
+    assert [t for t, _ in curve] == [11.0, 20.0, 21.0]
+    assert [a for _, a in curve] == pytest.approx([0.8, 0.85, 0.8875])
+
+
+def test_zeta_is_the_first_crossing_after_start() -> None:
+    curve = bench.pm_accuracy_curve(REPORTS)
+    t0 = bench.training_start(ROWS)
+    assert t0 == pytest.approx(5.0)
+    # b alone is at 0.9 at t=10, but the metric needs every client: the first point is t=11
+    assert bench.zeta_total(curve, 0.5, t0) == pytest.approx(6.0)
+    assert bench.zeta_total(curve, 0.85, t0) == pytest.approx(15.0)
+    assert bench.zeta_total(curve, 0.86, t0) == pytest.approx(16.0)
+    assert bench.zeta_total(curve, 0.95, t0) is None
+
+
+def test_pm_curve_falls_back_to_round_rows() -> None:
+    rows = [{"round": 1, "wall_s": 3.0, "pm_accuracy": 0.4}, {"round": 2, "wall_s": 5.0, "pm_accuracy": None}, {"round": 3, "wall_s": 7.0, "pm_accuracy": 0.6}]
+    assert bench.pm_accuracy_curve([{"client": "c", "t_s": 7.5, "final": 1.0}], rows) == [(3.0, 0.4), (7.0, 0.6)]
+
+
+def test_summarize_run_and_compare(tmp_path: Path) -> None:
+    run = tmp_path / "compute-and-wait"
+    run.mkdir()
+    (run / "timelines.json").write_text(json.dumps(TIMELINES))
+    (run / "reports.jsonl").write_text("".join(json.dumps(r) + "\n" for r in REPORTS))
+    (run / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    s = bench.summarize_run(run, target=0.85)
+    assert s["total_s"] == pytest.approx(16.5)
+    assert s["rounds"] == 2
+    assert s["round_s"] == pytest.approx(8.25)
+    assert s["idle_fraction"] == pytest.approx(5.0 / 34.7, abs=1e-5)
+    assert s["zeta_total_s"] == pytest.approx(15.0)
+    assert (s["t_gm_s"], s["t_pm_s"], s["t_comm_s"]) == pytest.approx((4.0, 2.0, 1.75))
+    wf = {"total_s": 11.0, "zeta_total_s": 10.0}
+    c = bench.compare({"compute-and-wait": s, "wait-free": wf})
+    assert c["speedup"] == pytest.approx(1.5)
+    assert c["ideal_speedup"] == pytest.approx(7.75 / 5.75, abs=1e-4)
+    assert c["speedup_vs_ideal"] == pytest.approx(1.5 / (7.75 / 5.75), abs=1e-3)
+    assert c["zeta_speedup"] == pytest.approx(1.5)
+
+
+def _by_round(events: list[dict[str, Any]], phase: str) -> dict[int, dict[str, Any]]:
+    return {int(e["round"]): e for e in events if e["phase"] == phase}
+
+
+@pytest.mark.slow
+def test_bench_protocols_end_to_end(tmp_path: Path) -> None:
+    cfg = load_config(None, {"dataset": "digits", "algorithm": "ditto", "num_clients": 2, "rounds": 2, "local_epochs": 1, "pm_epochs": 1, "seed": 0})
+    code = bench.bench_protocols(cfg, tmp_path, link_rate=None, target=0.3, show_progress=False, timeout_s=300.0)
+    assert code == 0
+    doc = json.loads((tmp_path / "protocols.json").read_text())
+    assert set(doc["protocols"]) == {"compute-and-wait", "wait-free"}
+    for name, p in doc["protocols"].items():
+        for key in ("total_s", "rounds", "round_s", "idle_fraction", "zeta_total_s", "t_gm_s", "t_pm_s", "t_comm_s"):
+            assert key in p, (name, key)
+        assert p["rounds"] == 2
+        assert math.isfinite(p["total_s"]) and p["total_s"] > 0
+        assert 0.0 <= p["idle_fraction"] < 1.0
+    assert math.isfinite(doc["speedup"]) and doc["speedup"] > 0
+    # the faster client waits for the slower one under compute-and-wait, trains its PM under wait-free
+    assert doc["protocols"]["wait-free"]["idle_fraction"] < doc["protocols"]["compute-and-wait"]["idle_fraction"]
+    assert doc["ideal_speedup"] >= 1.0
+    for png in ("timelines.png", "pm_accuracy.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    for name in ("wait-free", "compute-and-wait"):
+        timelines = json.loads((tmp_path / name / "timelines.json").read_text())
+        assert len(timelines) == 2
+        for client, tl in timelines.items():
+            uploads, pms = _by_round(tl["events"], "upload"), _by_round(tl["events"], "pm_train")
+            assert set(uploads) == set(pms) == {1, 2}, (name, client)
+            for r in (1, 2):
+                if name == "wait-free":  # the PM trains while the upload is on the wire
+                    assert pms[r]["end_s"] > uploads[r]["start_s"], (client, r)
+                    assert pms[r]["start_s"] < uploads[r]["end_s"], (client, r)
+                else:  # the PM is done before the upload starts
+                    assert pms[r]["end_s"] <= uploads[r]["start_s"], (client, r)
+
+
+class _Model:
+    def __init__(self, round: int, final: bool = False) -> None:
+        self.round, self.final = round, final
+
+
+async def test_wait_free_stop_signal_counts_complete_broadcasts() -> None:
+    from wafl.client.protocol import _prefetch
+
+    async def stream() -> Any:
+        for r in (1, 2, 3):
+            yield _Model(r)
+        yield _Model(4, final=True)
+
+    arrived: list[int] = []
+    seen: list[tuple[int, int]] = []
+    async for m in _prefetch(stream(), lambda: arrived.append(1)):
+        seen.append((m.round, len(arrived)))
+    # every broadcast is counted as it is queued, before the consumer gets to it
+    assert all(n >= r for r, n in seen)
+    assert len(arrived) == 4
+    assert seen[-1][0] == 4
