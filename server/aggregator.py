@@ -52,10 +52,14 @@ class Accumulator:
         if self.count == 0:
             raise ValueError("no upload was aggregated")
         out: dict[str, torch.Tensor] = {}
+        scale = 1.0 / self.total_weight
         for s in self.manifest:
-            m = self.sums[s.name] / self.total_weight
             dt = torch_dtype(s.dtype)
-            t = torch.from_numpy(m.reshape(s.shape))
+            if dt == torch.float32:  # straight into float32, no float64 temporary
+                m = np.multiply(self.sums[s.name], scale, out=np.empty(s.numel, np.float32), casting="same_kind")
+                out[s.name] = torch.from_numpy(m.reshape(s.shape))
+                continue
+            t = torch.from_numpy((self.sums[s.name] * scale).reshape(s.shape))
             out[s.name] = t.to(dt) if dt.is_floating_point else torch.round(t).to(dt)
         return out
 

@@ -7,14 +7,16 @@ is undone).
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import Executor
 from typing import AsyncIterator
 
 import grpc
 import structlog
 
-from wafl.common.codec import ChunkError, RawChunk, TransferChecker
+from wafl.common.codec import ChunkError, RawChunk, TensorSpec, TransferChecker
 from wafl.common.proto import federation_pb2 as pb
 from wafl.common.wire import decode_upload, encode_broadcast
+from wafl.server.aggregator import UploadFold
 from wafl.server.engine import RoundEngine, UploadRefused, decode_knowledge
 
 PROTOCOL_VERSION = 1
@@ -82,6 +84,7 @@ class FederationService:
         loop = asyncio.get_running_loop()
         state.in_flight.add(cid)
         fold = state.accumulator.begin(engine.algorithm.server.weight(h.num_samples))
+        folding = FoldPipeline(fold, engine.executor)
         checker = TransferChecker(engine.manifest, require_finite=False)  # the fold checks values
         knowledge: list[pb.ClassKnowledge] = []
         trailer: pb.UploadTrailer | None = None
@@ -93,8 +96,7 @@ class FederationService:
                 if isinstance(msg, RawChunk):
                     if knowledge:
                         raise ChunkError("tensor chunk after knowledge")
-                    spec = checker.check(msg)
-                    await loop.run_in_executor(engine.executor, fold.add, spec, msg)
+                    await folding.put(checker.check(msg), msg)
                     continue
                 kind = msg.WhichOneof("kind")
                 if kind == "knowledge":
@@ -109,6 +111,7 @@ class FederationService:
                     raise ChunkError(f"unexpected {kind or 'empty'} message inside an upload")
             if trailer is None:
                 raise ChunkError("the upload ended without a trailer (stream cut off)")
+            await folding.finish()
             checker.finish(trailer.crc32)
             if trailer.num_chunks and trailer.num_chunks != checker.chunks:
                 raise ChunkError(f"trailer counts {trailer.num_chunks} chunks, {checker.chunks} arrived")
@@ -125,6 +128,7 @@ class FederationService:
             code, message = e.code, str(e)
         finally:
             state.in_flight.discard(cid)
+            await folding.stop()
             if fold.state == "open":
                 await loop.run_in_executor(engine.executor, fold.rollback)
         log.warning("upload.rejected", client=cid, round=h.round, code=code, reason=message)
@@ -136,6 +140,44 @@ class FederationService:
         except UploadRefused as e:
             await ctx.abort(_status(e.code), str(e))
         return pb.ReportReply()
+
+
+class FoldPipeline:
+    """Folds an upload's chunks in a worker thread, in order, while the event loop receives the
+    next ones; at most ``depth`` chunks wait, so memory stays bounded and flow control holds the
+    sender back when folding is the slower side."""
+
+    def __init__(self, fold: UploadFold, executor: Executor, depth: int = 3) -> None:
+        self.fold = fold
+        self.executor = executor
+        self.queue: asyncio.Queue[tuple[TensorSpec, RawChunk] | None] = asyncio.Queue(depth)
+        self.task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while (item := await self.queue.get()) is not None:
+            await loop.run_in_executor(self.executor, self.fold.add, *item)
+
+    async def put(self, spec: TensorSpec, chunk: RawChunk) -> None:
+        if self.task.done():
+            self.task.result()  # the fold's own error (NaN, round closed)
+        put = asyncio.ensure_future(self.queue.put((spec, chunk)))
+        await asyncio.wait({put, self.task}, return_when=asyncio.FIRST_COMPLETED)
+        if not put.done():
+            put.cancel()
+        if self.task.done():
+            self.task.result()
+
+    async def finish(self) -> None:
+        """Waits until every chunk is folded; raises the first fold error."""
+        if not self.task.done():
+            await self.queue.put(None)
+        await self.task
+
+    async def stop(self) -> None:
+        if not self.task.done():
+            self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
 
 
 def _checked_knowledge(messages: list[pb.ClassKnowledge], num_classes: int, code_len: int):
