@@ -44,7 +44,7 @@ def _env() -> dict[str, str]:
     return env
 
 
-def launch(cfg: RunConfig, out_dir: Path | None = None, link_rate: str | None = None, show_progress: bool = True, timeout_s: float = 3600.0, port: int = 50051) -> RunSummary:
+def launch(cfg: RunConfig, out_dir: Path | None = None, link_rate: str | None = None, show_progress: bool = True, timeout_s: float | None = None, port: int = 50051) -> RunSummary:
     """Runs the federation described by ``cfg`` to its end; returns what it measured."""
     out = out_dir or default_out(cfg)
     logs = out / "logs"
@@ -83,7 +83,7 @@ def launch(cfg: RunConfig, out_dir: Path | None = None, link_rate: str | None = 
             procs.append(_spawn(cmd, logs / f"client-{i}.log"))
         progress = Progress(cfg.rounds, enabled=show_progress)
         results = out / "results.jsonl"
-        deadline = t0 + timeout_s
+        deadline = t0 + timeout_s if timeout_s else float("inf")
         while server.poll() is None:
             progress.update(_read_rows(results), time.monotonic() - t0)
             if time.monotonic() > deadline:

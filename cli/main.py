@@ -63,7 +63,10 @@ def _setup_logging(component: str, log_file: str | None, quiet: bool = False) ->
 def cmd_run(a: argparse.Namespace) -> int:
     from wafl.cli.launcher import launch
 
+    from wafl.client.trainer import resolve_device
+
     cfg = _resolve_config(a)
+    resolve_device(cfg.device)  # every client runs here: a missing GPU is an error now, not at join
     summary = launch(cfg, Path(a.out) if a.out else None, link_rate=a.link_rate, show_progress=not a.quiet, timeout_s=a.timeout)
     return 0 if summary.ok else 1
 
@@ -124,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(r)
     r.add_argument("--out", help="output folder (default runs/<time>-<algorithm>)")
     r.add_argument("--link-rate", help="run each process in its own network namespace with links shaped to RATE (e.g. 20mbit; root only)")
-    r.add_argument("--timeout", type=float, default=3600.0, help="seconds before the run is stopped")
+    r.add_argument("--timeout", type=float, default=None, help="seconds before the run is stopped (default: no limit)")
     r.add_argument("--quiet", action="store_true")
     r.set_defaults(fn=cmd_run)
 

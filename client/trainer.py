@@ -19,7 +19,7 @@ import torch
 
 from wafl.common.algorithms import registry
 from wafl.common.algorithms.base import Algorithm, RoundContext
-from wafl.common.config import RunConfig
+from wafl.common.config import ConfigError, RunConfig
 from wafl.common.datasets import FederatedDataset, load_dataset
 from wafl.common.models import build_model
 from wafl.common.partition import client_shard
@@ -31,7 +31,7 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(name)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={name!r} but CUDA is not available on this machine")
+        raise ConfigError(f"device={name!r} but CUDA is not available on this machine")
     return dev
 
 

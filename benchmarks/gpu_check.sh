@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# GPU check: one short wait-free round of SCD with ResNet-18 on synthetic CIFAR-shaped data, on
+# this machine's GPU. Prints GM and PM step times (ms), the PM steps completed, the stream the PM
+# ran on and whether the PM overlapped the upload; exits 0 when every check passed, 1 when one
+# failed, 2 without CUDA, 124 when it ran past its limit. Takes well under 5 minutes: the Python
+# part is stopped after 280 s.
+#
+#   bash benchmarks/gpu_check.sh                    # cuda (device 0)
+#   bash benchmarks/gpu_check.sh --device cuda:1    # any flag of benchmarks/gpu_check.py
+#   bash benchmarks/gpu_check.sh --json /tmp/gpu_check.json    # also keep the measurements
+#   WAFL_PYTHON=/path/to/python bash benchmarks/gpu_check.sh   # a Python that already has wafl
+#
+# Without WAFL_PYTHON it uses the environment of scripts/venv.sh (created on first use, which
+# needs the package index; an existing one is reused, then only the editable install is refreshed).
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+if [ -n "${WAFL_PYTHON:-}" ]; then
+  py=$WAFL_PYTHON
+else
+  venv=$(bash "$root/scripts/venv.sh")
+  py="$venv/bin/python"
+fi
+cd "$root"
+set +e
+PYTHONUNBUFFERED=1 timeout --kill-after=10 280 "$py" benchmarks/gpu_check.py --device cuda "$@"
+rc=$?
+set -e
+if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+  echo "gpu_check: stopped after 280 s (limit); see the lines above for how far it got" >&2
+fi
+exit "$rc"
