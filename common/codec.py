@@ -64,8 +64,14 @@ def torch_dtype(wire: int) -> torch.dtype:
         raise ValueError(f"unknown wire dtype {wire}") from None
 
 
+_ITEMSIZE = {w: torch.empty((), dtype=t).element_size() for w, t in _TORCH_BY_WIRE.items()}
+
+
 def itemsize(wire: int) -> int:
-    return torch.empty((), dtype=torch_dtype(wire)).element_size()
+    try:
+        return _ITEMSIZE[wire]
+    except KeyError:
+        raise ValueError(f"unknown wire dtype {wire}") from None
 
 
 def dtype_name(wire: int) -> str:
@@ -201,8 +207,9 @@ class TransferChecker:
     returns the spec of the chunk's tensor; ``finish`` verifies completeness and the trailer CRC.
     """
 
-    def __init__(self, manifest: Manifest, max_chunk_bytes: int = MAX_CHUNK_BYTES, require_finite: bool = True) -> None:
+    def __init__(self, manifest: Manifest, max_chunk_bytes: int = MAX_CHUNK_BYTES, require_finite: bool = True, compute_crc: bool = True) -> None:
         self.manifest = manifest
+        self.compute_crc = compute_crc  # False: the caller keeps the running CRC (off the event loop) and passes it to finish
         self.by_name = {s.name: i for i, s in enumerate(manifest)}
         self.max_chunk_bytes = max_chunk_bytes
         self.require_finite = require_finite
@@ -247,7 +254,8 @@ class TransferChecker:
                 raise ChunkError(f"tensor {c.name!r}: {bad} value in chunk at byte {c.offset}")
         self.offset += n
         self._seen_current = True
-        self.crc = zlib.crc32(c.data, self.crc)
+        if self.compute_crc:
+            self.crc = zlib.crc32(c.data, self.crc)
         self.bytes += n
         self.chunks += 1
         return spec
@@ -260,7 +268,11 @@ class TransferChecker:
         self.offset = 0
         self._seen_current = False
 
-    def finish(self, trailer_crc: int) -> None:
+    def finish(self, trailer_crc: int, crc: int | None = None) -> None:
+        """Checks completeness and ``trailer_crc`` against the CRC of the data (``crc`` when the
+        caller computed it)."""
+        if crc is not None:
+            self.crc = crc
         if self._current_complete():
             self._advance()
         if self.index < len(self.manifest):

@@ -7,6 +7,7 @@ is undone).
 from __future__ import annotations
 
 import asyncio
+import zlib
 from concurrent.futures import Executor
 from typing import AsyncIterator
 
@@ -85,7 +86,7 @@ class FederationService:
         state.in_flight.add(cid)
         fold = state.accumulator.begin(engine.algorithm.server.weight(h.num_samples))
         folding = FoldPipeline(fold, engine.executor)
-        checker = TransferChecker(engine.manifest, require_finite=False)  # the fold checks values
+        checker = TransferChecker(engine.manifest, require_finite=False, compute_crc=False)  # the fold checks values and keeps the CRC
         knowledge: list[pb.ClassKnowledge] = []
         trailer: pb.UploadTrailer | None = None
         code, message = None, None
@@ -112,7 +113,7 @@ class FederationService:
             if trailer is None:
                 raise ChunkError("the upload ended without a trailer (stream cut off)")
             await folding.finish()
-            checker.finish(trailer.crc32)
+            checker.finish(trailer.crc32, folding.crc)
             if trailer.num_chunks and trailer.num_chunks != checker.chunks:
                 raise ChunkError(f"trailer counts {trailer.num_chunks} chunks, {checker.chunks} arrived")
             parsed = None
@@ -150,17 +151,25 @@ class FoldPipeline:
     def __init__(self, fold: UploadFold, executor: Executor, depth: int = 3) -> None:
         self.fold = fold
         self.executor = executor
+        self.crc = 0  # running CRC-32 of the chunks folded, in order
         self.queue: asyncio.Queue[tuple[TensorSpec, RawChunk] | None] = asyncio.Queue(depth)
         self.task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while (item := await self.queue.get()) is not None:
-            await loop.run_in_executor(self.executor, self.fold.add, *item)
+            await loop.run_in_executor(self.executor, self._add, *item)
+
+    def _add(self, spec: TensorSpec, chunk: RawChunk) -> None:
+        self.crc = zlib.crc32(chunk.data, self.crc)
+        self.fold.add(spec, chunk)
 
     async def put(self, spec: TensorSpec, chunk: RawChunk) -> None:
         if self.task.done():
             self.task.result()  # the fold's own error (NaN, round closed)
+        if not self.queue.full():
+            self.queue.put_nowait((spec, chunk))
+            return
         put = asyncio.ensure_future(self.queue.put((spec, chunk)))
         await asyncio.wait({put, self.task}, return_when=asyncio.FIRST_COMPLETED)
         if not put.done():
