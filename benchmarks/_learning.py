@@ -26,6 +26,7 @@ import torch
 
 from wafl.cli.simulate import run_many, summarize
 from wafl.common.config import RunConfig, load_config
+from _machine import cpu_name
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO / "benchmarks" / "results"
@@ -154,23 +155,13 @@ def accuracy_table(results: Mapping[str, Any], rows: list[tuple[str, str]], metr
     return markdown_table(header, body)
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def machine_info() -> dict[str, Any]:
     info: dict[str, Any] = {
         "platform": platform.platform(),
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "numpy": np.__version__,
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_name(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "nice": os.nice(0),

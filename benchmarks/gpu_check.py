@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import threading
@@ -37,6 +36,7 @@ from collections import OrderedDict
 from itertools import islice
 from pathlib import Path
 from typing import Any
+from _machine import cpu_name
 
 
 def _fail(msg: str, code: int) -> None:
@@ -73,16 +73,6 @@ def _fmt(d: dict[str, Any]) -> str:
     return f"median {d['median']:.1f} ms, mean {d['mean']:.1f}, min {d['min']:.1f}, max {d['max']:.1f} (n={d['n']})"
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "cpu"
-
-
 def _overlap(a: tuple[float, float], b: tuple[float, float]) -> float:
     return max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
 
@@ -116,7 +106,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     trainer = Trainer(cfg, 0, device=a.device)
     dev = trainer.device
     cuda = dev.type == "cuda"
-    device_name = torch.cuda.get_device_name(dev) if cuda else f"{_cpu_name()}, {torch.get_num_threads()} threads"
+    device_name = torch.cuda.get_device_name(dev) if cuda else f"{cpu_name()}, {torch.get_num_threads()} threads"
 
     def sync() -> None:
         if cuda:

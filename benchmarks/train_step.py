@@ -44,6 +44,7 @@ from wafl.common.algorithms import registry
 from wafl.common.algorithms.base import RoundContext
 from wafl.common.models import build_model
 from wafl.common.training import make_optimizer, run_phase
+from _machine import cpu_name
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # model -> (in_channels, image_size): cnn on the embedded digits' shape, the rest on CIFAR's
@@ -61,16 +62,6 @@ KINDS = {
     "pm_ditto": ("ditto", "pm", "PM step, Ditto proximal term"),
 }
 NUM_CLASSES = 10
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def measure(name: str, kind: str, batch: int, warmup: int, min_steps: int, max_steps: int, min_time: float, seed: int = 0) -> dict[str, Any]:

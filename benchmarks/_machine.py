@@ -1,0 +1,16 @@
+"""What machine a benchmark ran on (shared by the scripts in this folder)."""
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+
+def cpu_name() -> str:
+    """The CPU model from /proc/cpuinfo, else what the platform module knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
