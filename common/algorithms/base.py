@@ -9,6 +9,7 @@ knowledge the client shares after training; and the server's update. One shared 
 from __future__ import annotations
 
 import copy
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
@@ -77,7 +78,7 @@ class Forward:
             return self._ctx.teacher(self.x)
 
 
-class LossTerm:
+class LossTerm(ABC):
     """A term added to cross-entropy. ``begin``/``end`` run once per training phase."""
 
     name = "term"
@@ -85,8 +86,9 @@ class LossTerm:
     def begin(self, ctx: RoundContext, model: nn.Module) -> None:
         """Prepares per-round constants (anchors, teacher spectra, client state)."""
 
+    @abstractmethod
     def __call__(self, model: nn.Module, out: Forward, ctx: RoundContext) -> torch.Tensor:
-        raise NotImplementedError
+        """The term's value on one batch (with its gradient)."""
 
     def end(self, ctx: RoundContext, model: nn.Module) -> None:
         """Updates client state once the phase has trained ``model``."""
