@@ -85,10 +85,10 @@ class UploadFold:
             bad = "NaN" if np.isnan(values).any() else "Inf"
             raise ChunkError(f"tensor {spec.name!r}: {bad} value in chunk at byte {chunk.offset}")
         start = chunk.offset // itemsize(spec.dtype)
-        self.spill.write(chunk.data)
-        with self.acc.lock:
+        with self.acc.lock:  # the spill write too: a rollback must never interleave with it
             if self.state != "open":
                 raise ChunkError("the round closed while this upload was streaming", "ABORTED")
+            self.spill.write(chunk.data)
             self.acc.sums[spec.name][start : start + values.size] += contribution
             self.folded.append((spec.name, start, values.size, spec.dtype))
 

@@ -152,13 +152,15 @@ class FoldPipeline:
         self.fold = fold
         self.executor = executor
         self.crc = 0  # running CRC-32 of the chunks folded, in order
+        self.stopping = False
         self.queue: asyncio.Queue[tuple[TensorSpec, RawChunk] | None] = asyncio.Queue(depth)
         self.task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
-        while (item := await self.queue.get()) is not None:
-            await loop.run_in_executor(self.executor, self._add, *item)
+        while (item := await self.queue.get()) is not None and not self.stopping:
+            # shielded: a fold already handed to a thread always completes before anyone rolls back
+            await asyncio.shield(loop.run_in_executor(self.executor, self._add, *item))
 
     def _add(self, spec: TensorSpec, chunk: RawChunk) -> None:
         self.crc = zlib.crc32(chunk.data, self.crc)
@@ -184,8 +186,12 @@ class FoldPipeline:
         await self.task
 
     async def stop(self) -> None:
+        """Drops what is queued and waits for the fold in progress, so that a rollback can follow."""
+        self.stopping = True
+        while not self.queue.empty():
+            self.queue.get_nowait()
         if not self.task.done():
-            self.task.cancel()
+            self.queue.put_nowait(None)
         await asyncio.gather(self.task, return_exceptions=True)
 
 
