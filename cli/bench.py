@@ -38,7 +38,7 @@ import os
 import shutil
 import statistics
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -96,35 +96,38 @@ def phase_durations(timelines: Timelines, phase: str) -> list[float]:
     return [float(e["end_s"]) - float(e["start_s"]) for tl in timelines.values() for e in _events(tl) if e["phase"] == phase]
 
 
-def idle_fraction(timelines: Timelines) -> float | None:
-    """Sum of idle durations / sum of client wall times (first phase start to last phase end)."""
-    idle = 0.0
+def _share_of_wall(timelines: Timelines, part: Callable[[list[Mapping[str, Any]]], float]) -> float | None:
+    """``sum(part(events))`` over clients / sum of client wall times (first phase start to last phase end)."""
+    num = 0.0
     wall = 0.0
     for tl in timelines.values():
         ev = _events(tl)
-        if not ev:
-            continue
-        wall += max(float(e["end_s"]) for e in ev) - min(float(e["start_s"]) for e in ev)
-        idle += sum(float(e["end_s"]) - float(e["start_s"]) for e in ev if e["phase"] == "idle")
-    return idle / wall if wall > 0 else None
+        if ev:
+            wall += max(float(e["end_s"]) for e in ev) - min(float(e["start_s"]) for e in ev)
+            num += part(ev)
+    return num / wall if wall > 0 else None
+
+
+def idle_fraction(timelines: Timelines) -> float | None:
+    """Sum of idle durations / sum of client wall times."""
+    return _share_of_wall(timelines, lambda ev: sum(float(e["end_s"]) - float(e["start_s"]) for e in ev if e["phase"] == "idle"))
+
+
+def _gaps(ev: list[Mapping[str, Any]]) -> float:
+    """Time between the first start and the last end that no phase covers (events in start order)."""
+    gaps = 0.0
+    covered_to = float(ev[0]["start_s"])
+    for e in ev:
+        start, end = float(e["start_s"]), float(e["end_s"])
+        if start > covered_to:
+            gaps += start - covered_to
+        covered_to = max(covered_to, end)
+    return gaps
 
 
 def untracked_fraction(timelines: Timelines) -> float | None:
     """Client wall time covered by no phase at all (neither compute, upload, idle nor evaluation) / client wall time."""
-    gaps = 0.0
-    wall = 0.0
-    for tl in timelines.values():
-        ev = _events(tl)
-        if not ev:
-            continue
-        covered_to = float(ev[0]["start_s"])
-        for e in ev:
-            start, end = float(e["start_s"]), float(e["end_s"])
-            if start > covered_to:
-                gaps += start - covered_to
-            covered_to = max(covered_to, end)
-        wall += covered_to - float(ev[0]["start_s"])
-    return gaps / wall if wall > 0 else None
+    return _share_of_wall(timelines, _gaps)
 
 
 def comm_durations(timelines: Timelines) -> list[float]:
