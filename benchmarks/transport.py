@@ -29,7 +29,7 @@ Everything runs in one go on this machine, each server and client in its own pro
   from the clients' side (first receipt of its broadcast header to the last client holding the
   next broadcast) and by the server's own ``round_s`` in ``results.jsonl``;
 * what limits the figures: the server's CPU time per thread during the uploads; a cProfile of
-  one client upload; the same 159 chunk messages through a bare ``grpc.aio`` stream (plain, and
+  one client upload; the same tensor messages (159 chunks grouped into 50 messages) through a bare ``grpc.aio`` stream (plain, and
   with a thread-pool hand-off per message as in wafl's upload handler); the cost of each step
   of the chunk path measured in-process; and diagnostic runs against a server changed at
   start-up by a ``sitecustomize`` module (product files untouched): ``no-bdp-probe`` (gRPC's
@@ -412,11 +412,11 @@ def upload_message_sizes() -> list[int]:
 
     from wafl.common.codec import iter_chunks
     from wafl.common.models import build_model
-    from wafl.common.wire import encode_upload
+    from wafl.common.wire import encode_upload, group_chunks
 
     torch.manual_seed(0)
     state = build_model("resnet18", 10, 3, 32, 32).state_dict()
-    return [len(encode_upload(c)) for c in iter_chunks(state.items())]
+    return [len(encode_upload(m)) for m in group_chunks(iter_chunks(state.items()))]
 
 
 # --------------------------------------------------------------------------- benchmark client
@@ -471,7 +471,7 @@ async def _client(task: dict[str, Any], msg_q: Any, gates: dict[str, Any]) -> No
 
     def timed_decode(raw: bytes) -> Any:
         m = decode_broadcast(raw)
-        if not isinstance(m, RawChunk) and m.WhichOneof("kind") == "header":
+        if not isinstance(m, (RawChunk, tuple)) and m.WhichOneof("kind") == "header":
             header_t[m.header.round] = time.monotonic()
         return m
 
@@ -1032,16 +1032,15 @@ def phase_noop(pool: Pool, server: Server, timed_round: int) -> dict[str, Any]:
 # --------------------------------------------------------------------------- stage costs
 def stage_costs(repeat: int = 3) -> dict[str, Any]:
     """Per-MB cost of each step of the chunk path, on the benchmark's own model, in this process."""
-    import zlib
-
     import numpy as np
     import torch
 
     from wafl.client.session import _Assembler
-    from wafl.common.codec import TransferChecker, crc32_of, iter_chunks, manifest_of, numpy_view
+    from wafl.common.checksum import IMPLEMENTATION, crc32
+    from wafl.common.codec import RawChunk, TransferChecker, crc32_of, iter_chunks, manifest_of, numpy_view
     from wafl.common.models import build_model
     from wafl.common.proto import federation_pb2 as pb
-    from wafl.common.wire import PreEncoded, decode_broadcast, decode_upload, encode_chunk, encode_upload
+    from wafl.common.wire import PreEncoded, decode_broadcast, decode_upload, encode_tensors, encode_upload, group_chunks
     from wafl.server.aggregator import Accumulator
 
     torch.set_num_threads(1)
@@ -1050,7 +1049,8 @@ def stage_costs(repeat: int = 3) -> dict[str, Any]:
     manifest = manifest_of(state)
     nbytes = sum(s.nbytes for s in manifest)
     chunks = list(iter_chunks(state.items()))
-    encoded = [encode_upload(c) for c in chunks]
+    messages = list(group_chunks(chunks))
+    encoded = [encode_upload(m) for m in messages]
     spec_by_name = {s.name: s for s in manifest}
 
     def best(fn) -> float:  # type: ignore[no-untyped-def]
@@ -1062,23 +1062,23 @@ def stage_costs(repeat: int = 3) -> dict[str, Any]:
         return min(times)
 
     def memcpy() -> None:
-        dst = bytearray((1 << 20) + 1024)
+        dst = bytearray((1 << 20) + (64 << 10))
         for e in encoded:
             memoryview(dst)[: len(e)] = e
 
     def crc() -> None:
         c = 0
         for ch in chunks:
-            c = zlib.crc32(ch.data, c)
+            c = crc32(ch.data, c)
 
-    decoded = [decode_upload(e) for e in encoded]
+    decoded = [c for e in encoded for c in (lambda m: (m,) if isinstance(m, RawChunk) else m)(decode_upload(e))]
 
     def check() -> None:
-        ck = TransferChecker(manifest, require_finite=False)
+        ck = TransferChecker(manifest, require_finite=False, compute_crc=False)
         for d in decoded:
             ck.check(d)
 
-    def fold_fresh() -> None:  # the first upload of a round also faults in the float64 sums
+    def fold_fresh() -> None:  # a server's first round also faults in the float64 sums
         acc = Accumulator(manifest)
         fold = acc.begin(float(NUM_SAMPLES))
         for d in decoded:
@@ -1086,8 +1086,7 @@ def stage_costs(repeat: int = 3) -> dict[str, Any]:
         fold.commit()
 
     warm = Accumulator(manifest)
-    for s in manifest:  # touch the sums once so that the parts below time warm pages
-        warm.sums[s.name][:] = 0.0
+    warm.reset()  # as the server does before every round: the pages below are resident
 
     def fold_warm() -> None:
         fold = warm.begin(float(NUM_SAMPLES))
@@ -1095,74 +1094,82 @@ def stage_costs(repeat: int = 3) -> dict[str, Any]:
             fold.add(spec_by_name[d.name], d)
         fold.commit()
 
+    fold_warm()  # the spill file in the pool now holds its pages, as after a server's first upload
     views = [(spec_by_name[d.name], d, numpy_view(d.data, spec_by_name[d.name].dtype)) for d in decoded]
+    scratch = np.empty(max(v.size for _, _, v in views), dtype=np.float64)
     contribs = [np.multiply(v, 100.0, dtype=np.float64) for _, _, v in views]
 
     def f_multiply() -> None:
         for _, _, v in views:
-            np.multiply(v, 100.0, dtype=np.float64)
+            np.multiply(v, 100.0, out=scratch[: v.size], dtype=np.float64)
 
     def f_sum() -> None:
         for c in contribs:
-            float(c.sum())
+            float(np.add.reduce(c))
+
+    spill = warm.spills.acquire()
 
     def f_spill() -> None:
-        with tempfile.TemporaryFile() as f:
-            for _, d, _ in views:
-                f.write(d.data)
+        spill.seek(0)
+        for _, d, _ in views:
+            spill.write(d.data)
 
     def f_add() -> None:
         for (spec, d, v), c in zip(views, contribs):
             start = d.offset // v.itemsize
-            warm.sums[spec.name][start : start + v.size] += c
+            target = warm.sums[spec.name][start : start + v.size]
+            np.add(target, c, out=target)
 
     warm.total_weight, warm.count = float(NUM_SAMPLES), 1
 
     def encode_broadcast() -> None:  # RoundEngine._encode_broadcast, tensor part
-        [PreEncoded(encode_chunk(c)) for c in iter_chunks(state.items())]
+        [PreEncoded(encode_tensors(m)) for m in group_chunks(iter_chunks(state.items()))]
         crc32_of(state.values())
 
-    bc_encoded = [encode_chunk(c) for c in iter_chunks(state.items())]
+    bc_encoded = [encode_tensors(m) for m in group_chunks(iter_chunks(state.items()))]
     bc_crc = crc32_of(state.values())
     header = pb.BroadcastHeader(round=1, num_tensors=len(manifest), total_bytes=nbytes)
 
     def assemble() -> None:  # what Session.models() does with one broadcast
         asm = _Assembler(manifest, header)
         for e in bc_encoded:
-            asm.add(decode_broadcast(e))
+            m = decode_broadcast(e)
+            for c in (m,) if isinstance(m, RawChunk) else m:
+                asm.add(c)
         asm.finish(bc_crc)
 
     per_upload = {
-        "client: encode_upload (protobuf prefix + data, one join copy)": lambda: [encode_upload(c) for c in chunks],
-        "client: zlib.crc32 of the chunk data (Session._upload_messages)": crc,
-        "server: decode_upload (zero-copy view)": lambda: [decode_upload(e) for e in encoded],
-        "server: TransferChecker.check (incl. zlib.crc32)": check,
-        "server: UploadFold.add, later uploads of a round (sums already resident)": fold_warm,
-        "server: UploadFold.add, first upload of a round (faults in the float64 sums)": fold_fresh,
-        "server: UploadFold.add part: np.multiply(values, w, dtype=float64)": f_multiply,
-        "server: UploadFold.add part: float(contribution.sum()) finite check": f_sum,
-        "server: UploadFold.add part: spill.write(chunk) to an unlinked temp file": f_spill,
-        "server: UploadFold.add part: sums[...] += contribution": f_add,
-        "reference: one memcpy of every encoded chunk": memcpy,
+        "client: group_chunks + encode_upload (protobuf prefixes + data, one join copy per message)": lambda: [encode_upload(m) for m in group_chunks(chunks)],
+        f"client: CRC-32 ({IMPLEMENTATION}) of the chunk data (Session._upload_messages)": crc,
+        "server: decode_upload (zero-copy views)": lambda: [decode_upload(e) for e in encoded],
+        "server: TransferChecker.check": check,
+        f"server: CRC-32 ({IMPLEMENTATION}) in the fold thread (FoldPipeline)": crc,
+        "server: UploadFold.add, later rounds (sums and spill file resident)": fold_warm,
+        "server: UploadFold.add, a server's first round (faults in the float64 sums)": fold_fresh,
+        "server: UploadFold.add part: np.multiply(values, w) into the float64 scratch": f_multiply,
+        "server: UploadFold.add part: np.add.reduce(contribution) finite check": f_sum,
+        "server: UploadFold.add part: spill.write(chunk) to a pooled temp file": f_spill,
+        "server: UploadFold.add part: np.add(sums, contribution) in place": f_add,
+        "reference: one memcpy of every encoded message": memcpy,
     }
     per_round = {
         "server: Accumulator.mean": warm.mean,
-        "server: encode the broadcast (encode_chunk + crc32_of, RoundEngine._encode_broadcast)": encode_broadcast,
+        "server: encode the broadcast (group_chunks + encode_tensors + crc32_of, RoundEngine._encode_broadcast)": encode_broadcast,
         "client: receive one broadcast (decode + _Assembler.add/finish: check, CRC, copy, tensors)": assemble,
     }
-    out: dict[str, Any] = {"model_bytes": nbytes, "chunks": len(chunks), "repeat": repeat, "note": "best of `repeat`, one thread, in the benchmark's parent process after the other phases; MBps = model bytes / seconds", "per_upload": {}, "per_round": {}}
+    out: dict[str, Any] = {"model_bytes": nbytes, "chunks": len(chunks), "messages": len(messages), "repeat": repeat, "note": "best of `repeat`, one thread, in the benchmark's parent process after the other phases; MBps = model bytes / seconds", "per_upload": {}, "per_round": {}}
     for group, steps in (("per_upload", per_upload), ("per_round", per_round)):
         for name, fn in steps.items():
             sec = best(fn)
             out[group][name] = {"seconds_per_model": round(sec, 4), "MBps": round(nbytes / sec / MB, 1)}
     up = out["per_upload"]
-    srv = sum(v["seconds_per_model"] for k, v in up.items() if k.startswith("server: ") and "part:" not in k and "first upload" not in k)
+    srv = sum(v["seconds_per_model"] for k, v in up.items() if k.startswith("server: ") and "part:" not in k and "first round" not in k)
     cli = sum(v["seconds_per_model"] for k, v in up.items() if k.startswith("client: "))
     out["server_seconds_per_upload"] = round(srv, 4)
     out["server_ceiling_MBps"] = round(nbytes / srv / MB, 1)
     out["client_seconds_per_upload"] = round(cli, 4)
     out["client_ceiling_MBps"] = round(nbytes / cli / MB, 1)
-    out["ceiling_note"] = "the Python-side work one upload costs (decode + check + warm fold on the server; encode + CRC on the client), gRPC's own work excluded"
+    out["ceiling_note"] = "the Python-side work one upload costs (decode + check + CRC + warm fold on the server; grouping, encoding + CRC on the client), gRPC's own work excluded"
     return out
 
 

@@ -120,7 +120,9 @@ def launch(cfg: RunConfig, out_dir: Path | None = None, link_rate: str | None = 
 
 def _spawn(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
     f = open(log, "wb")
-    return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
+    # Its own process group (killpg, no terminal signals) but the launcher's session: one
+    # scheduler autogroup, so that the wait-free PM's nice value counts against the others.
+    return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(), process_group=0)
 
 
 def _wait_ready(ready: Path, server: subprocess.Popen[bytes], log: Path, timeout_s: float = 120.0) -> int:

@@ -11,12 +11,21 @@ if selected, train the GM for ``local_epochs`` and
 * compute-and-wait: train the PM for ``pm_epochs``, then upload, then idle.
 
 Every phase is recorded on the client's timeline; training runs in a worker thread so the
-event loop keeps streaming.
+event loop keeps streaming. The wait-free PM trains in its own thread at nice ``pm_nice``
+(Linux): it is there to fill time the client would otherwise idle, so where clients share
+CPUs it must not slow down another client's GM, the server's aggregation or this client's
+upload, which the round waits for. Nice values compare between processes of one session
+(autogroup), which is how ``wafl run`` starts its processes.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
+import os
+import sys
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import structlog
@@ -42,8 +51,18 @@ class RoundProtocol:
         self.reports: set[asyncio.Task[Any]] = set()  # PM reports, sent without holding up the next round
         self.bytes_up = 0
         self.arrived = 0  # complete broadcasts received; the wait-free PM loop watches this
+        self.background: ThreadPoolExecutor | None = None
+        if protocol == "wait-free" and trainer.algorithm.personalized:
+            self.background = ThreadPoolExecutor(1, thread_name_prefix="wafl-pm", initializer=lower_thread_priority, initargs=(trainer.cfg.pm_nice,))
 
     async def run(self) -> None:
+        try:
+            await self._run()
+        finally:
+            if self.background is not None:
+                self.background.shutdown(wait=False, cancel_futures=True)
+
+    async def _run(self) -> None:
         models = self.session.models()
         idle_since: float | None = None
         async for model in _prefetch(models, self._on_arrival):
@@ -90,13 +109,9 @@ class RoundProtocol:
             if self.protocol == "compute-and-wait":
                 await upload
         if t.algorithm.personalized and self.protocol == "wait-free" and (selected or self.pm_trained_round is not None):
+            train = functools.partial(t.train_pm, lambda: self.arrived > seen, t.cfg.pm_max_epochs, t.cfg.pm_min_steps)
             with self.timeline.phase("pm_train", r):
-                await asyncio.to_thread(
-                    t.train_pm,
-                    lambda: self.arrived > seen,
-                    t.cfg.pm_max_epochs,
-                    t.cfg.pm_min_steps,
-                )
+                await asyncio.get_running_loop().run_in_executor(self.background, train)
             self.pm_trained_round = r
 
     async def _upload(self, r: int, state: Any, metrics: dict[str, float], knowledge: Any) -> None:
@@ -119,6 +134,16 @@ class RoundProtocol:
     async def _drain_uploads(self) -> None:
         if self.uploads or self.reports:
             await asyncio.gather(*self.uploads, *self.reports, return_exceptions=True)
+
+
+def lower_thread_priority(nice: int) -> None:
+    """Sets the calling thread's nice value (Linux: per thread); a no-op for 0 or elsewhere."""
+    if nice <= 0 or sys.platform != "linux":
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except OSError as e:  # e.g. a seccomp profile that forbids it: the PM runs at normal priority
+        log.warning("pm.nice_failed", nice=nice, error=str(e))
 
 
 def _event(phase: str, round: int, start: float, end: float) -> Any:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import random
 import uuid
-import zlib
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Mapping
 
@@ -19,9 +18,10 @@ import structlog
 import torch
 
 from wafl.common.algorithms.hyperknowledge import ClassKnowledge
+from wafl.common.checksum import crc32
 from wafl.common.codec import ChunkError, Manifest, RawChunk, TensorSpec, TransferChecker, iter_chunks
 from wafl.common.proto import federation_pb2 as pb
-from wafl.common.wire import decode_broadcast, encode_upload
+from wafl.common.wire import ChunkBatch, decode_broadcast, encode_upload, group_chunks
 
 PROTOCOL_VERSION = 1
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED}
@@ -32,6 +32,7 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.http2.max_frame_size", (1 << 24) - 1),
 ]
 log = structlog.get_logger("client")
 
@@ -138,10 +139,11 @@ class Session:
                 call = self._broadcasts(pb.BroadcastRequest(run_id=self.run_id, client_id=self.client_id))
                 assembler: _Assembler | None = None
                 async for msg in call:
-                    if isinstance(msg, RawChunk):
+                    if isinstance(msg, (RawChunk, ChunkBatch)):
                         if assembler is None:
                             raise ChunkError("chunk before a broadcast header")
-                        assembler.add(msg)
+                        for c in (msg,) if isinstance(msg, RawChunk) else msg:
+                            assembler.add(c)
                         continue
                     kind = msg.WhichOneof("kind")
                     if kind == "header":
@@ -187,10 +189,11 @@ class Session:
         yield pb.UploadMessage(header=pb.UploadHeader(run_id=self.run_id, round=round, client_id=self.client_id, num_samples=num_samples, idempotency_key=key, metrics=dict(metrics)))
         crc = 0
         n = 0
-        for chunk in iter_chunks(state.items()):
-            crc = zlib.crc32(chunk.data, crc)
-            n += 1
-            yield chunk
+        for message in group_chunks(iter_chunks(state.items())):
+            for chunk in (message,) if isinstance(message, RawChunk) else message:
+                crc = crc32(chunk.data, crc)
+                n += 1
+            yield message
         for k in sorted((knowledge or {}).values(), key=lambda k: k.class_id):
             yield pb.UploadMessage(knowledge=pb.ClassKnowledge(class_id=k.class_id, count=k.count, representation=k.rep.tolist(), soft_prediction=k.soft.tolist()))
         yield pb.UploadMessage(trailer=pb.UploadTrailer(crc32=crc, num_chunks=n))

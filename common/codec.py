@@ -8,13 +8,13 @@ folded into an aggregate on its own.
 from __future__ import annotations
 
 import sys
-import zlib
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Mapping
 
 import numpy as np
 import torch
 
+from wafl.common.checksum import crc32
 from wafl.common.proto import federation_pb2 as pb
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
@@ -179,7 +179,7 @@ def crc32_of(tensors: Iterable[torch.Tensor]) -> int:
     """CRC-32 over the raw bytes of the tensors, in order (what a trailer carries)."""
     crc = 0
     for t in tensors:
-        crc = zlib.crc32(tensor_bytes(t), crc)
+        crc = crc32(tensor_bytes(t), crc)
     return crc
 
 
@@ -255,7 +255,7 @@ class TransferChecker:
         self.offset += n
         self._seen_current = True
         if self.compute_crc:
-            self.crc = zlib.crc32(c.data, self.crc)
+            self.crc = crc32(c.data, self.crc)
         self.bytes += n
         self.chunks += 1
         return spec

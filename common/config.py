@@ -57,6 +57,7 @@ class RunConfig:
     pm_epochs: int = 1  # E_P (compute-and-wait)
     pm_min_steps: int = 0
     pm_max_epochs: float | None = None
+    pm_nice: int = 19  # wait-free PM thread's nice value: it only fills time the federation would idle
     device: str = "auto"
     eval_batch_size: int = 256
     eval_every: int = 1  # evaluate the global model every N rounds (0: only after the last)
@@ -100,6 +101,8 @@ class RunConfig:
         _int_at_least("pm_min_steps", self.pm_min_steps, 0)
         if self.pm_max_epochs is not None:
             _positive("pm_max_epochs", self.pm_max_epochs)
+        if not isinstance(self.pm_nice, int) or isinstance(self.pm_nice, bool) or not 0 <= self.pm_nice <= 19:
+            raise ConfigError(f"pm_nice={self.pm_nice!r} must be an integer in [0, 19] (0: the PM thread runs at normal priority)")
         _int_at_least("eval_batch_size", self.eval_batch_size, 1)
         _int_at_least("eval_every", self.eval_every, 0)
         if not (self.device in ("auto", "cpu", "cuda") or (self.device.startswith("cuda:") and self.device[5:].isdigit())):

@@ -3,19 +3,23 @@
 The messages are the ones in ``protos/wafl/v1/federation.proto`` and any protobuf client can
 speak them. On wafl's own side a chunk is encoded by writing the small protobuf prefix and then
 the raw tensor bytes in one join (one copy), and decoded by reading the protobuf wire format
-directly so that ``data`` stays a zero-copy view of the received message. Every other message
-goes through the generated protobuf classes. A stock client's chunk decodes identically.
+directly so that ``data`` stays a zero-copy view of the received message. Runs of small chunks
+(biases, norm layers) are grouped into one ``batch`` message of about 1 MiB (``group_chunks``):
+per-message cost, not bytes, dominates those. Every other message goes through the generated
+protobuf classes. A stock client's chunk or batch decodes identically.
 """
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from typing import Callable, Iterable, Iterator, TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
-from wafl.common.codec import RawChunk
+from wafl.common.codec import CHUNK_BYTES, RawChunk
 from wafl.common.proto import federation_pb2 as pb
 
 CHUNK_FIELD = 2  # field number of `chunk` in UploadMessage and BroadcastMessage
+BATCH_FIELD = 5  # field number of `batch` (a TensorChunkBatch) in both
+_BATCH_CHUNKS = 1  # field number of `chunks` in TensorChunkBatch
 _DATA_FIELD = 15  # field number of `data` in TensorChunk
 _LEN = 2
 _VARINT = 0
@@ -64,14 +68,50 @@ def _skip(buf: memoryview, pos: int, wire_type: int) -> int:
     raise DecodeError(f"unsupported wire type {wire_type}")
 
 
-def encode_chunk(c: RawChunk) -> bytes:
-    """The bytes of ``{UploadMessage|BroadcastMessage}(chunk=c)``, data copied once."""
+class ChunkBatch(tuple):
+    """Chunks that travel in one ``TensorChunkBatch`` message, in order."""
+
+    __slots__ = ()
+
+
+def _chunk_parts(c: RawChunk) -> tuple[bytes, bytes, memoryview | bytes]:
+    """``TensorChunk`` serialized as (fields before data, data key and length, data)."""
     head = pb.TensorChunk(name=c.name, dtype=c.dtype, shape=list(c.shape), offset=c.offset).SerializeToString()
     n = len(c.data)
-    data_prefix = _varint((_DATA_FIELD << 3) | _LEN) + _varint(n) if n else b""
-    inner_len = len(head) + len(data_prefix) + n
-    outer = _varint((CHUNK_FIELD << 3) | _LEN) + _varint(inner_len)
-    return b"".join((outer, head, data_prefix, c.data))
+    return head, (_varint((_DATA_FIELD << 3) | _LEN) + _varint(n) if n else b""), c.data
+
+
+def encode_chunk(c: RawChunk) -> bytes:
+    """The bytes of ``{UploadMessage|BroadcastMessage}(chunk=c)``, data copied once."""
+    head, data_prefix, data = _chunk_parts(c)
+    outer = _varint((CHUNK_FIELD << 3) | _LEN) + _varint(len(head) + len(data_prefix) + len(data))
+    return b"".join((outer, head, data_prefix, data))
+
+
+def encode_batch(chunks: ChunkBatch) -> bytes:
+    """The bytes of ``{UploadMessage|BroadcastMessage}(batch=TensorChunkBatch(chunks))``, one join."""
+    parts: list[bytes | memoryview] = []
+    for c in chunks:
+        head, data_prefix, data = _chunk_parts(c)
+        parts += (_varint((_BATCH_CHUNKS << 3) | _LEN) + _varint(len(head) + len(data_prefix) + len(data)), head, data_prefix, data)
+    inner_len = sum(len(p) for p in parts)
+    return b"".join([_varint((BATCH_FIELD << 3) | _LEN) + _varint(inner_len), *parts])
+
+
+def group_chunks(chunks: Iterable[RawChunk], limit: int = CHUNK_BYTES) -> Iterator[RawChunk | ChunkBatch]:
+    """Consecutive chunks grouped into messages of at most ``limit`` data bytes: a chunk that
+    fills a message alone travels as a ``chunk``, runs of small ones as one ``batch``."""
+    group: list[RawChunk] = []
+    size = 0
+    for c in chunks:
+        n = len(c.data)
+        if group and size + n > limit:
+            yield group[0] if len(group) == 1 else ChunkBatch(group)
+            group, size = [], 0
+        group.append(c)
+        size += n
+    if group:
+        yield group[0] if len(group) == 1 else ChunkBatch(group)
 
 
 def _decode_chunk(buf: memoryview) -> RawChunk:
@@ -116,20 +156,38 @@ def _decode_chunk(buf: memoryview) -> RawChunk:
 M = TypeVar("M", bound=Message)
 
 
-def _decoder(cls: type[M]) -> Callable[[bytes], M | RawChunk]:
-    def decode(raw: bytes) -> M | RawChunk:
+def _decode_batch(buf: memoryview) -> ChunkBatch:
+    chunks: list[RawChunk] = []
+    pos, end = 0, len(buf)
+    while pos < end:
+        key, pos = _read_varint(buf, pos)
+        if key != (_BATCH_CHUNKS << 3) | _LEN:
+            raise DecodeError("not a plain TensorChunkBatch")  # protobuf decodes the general case
+        n, pos = _read_varint(buf, pos)
+        if pos + n > end:
+            raise DecodeError("truncated TensorChunkBatch")
+        chunks.append(_decode_chunk(buf[pos : pos + n]))
+        pos += n
+    return ChunkBatch(chunks)
+
+
+def _decoder(cls: type[M]) -> Callable[[bytes], M | RawChunk | ChunkBatch]:
+    def decode(raw: bytes) -> M | RawChunk | ChunkBatch:
         buf = memoryview(raw)
         try:
             key, pos = _read_varint(buf, 0) if len(buf) else (0, 0)
-            if key == (CHUNK_FIELD << 3) | _LEN:
+            if key in ((CHUNK_FIELD << 3) | _LEN, (BATCH_FIELD << 3) | _LEN):
                 n, pos = _read_varint(buf, pos)
-                if pos + n == len(buf):  # the message is exactly one chunk: the fast path
-                    return _decode_chunk(buf[pos:])
+                if pos + n == len(buf):  # the message is exactly one chunk or batch: the fast path
+                    return _decode_chunk(buf[pos:]) if key >> 3 == CHUNK_FIELD else _decode_batch(buf[pos:])
         except (DecodeError, UnicodeDecodeError):
             pass  # let protobuf produce its own error below
         msg = cls.FromString(raw)
-        if msg.WhichOneof("kind") == "chunk":
+        kind = msg.WhichOneof("kind")
+        if kind == "chunk":
             return RawChunk.from_proto(msg.chunk)
+        if kind == "batch":
+            return ChunkBatch(RawChunk.from_proto(c) for c in msg.batch.chunks)
         return msg
 
     return decode
@@ -144,12 +202,17 @@ class PreEncoded:
         self.data = data
 
 
-def _encoder(cls: type[M]) -> Callable[[M | RawChunk | PreEncoded], bytes]:
-    def encode(msg: M | RawChunk | PreEncoded) -> bytes:
+def encode_tensors(msg: RawChunk | ChunkBatch) -> bytes:
+    """A chunk or a batch as the bytes of its message."""
+    return encode_chunk(msg) if isinstance(msg, RawChunk) else encode_batch(msg)
+
+
+def _encoder(cls: type[M]) -> Callable[[M | RawChunk | ChunkBatch | PreEncoded], bytes]:
+    def encode(msg: M | RawChunk | ChunkBatch | PreEncoded) -> bytes:
         if isinstance(msg, PreEncoded):
             return msg.data
-        if isinstance(msg, RawChunk):
-            return encode_chunk(msg)
+        if isinstance(msg, (RawChunk, ChunkBatch)):
+            return encode_tensors(msg)
         return msg.SerializeToString()
 
     return encode

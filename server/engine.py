@@ -30,7 +30,7 @@ from wafl.common.config import RunConfig
 from wafl.common.datasets import load_dataset
 from wafl.common.models import build_model
 from wafl.common.training import evaluate
-from wafl.common.wire import PreEncoded, encode_chunk
+from wafl.common.wire import PreEncoded, encode_tensors, group_chunks
 from wafl.common.proto import federation_pb2 as pb
 from wafl.server.aggregator import Accumulator
 from wafl.server.checkpoint import load_checkpoint, save_checkpoint
@@ -108,6 +108,7 @@ class RoundEngine:
         self.final_reported = asyncio.Event()
         self.bytes_down = 0
         self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="wafl-server")
+        self.accumulator = Accumulator(self.manifest)  # one for every round (see Accumulator.reset)
         self.run_start = time.monotonic()
         self.results = ResultsLog(out_dir, self.run_start)
         self.checkpoint_path = out_dir / "checkpoint.pt"
@@ -208,7 +209,8 @@ class RoundEngine:
     async def _round(self, r: int) -> None:
         loop = asyncio.get_running_loop()
         selected = self.select(r)
-        state = RoundState(r, selected, Accumulator(self.manifest), deadline=loop.time() + self.cfg.round_deadline_s, opened_at=self.wall())
+        await loop.run_in_executor(self.executor, self.accumulator.reset)  # faults its pages in before any upload
+        state = RoundState(r, selected, self.accumulator, deadline=loop.time() + self.cfg.round_deadline_s, opened_at=self.wall())
         if self.algorithm.knowledge is not None:
             state.knowledge = KnowledgeAccumulator(self.dataset.num_classes)
         self.current = state
@@ -242,6 +244,7 @@ class RoundEngine:
         if cancelled:
             log.warning("round.cancelled_uploads", round=r, count=cancelled)
         await loop.run_in_executor(self.executor, self._aggregate, state)
+        clients = state.accumulator.count
         every = self.cfg.eval_every
         if r == self.cfg.rounds or (every and r % every == 0):
             acc, _, loss = await loop.run_in_executor(self.executor, self._evaluate)
@@ -258,7 +261,7 @@ class RoundEngine:
             "round_s": round_(self.wall() - state.opened_at),
             "bytes_up": state.bytes_up,
             "bytes_down": self.bytes_down,
-            "clients": state.accumulator.count,
+            "clients": clients,
             "selected": len(selected),
             "train_loss": round_(_mean([m.get("train_loss") for m in state.metrics.values()])),
         }
@@ -306,7 +309,7 @@ class RoundEngine:
             self.broadcast_changed.notify_all()
 
     def _encode_broadcast(self, round: int, selected: set[str], final: bool) -> Broadcast:
-        chunks = [PreEncoded(encode_chunk(c)) for c in iter_chunks(self.global_state.items())]
+        chunks = [PreEncoded(encode_tensors(m)) for m in group_chunks(iter_chunks(self.global_state.items()))]
         knowledge = [
             pb.ClassKnowledge(class_id=k.class_id, count=k.count, representation=k.rep.tolist(), soft_prediction=k.soft.tolist())
             for _, k in sorted(self.global_knowledge.items())

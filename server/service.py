@@ -7,16 +7,17 @@ is undone).
 from __future__ import annotations
 
 import asyncio
-import zlib
-from concurrent.futures import Executor
+import queue
+import threading
 from typing import AsyncIterator
 
 import grpc
 import structlog
 
+from wafl.common.checksum import crc32
 from wafl.common.codec import ChunkError, RawChunk, TensorSpec, TransferChecker
 from wafl.common.proto import federation_pb2 as pb
-from wafl.common.wire import decode_upload, encode_broadcast
+from wafl.common.wire import ChunkBatch, decode_upload, encode_broadcast
 from wafl.server.aggregator import UploadFold
 from wafl.server.engine import RoundEngine, UploadRefused, decode_knowledge
 
@@ -72,7 +73,7 @@ class FederationService:
             first = await it.__anext__()
         except StopAsyncIteration:
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty upload: the first message must be a header")
-        if isinstance(first, RawChunk) or first.WhichOneof("kind") != "header":
+        if isinstance(first, (RawChunk, ChunkBatch)) or first.WhichOneof("kind") != "header":
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message of an upload must be a header")
         h = first.header
         try:
@@ -85,7 +86,7 @@ class FederationService:
         loop = asyncio.get_running_loop()
         state.in_flight.add(cid)
         fold = state.accumulator.begin(engine.algorithm.server.weight(h.num_samples))
-        folding = FoldPipeline(fold, engine.executor)
+        folding = FoldPipeline(fold)
         checker = TransferChecker(engine.manifest, require_finite=False, compute_crc=False)  # the fold checks values and keeps the CRC
         knowledge: list[pb.ClassKnowledge] = []
         trailer: pb.UploadTrailer | None = None
@@ -95,9 +96,13 @@ class FederationService:
                 if trailer is not None:
                     raise ChunkError("message after the trailer")
                 if isinstance(msg, RawChunk):
+                    msg = (msg,)
+                if isinstance(msg, tuple):  # a chunk or a ChunkBatch
                     if knowledge:
                         raise ChunkError("tensor chunk after knowledge")
-                    await folding.put(checker.check(msg), msg)
+                    if not msg:
+                        raise ChunkError("empty chunk batch")
+                    await folding.put([(checker.check(c), c) for c in msg])
                     continue
                 kind = msg.WhichOneof("kind")
                 if kind == "knowledge":
@@ -144,55 +149,86 @@ class FederationService:
 
 
 class FoldPipeline:
-    """Folds an upload's chunks in a worker thread, in order, while the event loop receives the
-    next ones; at most ``depth`` chunks wait, so memory stays bounded and flow control holds the
-    sender back when folding is the slower side."""
+    """Folds an upload's chunks in its own thread, in order, while the event loop receives the
+    next ones. At most ``depth`` messages wait, so memory stays bounded and HTTP/2 flow control
+    holds the sender back when folding is the slower side. The loop only hands chunks over
+    (no future, no wake-up per chunk); it is woken when it waits for room or for the end."""
 
-    def __init__(self, fold: UploadFold, executor: Executor, depth: int = 3) -> None:
+    def __init__(self, fold: UploadFold, depth: int = 4) -> None:
         self.fold = fold
-        self.executor = executor
+        self.depth = depth
         self.crc = 0  # running CRC-32 of the chunks folded, in order
+        self.loop = asyncio.get_running_loop()
+        self.items: queue.SimpleQueue[list[tuple[TensorSpec, RawChunk]] | None] = queue.SimpleQueue()
+        self.lock = threading.Lock()
+        self.pending = 0
+        self.waiter: asyncio.Future[None] | None = None
+        self.error: BaseException | None = None
         self.stopping = False
-        self.queue: asyncio.Queue[tuple[TensorSpec, RawChunk] | None] = asyncio.Queue(depth)
-        self.task = asyncio.get_running_loop().create_task(self._run())
+        self.finished: asyncio.Future[None] = self.loop.create_future()
+        self.thread = threading.Thread(target=self._run, name="wafl-fold", daemon=True)
+        self.thread.start()
 
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while (item := await self.queue.get()) is not None and not self.stopping:
-            # shielded: a fold already handed to a thread always completes before anyone rolls back
-            await asyncio.shield(loop.run_in_executor(self.executor, self._add, *item))
+    def _run(self) -> None:
+        try:
+            while (items := self.items.get()) is not None:
+                for spec, chunk in items:
+                    if self.error is not None or self.stopping:
+                        break
+                    try:
+                        self.crc = crc32(chunk.data, self.crc)
+                        self.fold.add(spec, chunk)
+                    except BaseException as e:  # reported to the handler by put/finish
+                        self.error = e
+                with self.lock:
+                    self.pending -= 1
+                    if self.waiter is not None and (self.pending < self.depth or self.error is not None):
+                        self._wake(self.waiter)
+                        self.waiter = None
+        finally:
+            self._wake(self.finished)
 
-    def _add(self, spec: TensorSpec, chunk: RawChunk) -> None:
-        self.crc = zlib.crc32(chunk.data, self.crc)
-        self.fold.add(spec, chunk)
+    def _wake(self, f: asyncio.Future[None]) -> None:
+        try:
+            self.loop.call_soon_threadsafe(_resolve, f)
+        except RuntimeError:  # the loop is gone (server shut down mid-upload): nobody waits
+            pass
 
-    async def put(self, spec: TensorSpec, chunk: RawChunk) -> None:
-        if self.task.done():
-            self.task.result()  # the fold's own error (NaN, round closed)
-        if not self.queue.full():
-            self.queue.put_nowait((spec, chunk))
-            return
-        put = asyncio.ensure_future(self.queue.put((spec, chunk)))
-        await asyncio.wait({put, self.task}, return_when=asyncio.FIRST_COMPLETED)
-        if not put.done():
-            put.cancel()
-        if self.task.done():
-            self.task.result()
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    async def put(self, items: list[tuple[TensorSpec, RawChunk]]) -> None:
+        """Hands one message's chunks over; waits only while ``depth`` messages are still
+        queued. Raises the fold's first error (NaN, the round closed)."""
+        self._raise()
+        with self.lock:
+            self.pending += 1
+            self.items.put(items)
+            waiter = None
+            if self.pending >= self.depth and self.error is None:
+                waiter = self.waiter = self.loop.create_future()
+        if waiter is not None:
+            await waiter
+        self._raise()
 
     async def finish(self) -> None:
         """Waits until every chunk is folded; raises the first fold error."""
-        if not self.task.done():
-            await self.queue.put(None)
-        await self.task
+        self.items.put(None)
+        await asyncio.shield(self.finished)
+        self._raise()
 
     async def stop(self) -> None:
         """Drops what is queued and waits for the fold in progress, so that a rollback can follow."""
         self.stopping = True
-        while not self.queue.empty():
-            self.queue.get_nowait()
-        if not self.task.done():
-            self.queue.put_nowait(None)
-        await asyncio.gather(self.task, return_exceptions=True)
+        if not self.finished.done():
+            self.items.put(None)
+        await asyncio.shield(self.finished)
+
+
+def _resolve(f: asyncio.Future[None]) -> None:
+    if not f.done():
+        f.set_result(None)
 
 
 def _checked_knowledge(messages: list[pb.ClassKnowledge], num_classes: int, code_len: int):

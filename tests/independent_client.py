@@ -214,12 +214,12 @@ class BroadcastListener:
                     knowledge = []
                 elif kind == "knowledge":
                     knowledge.append(msg.knowledge)
-                elif kind == "chunk":
-                    c = msg.chunk
-                    buf = buffers[c.name]
-                    buf[c.offset : c.offset + len(c.data)] = c.data
-                    sizes.append(len(c.data))
-                    names.append(c.name)
+                elif kind in ("chunk", "batch"):
+                    for c in [msg.chunk] if kind == "chunk" else msg.batch.chunks:
+                        buf = buffers[c.name]
+                        buf[c.offset : c.offset + len(c.data)] = c.data
+                        sizes.append(len(c.data))
+                        names.append(c.name)
                 elif kind == "trailer":
                     assert header is not None
                     crc = 0
@@ -293,13 +293,19 @@ def tensor_chunks(pb: ModuleType, manifest: list[Any], tensors: dict[str, np.nda
     return out
 
 
-def upload_messages(pb: ModuleType, header: Any, chunks: list[Any], crc: int | None = None, trailer: bool = True) -> list[Any]:
-    """Header, chunks, trailer (CRC-32 over the chunk data as sent unless ``crc`` is given)."""
+def upload_messages(pb: ModuleType, header: Any, chunks: list[Any], crc: int | None = None, trailer: bool = True, batch: int = 0) -> list[Any]:
+    """Header, chunks, trailer (CRC-32 over the chunk data as sent unless ``crc`` is given).
+
+    With ``batch`` > 0 the chunks travel ``batch`` at a time in ``TensorChunkBatch`` messages.
+    """
     msgs = [pb.UploadMessage(header=header)]
     computed = 0
     for c in chunks:
         computed = zlib.crc32(c.data, computed)
-        msgs.append(pb.UploadMessage(chunk=c))
+    if batch > 0:
+        msgs += [pb.UploadMessage(batch=pb.TensorChunkBatch(chunks=chunks[i : i + batch])) for i in range(0, len(chunks), batch)]
+    else:
+        msgs += [pb.UploadMessage(chunk=c) for c in chunks]
     if trailer:
         msgs.append(pb.UploadMessage(trailer=pb.UploadTrailer(crc32=computed if crc is None else crc, num_chunks=len(chunks))))
     return msgs

@@ -136,3 +136,38 @@ def test_feddyn_server_state_two_rounds_by_hand() -> None:
     out2 = algo.server.finalize(out1, {"w": torch.tensor([6.5])}, 1)
     assert torch.allclose(algo.server.h["w"], torch.tensor([-0.875]))
     assert torch.allclose(out2["w"], torch.tensor([8.25]))
+
+
+def test_fold_products_are_float64_for_every_float_dtype() -> None:
+    st = make_state(3)
+    acc = Accumulator(manifest_of(st))
+    fold(acc, st, 0.1)
+    for k in ("fc.weight", "fc.bias", "conv.weight"):
+        want = st[k].double().numpy().reshape(-1) * 0.1  # float64 product, bit for bit
+        np.testing.assert_array_equal(acc.sums[k], want)
+
+
+def test_reset_accumulator_serves_the_next_round_like_a_fresh_one() -> None:
+    states = [make_state(s) for s in range(4)]
+    reused = Accumulator(manifest_of(states[0]))
+    fold(reused, states[0], 7)
+    fold(reused, states[1], 2, commit=False).rollback()
+    reused.reset()
+    fresh = Accumulator(manifest_of(states[0]))
+    for acc in (reused, fresh):
+        fold(acc, states[2], 3)
+        partial = fold(acc, states[1], 11, commit=False)  # spill file taken from the pool
+        fold(acc, states[3], 5)
+        partial.rollback()
+    assert reused.count == fresh.count == 2
+    for k in fresh.sums:
+        np.testing.assert_allclose(reused.sums[k], fresh.sums[k], rtol=1e-12, atol=1e-9)
+    assert len(reused.spills.idle) >= 2  # files went back to the pool for reuse
+
+
+def test_reset_refuses_while_an_upload_is_open() -> None:
+    st = make_state(0)
+    acc = Accumulator(manifest_of(st))
+    fold(acc, st, 1, commit=False)
+    with pytest.raises(RuntimeError, match="still open"):
+        acc.reset()

@@ -301,6 +301,36 @@ def test_upload_wrong_shape(fed: Federation) -> None:
     fed.complete_round(r, base)
 
 
+def test_upload_in_batches_from_a_stock_client_is_accepted(fed: Federation) -> None:
+    r, base = fed.open_round()
+    tensors = fed.valid_update(base, fed.a, r)
+    reply = fed.a.upload(upload_messages(fed.pb, fed.a.header(r, fed.key()), fed.chunks(tensors), batch=5))
+    assert reply.accepted and reply.bytes_received == fed.model_bytes
+    fed.complete_round(r, base, done={fed.a.index: tensors})
+
+
+def test_upload_empty_batch(fed: Federation) -> None:
+    r, base = fed.open_round()
+    msgs = upload_messages(fed.pb, fed.a.header(r, fed.key()), fed.chunks(fed.poisoned(base)), batch=4)
+    msgs.insert(3, fed.pb.UploadMessage(batch=fed.pb.TensorChunkBatch()))
+    err = call_error(lambda: fed.a.upload(msgs))
+    expect_status(err, Code.INVALID_ARGUMENT, "empty chunk batch")
+    fed.complete_round(r, base)
+
+
+def test_upload_wrong_shape_inside_a_batch(fed: Federation) -> None:
+    r, base = fed.open_round()
+    chunks = fed.chunks(fed.poisoned(base))
+    spec = fed.manifest[2]
+    for c in chunks:
+        if c.name == spec.name:
+            del c.shape[:]
+            c.shape.extend([int(np.prod(spec.shape))])
+    err = call_error(lambda: fed.a.upload(upload_messages(fed.pb, fed.a.header(r, fed.key()), chunks, batch=3)))
+    expect_status(err, Code.INVALID_ARGUMENT, repr(spec.name), "shape")
+    fed.complete_round(r, base)
+
+
 def test_upload_wrong_dtype(fed: Federation) -> None:
     r, base = fed.open_round()
     chunks = fed.chunks(fed.poisoned(base))

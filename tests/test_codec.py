@@ -16,7 +16,7 @@ from wafl.common.codec import (
     tensor_from_bytes,
 )
 from wafl.common.proto import federation_pb2 as pb
-from wafl.common.wire import decode_broadcast, decode_upload, encode_upload
+from wafl.common.wire import ChunkBatch, decode_broadcast, decode_upload, encode_upload, group_chunks
 
 
 def roundtrip(tensors: dict[str, torch.Tensor], chunk_bytes: int = 64, require_finite: bool = True) -> dict[str, torch.Tensor]:
@@ -83,6 +83,38 @@ def test_fast_encoding_is_plain_protobuf() -> None:
     assert (back.name, back.dtype, back.shape, back.offset, bytes(back.data)) == ("a", pb.INT64, (2, 2), 16, b"\x01" * 16)
 
 
+def _fields(c: RawChunk) -> tuple:
+    return (c.name, c.dtype, tuple(c.shape), c.offset, bytes(c.data))
+
+
+def test_batches_are_plain_protobuf_both_ways() -> None:
+    tensors = {f"t{i}": torch.randn(i + 1) for i in range(5)} | {"e": torch.zeros(0), "n": torch.tensor(7)}
+    chunks = list(iter_chunks(tensors.items(), 8))
+    (batch,) = list(group_chunks(chunks, limit=1 << 20))
+    assert isinstance(batch, ChunkBatch) and len(batch) == len(chunks)
+    wire = encode_upload(batch)
+    msg = pb.UploadMessage.FromString(wire)
+    assert msg.WhichOneof("kind") == "batch"
+    assert [_fields(RawChunk.from_proto(c)) for c in msg.batch.chunks] == [_fields(c) for c in chunks]
+    assert pb.UploadMessage(batch=pb.TensorChunkBatch(chunks=[c.to_proto() for c in chunks])).SerializeToString() == wire
+    back = decode_upload(wire)
+    assert isinstance(back, ChunkBatch) and [_fields(c) for c in back] == [_fields(c) for c in chunks]
+    # a message holding the batch field twice merges them (protobuf's rule): decoded by protobuf
+    odd = wire + pb.UploadMessage(batch=pb.TensorChunkBatch()).SerializeToString()
+    assert [_fields(c) for c in decode_upload(odd)] == [_fields(c) for c in chunks]
+
+
+def test_grouping_keeps_order_and_the_message_size_limit() -> None:
+    tensors = {"big": torch.randn(1000), **{f"small{i}": torch.randn(10) for i in range(30)}, "big2": torch.randn(300)}
+    chunks = list(iter_chunks(tensors.items(), 1024))
+    messages = list(group_chunks(chunks, limit=1024))
+    flat = [c for m in messages for c in ((m,) if isinstance(m, RawChunk) else m)]
+    assert [_fields(c) for c in flat] == [_fields(c) for c in chunks]
+    assert all(sum(len(c.data) for c in m) <= 1024 for m in messages if isinstance(m, ChunkBatch))
+    assert all(len(m) >= 2 for m in messages if isinstance(m, ChunkBatch))
+    assert len(messages) < len(chunks)  # the 30 small tensors share messages
+
+
 def test_non_chunk_messages_decode_as_protobuf() -> None:
     header = pb.UploadMessage(header=pb.UploadHeader(run_id="r", round=3, client_id="c", num_samples=5))
     out = decode_upload(header.SerializeToString())
@@ -135,3 +167,14 @@ def test_finish_detects_missing_tensor_and_bad_crc(manifest) -> None:
         ck.finish(good ^ 1)
     assert e.value.code == "DATA_LOSS"
     ck.finish(good)
+
+
+def test_fast_crc32_is_zlibs_crc32() -> None:
+    from wafl.common import checksum
+
+    data = np.random.default_rng(0).bytes(3 << 20)
+    assert checksum.IMPLEMENTATION == "zlib-ng"  # the declared dependency is in use
+    assert checksum.crc32(data) == zlib.crc32(data)
+    view = memoryview(data)
+    assert checksum.crc32(view[1000:], checksum.crc32(view[:1000])) == zlib.crc32(data)
+    assert checksum.crc32(b"") == 0

@@ -15,6 +15,8 @@ def test_defaults_validate() -> None:
     "override, words",
     [
         ({"num_clients": 0}, "num_clients=0"),
+        ({"pm_nice": 20}, "pm_nice=20"),
+        ({"pm_nice": -1}, "pm_nice=-1"),
         ({"alpha": -1.0}, "alpha=-1.0"),
         ({"fraction": 1.5}, "fraction=1.5"),
         ({"protocol": "sometimes"}, "protocol='sometimes'"),

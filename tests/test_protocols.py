@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -206,3 +207,28 @@ async def test_wait_free_stop_signal_counts_complete_broadcasts() -> None:
     assert all(n >= r for r, n in seen)
     assert len(arrived) == 4
     assert seen[-1][0] == 4
+
+
+def _own_nice() -> int:
+    import os
+    import threading
+
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice values are Linux's")
+def test_wait_free_pm_thread_runs_at_pm_nice_and_others_do_not() -> None:
+    from types import SimpleNamespace
+
+    from wafl.client.protocol import RoundProtocol
+
+    base = _own_nice()
+    trainer = SimpleNamespace(algorithm=SimpleNamespace(personalized=True), cfg=SimpleNamespace(pm_nice=max(base, 15)))
+    wf = RoundProtocol(None, trainer, "wait-free")  # type: ignore[arg-type]
+    caw = RoundProtocol(None, trainer, "compute-and-wait")  # type: ignore[arg-type]
+    try:
+        assert wf.background is not None and caw.background is None
+        assert wf.background.submit(_own_nice).result(timeout=10) == max(base, 15)
+        assert _own_nice() == base  # the calling thread (the event loop's) is untouched
+    finally:
+        wf.background.shutdown()

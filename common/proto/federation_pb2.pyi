@@ -52,6 +52,12 @@ class TensorChunk(_message.Message):
     data: bytes
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
+class TensorChunkBatch(_message.Message):
+    __slots__ = ("chunks",)
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[TensorChunk]
+    def __init__(self, chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ...) -> None: ...
+
 class ClassKnowledge(_message.Message):
     __slots__ = ("class_id", "count", "representation", "soft_prediction")
     CLASS_ID_FIELD_NUMBER: _ClassVar[int]
@@ -135,16 +141,18 @@ class BroadcastTrailer(_message.Message):
     def __init__(self, crc32: _Optional[int] = ...) -> None: ...
 
 class BroadcastMessage(_message.Message):
-    __slots__ = ("header", "chunk", "knowledge", "trailer")
+    __slots__ = ("header", "chunk", "knowledge", "trailer", "batch")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     KNOWLEDGE_FIELD_NUMBER: _ClassVar[int]
     TRAILER_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     header: BroadcastHeader
     chunk: TensorChunk
     knowledge: ClassKnowledge
     trailer: BroadcastTrailer
-    def __init__(self, header: _Optional[_Union[BroadcastHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., knowledge: _Optional[_Union[ClassKnowledge, _Mapping]] = ..., trailer: _Optional[_Union[BroadcastTrailer, _Mapping]] = ...) -> None: ...
+    batch: TensorChunkBatch
+    def __init__(self, header: _Optional[_Union[BroadcastHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., knowledge: _Optional[_Union[ClassKnowledge, _Mapping]] = ..., trailer: _Optional[_Union[BroadcastTrailer, _Mapping]] = ..., batch: _Optional[_Union[TensorChunkBatch, _Mapping]] = ...) -> None: ...
 
 class UploadHeader(_message.Message):
     __slots__ = ("run_id", "round", "client_id", "num_samples", "idempotency_key", "metrics")
@@ -178,16 +186,18 @@ class UploadTrailer(_message.Message):
     def __init__(self, crc32: _Optional[int] = ..., num_chunks: _Optional[int] = ...) -> None: ...
 
 class UploadMessage(_message.Message):
-    __slots__ = ("header", "chunk", "knowledge", "trailer")
+    __slots__ = ("header", "chunk", "knowledge", "trailer", "batch")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     KNOWLEDGE_FIELD_NUMBER: _ClassVar[int]
     TRAILER_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     header: UploadHeader
     chunk: TensorChunk
     knowledge: ClassKnowledge
     trailer: UploadTrailer
-    def __init__(self, header: _Optional[_Union[UploadHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., knowledge: _Optional[_Union[ClassKnowledge, _Mapping]] = ..., trailer: _Optional[_Union[UploadTrailer, _Mapping]] = ...) -> None: ...
+    batch: TensorChunkBatch
+    def __init__(self, header: _Optional[_Union[UploadHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., knowledge: _Optional[_Union[ClassKnowledge, _Mapping]] = ..., trailer: _Optional[_Union[UploadTrailer, _Mapping]] = ..., batch: _Optional[_Union[TensorChunkBatch, _Mapping]] = ...) -> None: ...
 
 class UploadReply(_message.Message):
     __slots__ = ("accepted", "round", "bytes_received")
