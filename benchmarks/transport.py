@@ -32,8 +32,8 @@ Everything runs in one go on this machine, each server and client in its own pro
   one client upload; the same tensor messages (159 chunks grouped into 50 messages) through a bare ``grpc.aio`` stream (plain, and
   with a thread-pool hand-off per message as in wafl's upload handler); the cost of each step
   of the chunk path measured in-process; and diagnostic runs against a server changed at
-  start-up by a ``sitecustomize`` module (product files untouched): ``no-bdp-probe`` (gRPC's
-  per-stream receive windows not grown from its bandwidth-delay estimate) and
+  start-up by a ``sitecustomize`` module (product files untouched): ``bdp-probe`` (gRPC's
+  per-stream receive windows grown from its bandwidth-delay estimate, gRPC's default) and
   ``server-stage-times`` (the server's own chunk-path functions timed during real uploads).
 
 Benchmark clients use ``wafl.client.session.Session``, the transport real clients use; they do
@@ -72,10 +72,10 @@ NOOP_CLIENTS = 5
 # phases measure. Product files stay as they are: the changes are made at interpreter start by a
 # ``sitecustomize`` module that only a diagnostic server's PYTHONPATH sees.
 DIAGNOSTICS: dict[str, dict[str, Any]] = {
-    "no-bdp-probe": {
+    "bdp-probe": {
         "kind": "concurrent",
-        "what": "server GRPC_OPTIONS + ('grpc.http2.bdp_probe', 0): gRPC no longer grows each stream's HTTP/2 receive window from its bandwidth-delay estimate",
-        "env": {"WAFL_BENCH_GRPC_OPTIONS": json.dumps([["grpc.http2.bdp_probe", 0]])},
+        "what": "server GRPC_OPTIONS with ('grpc.http2.bdp_probe', 1) instead of 0: gRPC grows each stream's HTTP/2 receive window from its bandwidth-delay estimate (its default)",
+        "env": {"WAFL_BENCH_GRPC_OPTIONS": json.dumps([["grpc.http2.bdp_probe", 1]])},
     },
     "server-stage-times": {
         "kind": "single",
@@ -88,13 +88,14 @@ DIAGNOSTICS: dict[str, dict[str, Any]] = {
         "env": {"MALLOC_MMAP_THRESHOLD_": "131072"},
     },
 }
-DEFAULT_DIAGNOSTICS = "no-bdp-probe,server-stage-times"
+DEFAULT_DIAGNOSTICS = "bdp-probe,server-stage-times"
 STAGE_TIMED_UPLOADS = 3
 SITECUSTOMIZE = """import json, os
 _opts = os.environ.get("WAFL_BENCH_GRPC_OPTIONS")
 if _opts:
     import wafl.server.app as _app
-    _app.GRPC_OPTIONS.extend(tuple(kv) for kv in json.loads(_opts))
+    _new = [tuple(kv) for kv in json.loads(_opts)]
+    _app.GRPC_OPTIONS[:] = [o for o in _app.GRPC_OPTIONS if o[0] not in {k for k, _ in _new}] + _new
 _out = os.environ.get("WAFL_BENCH_STAGE_TIMES")
 if _out:
     import signal, threading, time
@@ -1216,7 +1217,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tcp-bytes", type=int, default=1 << 30, help="bytes per raw TCP trial (default 1 GiB)")
     ap.add_argument("--tcp-trials", type=int, default=3, help="raw TCP trials before and again after the gRPC phases")
     ap.add_argument("--tcp-paired-bytes", type=int, default=1 << 29, help="bytes of the raw TCP trial run right before each single-client upload (default 512 MiB)")
-    ap.add_argument("--single-uploads", type=int, default=5, help="measured single-client uploads (one per round)")
+    ap.add_argument("--single-uploads", type=int, default=9, help="measured single-client uploads (one per round)")
     ap.add_argument("--concurrent", type=int, default=10)
     ap.add_argument("--concurrent-runs", type=int, default=2, help="fresh servers for the concurrent uploads (the first round of a server is the one that shows its peak)")
     ap.add_argument("--concurrent-rounds", type=int, default=1, help="rounds of concurrent uploads per server")

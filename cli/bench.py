@@ -366,6 +366,7 @@ def bench_protocols(cfg: RunConfig, out: Path, link_rate: str | None = None, tar
             "pm_epochs": cfg.pm_epochs,
             "pm_min_steps": cfg.pm_min_steps,
             "pm_max_epochs": cfg.pm_max_epochs,
+            "pm_nice": cfg.pm_nice,
             "batch_size": cfg.batch_size,
             "partition": cfg.partition,
             "alpha": cfg.alpha,
