@@ -1072,7 +1072,10 @@ def stage_costs(repeat: int = 3) -> dict[str, Any]:
         for ch in chunks:
             c = crc32(ch.data, c)
 
-    decoded = [c for e in encoded for c in (lambda m: (m,) if isinstance(m, RawChunk) else m)(decode_upload(e))]
+    decoded: list[RawChunk] = []
+    for e in encoded:
+        m = decode_upload(e)
+        decoded += [m] if isinstance(m, RawChunk) else m
 
     def check() -> None:
         ck = TransferChecker(manifest, require_finite=False, compute_crc=False)

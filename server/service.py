@@ -95,14 +95,13 @@ class FederationService:
             async for msg in it:
                 if trailer is not None:
                     raise ChunkError("message after the trailer")
-                if isinstance(msg, RawChunk):
-                    msg = (msg,)
-                if isinstance(msg, tuple):  # a chunk or a ChunkBatch
+                if isinstance(msg, (RawChunk, ChunkBatch)):
+                    chunks = (msg,) if isinstance(msg, RawChunk) else msg
                     if knowledge:
                         raise ChunkError("tensor chunk after knowledge")
-                    if not msg:
+                    if not chunks:
                         raise ChunkError("empty chunk batch")
-                    await folding.put([(checker.check(c), c) for c in msg])
+                    await folding.put([(checker.check(c), c) for c in chunks])
                     continue
                 kind = msg.WhichOneof("kind")
                 if kind == "knowledge":
