@@ -47,6 +47,20 @@ class ImageFileDataset(Dataset):
         return self.transform(rgb), int(self.labels[index])
 
 
+def image_files_dataset(name: str, train: tuple[Sequence[str], np.ndarray], test: tuple[Sequence[str], np.ndarray], num_classes: int, image_size: int) -> FederatedDataset:
+    """An RGB image-file dataset (paths and labels per split), resized to ``image_size``."""
+    return FederatedDataset(
+        name=name,
+        train=ImageFileDataset(train[0], train[1], train_transform(name, image_size, resize=True)),
+        test=ImageFileDataset(test[0], test[1], eval_transform(name, image_size, resize=True)),
+        train_labels=train[1],
+        test_labels=test[1],
+        num_classes=num_classes,
+        in_channels=3,
+        image_size=image_size,
+    )
+
+
 def is_image_file(name: str) -> bool:
     return not name.startswith(".") and name.lower().endswith(IMAGE_EXTENSIONS)
 
@@ -109,18 +123,7 @@ def load_imagefolder(data_dir: str | None, image_size: int = DEFAULT_IMAGE_SIZE)
             raise _not_found(data_dir, f"no image files in {split}/<class>/")
         return paths, np.asarray(labels, dtype=np.int64)
 
-    train_paths, train_y = listing(train_dir, "train")
-    test_paths, test_y = listing(test_dir, "test")
-    return FederatedDataset(
-        name="imagefolder",
-        train=ImageFileDataset(train_paths, train_y, train_transform("imagefolder", image_size, resize=True)),
-        test=ImageFileDataset(test_paths, test_y, eval_transform("imagefolder", image_size, resize=True)),
-        train_labels=train_y,
-        test_labels=test_y,
-        num_classes=len(classes),
-        in_channels=3,
-        image_size=image_size,
-    )
+    return image_files_dataset("imagefolder", listing(train_dir, "train"), listing(test_dir, "test"), len(classes), image_size)
 
 
 __all__ = ["IMAGE_EXTENSIONS", "ImageFileDataset", "load_imagefolder"]

@@ -18,8 +18,7 @@ import os
 import numpy as np
 
 from wafl.common.datasets.base import DatasetNotFoundError, FederatedDataset, not_found
-from wafl.common.datasets.imagefolder import ImageFileDataset
-from wafl.common.datasets.transforms import eval_transform, train_transform
+from wafl.common.datasets.imagefolder import image_files_dataset
 
 URL = "http://cs231n.stanford.edu/tiny-imagenet-200.zip"
 FOLDER = "tiny-imagenet-200"
@@ -105,18 +104,9 @@ def load_tinyimagenet(data_dir: str | None) -> FederatedDataset:
     if not test_paths:
         raise _not_found(data_dir, ["val/images/*.JPEG listed in val/val_annotations.txt"])
 
-    train_y = np.asarray(train_labels, dtype=np.int64)
-    test_y = np.asarray(test_labels, dtype=np.int64)
-    return FederatedDataset(
-        name="tinyimagenet",
-        train=ImageFileDataset(train_paths, train_y, train_transform("tinyimagenet", IMAGE_SIZE, resize=True)),
-        test=ImageFileDataset(test_paths, test_y, eval_transform("tinyimagenet", IMAGE_SIZE, resize=True)),
-        train_labels=train_y,
-        test_labels=test_y,
-        num_classes=len(wnids),
-        in_channels=3,
-        image_size=IMAGE_SIZE,
-    )
+    train = (train_paths, np.asarray(train_labels, dtype=np.int64))
+    test = (test_paths, np.asarray(test_labels, dtype=np.int64))
+    return image_files_dataset("tinyimagenet", train, test, len(wnids), IMAGE_SIZE)
 
 
 __all__ = ["load_tinyimagenet"]
