@@ -78,16 +78,21 @@ def cmd_server(a: argparse.Namespace) -> int:
     out = Path(a.out)
     _setup_logging("server", a.log_file or str(out / "logs" / "server.jsonl"), a.quiet)
     _threads(a.threads)
-    return asyncio.run(serve(cfg, a.host, a.port, out, token=a.token or os.environ.get("WAFL_TOKEN", ""), resume=a.resume, ready_file=Path(a.ready_file) if a.ready_file else None))
+    from wafl.common.tls import server_tls
+
+    tls = server_tls(a.tls_cert, a.tls_key)
+    return asyncio.run(serve(cfg, a.host, a.port, out, token=a.token or os.environ.get("WAFL_TOKEN", ""), resume=a.resume, ready_file=Path(a.ready_file) if a.ready_file else None, tls=tls))
 
 
 def cmd_client(a: argparse.Namespace) -> int:
     from wafl.client.app import run_client
+    from wafl.common.tls import client_tls
 
+    tls = client_tls(a.tls_ca, a.tls_server_name)
     _setup_logging(f"client-{a.index}", a.log_file, a.quiet)
     _threads(a.threads)
     return asyncio.run(
-        run_client(a.server, a.index, Path(a.state_dir) if a.state_dir else None, a.data_dir, a.device, token=a.token or os.environ.get("WAFL_TOKEN", ""), reconnect_s=a.reconnect_s)
+        run_client(a.server, a.index, Path(a.state_dir) if a.state_dir else None, a.data_dir, a.device, token=a.token or os.environ.get("WAFL_TOKEN", ""), reconnect_s=a.reconnect_s, tls=tls)
     )
 
 
@@ -95,8 +100,12 @@ def cmd_health(a: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from wafl.common.tls import client_tls
+
+    tls = client_tls(a.tls_ca, a.tls_server_name)
     try:
-        with grpc.insecure_channel(a.server) as ch:
+        ch = grpc.insecure_channel(a.server) if tls is None else grpc.secure_channel(a.server, tls.credentials(), options=tls.options())
+        with ch:
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=a.service), timeout=a.timeout)
     except grpc.RpcError as e:
         print(f"{a.server}: {e.code().name} {e.details()}", file=sys.stderr)
@@ -141,6 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ready-file", help="write the bound port here once listening")
     s.add_argument("--log-file")
     s.add_argument("--threads", type=int, default=None)
+    s.add_argument("--tls-cert", default=os.environ.get("WAFL_TLS_CERT"), help="PEM certificate chain: serve over TLS (with --tls-key)")
+    s.add_argument("--tls-key", default=os.environ.get("WAFL_TLS_KEY"), help="PEM private key of --tls-cert")
     s.add_argument("--quiet", action="store_true")
     s.set_defaults(fn=cmd_server)
 
@@ -154,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--reconnect-s", type=float, default=120.0, help="give up after this long without the server")
     c.add_argument("--log-file")
     c.add_argument("--threads", type=int, default=None)
+    c.add_argument("--tls-ca", default=os.environ.get("WAFL_TLS_CA"), help="PEM CA bundle: connect over TLS and verify the server against it")
+    c.add_argument("--tls-server-name", default=os.environ.get("WAFL_TLS_SERVER_NAME"), help="name the server's certificate must carry, when not the dialled host")
     c.add_argument("--quiet", action="store_true")
     c.set_defaults(fn=cmd_client)
 
@@ -171,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--server", default=os.environ.get("WAFL_SERVER", "localhost:50051"))
     h.add_argument("--service", default="")
     h.add_argument("--timeout", type=float, default=3.0)
+    h.add_argument("--tls-ca", default=os.environ.get("WAFL_TLS_CA"), help="PEM CA bundle: connect over TLS and verify the server against it")
+    h.add_argument("--tls-server-name", default=os.environ.get("WAFL_TLS_SERVER_NAME"), help="name the server's certificate must carry, when not the dialled host")
     h.set_defaults(fn=cmd_health)
     return p
 

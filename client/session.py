@@ -21,6 +21,8 @@ from wafl.common.algorithms.hyperknowledge import ClassKnowledge
 from wafl.common.checksum import crc32
 from wafl.common.codec import ChunkError, Manifest, RawChunk, TensorSpec, TransferChecker, iter_chunks
 from wafl.common.proto import federation_pb2 as pb
+from wafl.common.tls import ClientTls
+from wafl.common.tls import channel as tls_channel
 from wafl.common.wire import ChunkBatch, decode_broadcast, encode_upload, group_chunks
 
 PROTOCOL_VERSION = 1
@@ -86,11 +88,12 @@ class Session:
     join_reply: pb.JoinReply | None = None
     manifest: Manifest = ()
     headers_seen: int = 0  # broadcast headers received (a broadcast is in flight when this runs ahead)
+    tls: ClientTls | None = None  # None: plaintext
     _channel: grpc.aio.Channel | None = field(default=None, repr=False)
 
     def _open(self) -> None:
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+            self._channel = tls_channel(self.address, self.tls, CHANNEL_OPTIONS)
             ch = self._channel
             self._join = ch.unary_unary("/wafl.v1.Federation/Join", request_serializer=pb.JoinRequest.SerializeToString, response_deserializer=pb.JoinReply.FromString)
             self._broadcasts = ch.unary_stream("/wafl.v1.Federation/Broadcasts", request_serializer=pb.BroadcastRequest.SerializeToString, response_deserializer=decode_broadcast)

@@ -12,6 +12,7 @@ from grpc_reflection.v1alpha import reflection
 from wafl.common.codec import MAX_CHUNK_BYTES
 from wafl.common.config import RunConfig
 from wafl.common.proto import federation_pb2 as pb
+from wafl.common.tls import ServerTls
 from wafl.server.engine import RoundEngine
 from wafl.server.service import SERVICE, FederationService, handlers
 
@@ -33,7 +34,7 @@ GRPC_OPTIONS = [
 ]
 
 
-async def serve(cfg: RunConfig, host: str, port: int, out_dir: Path, token: str = "", resume: bool = False, ready_file: Path | None = None, final_report_timeout_s: float = 30.0) -> int:
+async def serve(cfg: RunConfig, host: str, port: int, out_dir: Path, token: str = "", resume: bool = False, ready_file: Path | None = None, final_report_timeout_s: float = 30.0, tls: ServerTls | None = None) -> int:
     """Runs the federation; returns 0 on a completed run. Writes the bound port to ``ready_file``."""
     import structlog
 
@@ -44,11 +45,12 @@ async def serve(cfg: RunConfig, host: str, port: int, out_dir: Path, token: str 
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = server.add_insecure_port(address) if tls is None else server.add_secure_port(address, tls.credentials())
     await server.start()
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("server.listening", address=f"{host}:{bound}", run_id=engine.run_id, out=str(out_dir))
+    log.info("server.listening", address=f"{host}:{bound}", tls=tls is not None, run_id=engine.run_id, out=str(out_dir))
     if ready_file is not None:
         tmp = ready_file.with_suffix(".tmp")
         tmp.write_text(json.dumps({"port": bound, "run_id": engine.run_id}))

@@ -23,7 +23,7 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import grpc
 import numpy as np
@@ -92,7 +92,7 @@ def generate_stubs(out_dir: Path) -> tuple[ModuleType, ModuleType]:
 class ServerProcess:
     """``python -m wafl.cli.main server`` on 127.0.0.1 with an ephemeral port."""
 
-    def __init__(self, config: dict[str, Any], work_dir: Path, startup_timeout_s: float = 120.0) -> None:
+    def __init__(self, config: dict[str, Any], work_dir: Path, startup_timeout_s: float = 120.0, extra_args: Sequence[str] = ()) -> None:
         self.work_dir = work_dir
         work_dir.mkdir(parents=True, exist_ok=True)
         self.config_path = work_dir / "config.json"
@@ -110,6 +110,7 @@ class ServerProcess:
                 "--out", str(self.out_dir),
                 "--ready-file", str(self.ready_file),
                 "--quiet",
+                *extra_args,
             ],
             stdout=self._log,
             stderr=subprocess.STDOUT,

@@ -39,6 +39,7 @@ DOCKER = REPO / "docker"
 COMPOSE = DOCKER / "docker-compose.yml"
 SHAPED = DOCKER / "compose.shaped.yml"
 GPU = DOCKER / "compose.gpu.yml"
+TLS = DOCKER / "compose.tls.yml"
 DOCKERFILE = DOCKER / "Dockerfile"
 IGNORE = DOCKER / "Dockerfile.dockerignore"
 ENTRYPOINT = DOCKER / "entrypoint.py"
@@ -266,6 +267,15 @@ def test_compose_overrides_validate() -> None:
     assert devices[0]["capabilities"] == ["gpu"]
     assert _environment(gpu["client"])["WAFL_DEVICE"] == "cuda"
     assert _replicas(gpu["client"]) == 4  # the base file's replica count survives the merge
+    tls = compose_config([COMPOSE, TLS], env={"WAFL_CERTS": "/srv/certs"})["services"]
+    for name in ("server", "client"):
+        env = _environment(tls[name])
+        assert env["WAFL_TLS_CA"] == "/certs/ca.pem" and env["WAFL_TLS_SERVER_NAME"] == "server"
+        mounts = [v if isinstance(v, str) else f"{v['source']}:{v['target']}" for v in tls[name]["volumes"]]
+        assert any(m.startswith("/srv/certs:/certs") for m in mounts), mounts
+        assert any("/data" in m for m in mounts)  # the base file's volumes survive the merge
+    assert _environment(tls["server"])["WAFL_TLS_KEY"] == "/certs/server.key"
+    assert _environment(tls["server"])["WAFL_TOKEN"] == ""  # and its environment
 
 
 # --------------------------------------------------------------------------- Dockerfile
