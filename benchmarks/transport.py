@@ -30,7 +30,8 @@ Everything runs in one go on this machine, each server and client in its own pro
   next broadcast) and by the server's own ``round_s`` in ``results.jsonl``;
 * what limits the figures: the server's CPU time per thread during the uploads; a cProfile of
   one client upload; the same tensor messages (159 chunks grouped into 50 messages) through a bare ``grpc.aio`` stream (plain, and
-  with a thread-pool hand-off per message as in wafl's upload handler); the cost of each step
+  with an awaited thread-pool hand-off per message, the cost one thread hop per message would add;
+  wafl's handler instead queues chunks to a fold thread without awaiting); the cost of each step
   of the chunk path measured in-process; and diagnostic runs against a server changed at
   start-up by a ``sitecustomize`` module (product files untouched): ``bdp-probe`` (gRPC's
   per-stream receive windows grown from its bandwidth-delay estimate, gRPC's default) and
@@ -329,8 +330,8 @@ class TcpPair:
 # --------------------------------------------------------------------------- gRPC alone
 def _grpc_raw_server(port_q: Any, hop: bool, limit: int) -> None:
     """A bare grpc.aio server: one stream-unary method taking raw bytes (no deserializer), summing
-    their lengths; with ``hop`` it also hands every message to a thread pool and awaits it, as
-    wafl's upload handler does with each chunk."""
+    their lengths; with ``hop`` it also hands every message to a thread pool and awaits it (what
+    one awaited thread hop per message costs)."""
     _orphan_watchdog()
     from concurrent.futures import ThreadPoolExecutor
 
