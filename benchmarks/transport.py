@@ -458,7 +458,7 @@ async def _client(task: dict[str, Any], msg_q: Any, gates: dict[str, Any]) -> No
     from wafl.common.codec import RawChunk
     from wafl.common.logs import configure_logging
     from wafl.common.proto import federation_pb2 as pb
-    from wafl.common.wire import decode_broadcast
+    from wafl.common.wire import ChunkBatch, decode_broadcast
 
     phase, index, server_pid = task["phase"], task["index"], task["server_pid"]
     configure_logging(f"bench-client-{index}", task["log_file"], level="WARNING", console=False)
@@ -473,7 +473,7 @@ async def _client(task: dict[str, Any], msg_q: Any, gates: dict[str, Any]) -> No
 
     def timed_decode(raw: bytes) -> Any:
         m = decode_broadcast(raw)
-        if not isinstance(m, (RawChunk, tuple)) and m.WhichOneof("kind") == "header":
+        if not isinstance(m, (RawChunk, ChunkBatch)) and m.WhichOneof("kind") == "header":
             header_t[m.header.round] = time.monotonic()
         return m
 
@@ -1039,10 +1039,10 @@ def stage_costs(repeat: int = 3) -> dict[str, Any]:
 
     from wafl.client.session import _Assembler
     from wafl.common.checksum import IMPLEMENTATION, crc32
-    from wafl.common.codec import RawChunk, TransferChecker, crc32_of, iter_chunks, manifest_of, numpy_view
+    from wafl.common.codec import TransferChecker, crc32_of, iter_chunks, manifest_of, numpy_view
     from wafl.common.models import build_model
     from wafl.common.proto import federation_pb2 as pb
-    from wafl.common.wire import PreEncoded, decode_broadcast, decode_upload, encode_tensors, encode_upload, group_chunks
+    from wafl.common.wire import PreEncoded, chunks_of, decode_broadcast, decode_upload, encode_tensors, encode_upload, group_chunks
     from wafl.server.aggregator import Accumulator
 
     torch.set_num_threads(1)
@@ -1073,10 +1073,7 @@ def stage_costs(repeat: int = 3) -> dict[str, Any]:
         for ch in chunks:
             c = crc32(ch.data, c)
 
-    decoded: list[RawChunk] = []
-    for e in encoded:
-        m = decode_upload(e)
-        decoded += [m] if isinstance(m, RawChunk) else m
+    decoded = [c for e in encoded for c in chunks_of(decode_upload(e))]
 
     def check() -> None:
         ck = TransferChecker(manifest, require_finite=False, compute_crc=False)
@@ -1138,8 +1135,7 @@ def stage_costs(repeat: int = 3) -> dict[str, Any]:
     def assemble() -> None:  # what Session.models() does with one broadcast
         asm = _Assembler(manifest, header)
         for e in bc_encoded:
-            m = decode_broadcast(e)
-            for c in (m,) if isinstance(m, RawChunk) else m:
+            for c in chunks_of(decode_broadcast(e)):
                 asm.add(c)
         asm.finish(bc_crc)
 

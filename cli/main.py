@@ -128,6 +128,11 @@ def _threads(n: int | None) -> None:
     torch.set_num_threads(n or 1)
 
 
+def _tls_client_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls-ca", default=os.environ.get("WAFL_TLS_CA"), help="PEM CA bundle: connect over TLS and verify the server against it")
+    p.add_argument("--tls-server-name", default=os.environ.get("WAFL_TLS_SERVER_NAME"), help="name the server's certificate must carry, when not the dialled host")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="wafl", description="Wait-free federated learning over gRPC.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -165,8 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--reconnect-s", type=float, default=120.0, help="give up after this long without the server")
     c.add_argument("--log-file")
     c.add_argument("--threads", type=int, default=None)
-    c.add_argument("--tls-ca", default=os.environ.get("WAFL_TLS_CA"), help="PEM CA bundle: connect over TLS and verify the server against it")
-    c.add_argument("--tls-server-name", default=os.environ.get("WAFL_TLS_SERVER_NAME"), help="name the server's certificate must carry, when not the dialled host")
+    _tls_client_args(c)
     c.add_argument("--quiet", action="store_true")
     c.set_defaults(fn=cmd_client)
 
@@ -184,8 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--server", default=os.environ.get("WAFL_SERVER", "localhost:50051"))
     h.add_argument("--service", default="")
     h.add_argument("--timeout", type=float, default=3.0)
-    h.add_argument("--tls-ca", default=os.environ.get("WAFL_TLS_CA"), help="PEM CA bundle: connect over TLS and verify the server against it")
-    h.add_argument("--tls-server-name", default=os.environ.get("WAFL_TLS_SERVER_NAME"), help="name the server's certificate must carry, when not the dialled host")
+    _tls_client_args(h)
     h.set_defaults(fn=cmd_health)
     return p
 

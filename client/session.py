@@ -23,7 +23,7 @@ from wafl.common.codec import ChunkError, Manifest, RawChunk, TensorSpec, Transf
 from wafl.common.proto import federation_pb2 as pb
 from wafl.common.tls import ClientTls
 from wafl.common.tls import channel as tls_channel
-from wafl.common.wire import ChunkBatch, decode_broadcast, encode_upload, group_chunks
+from wafl.common.wire import ChunkBatch, chunks_of, decode_broadcast, encode_upload, group_chunks
 
 PROTOCOL_VERSION = 1
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED}
@@ -145,7 +145,7 @@ class Session:
                     if isinstance(msg, (RawChunk, ChunkBatch)):
                         if assembler is None:
                             raise ChunkError("chunk before a broadcast header")
-                        for c in (msg,) if isinstance(msg, RawChunk) else msg:
+                        for c in chunks_of(msg):
                             assembler.add(c)
                         continue
                     kind = msg.WhichOneof("kind")
@@ -193,7 +193,7 @@ class Session:
         crc = 0
         n = 0
         for message in group_chunks(iter_chunks(state.items())):
-            for chunk in (message,) if isinstance(message, RawChunk) else message:
+            for chunk in chunks_of(message):
                 crc = crc32(chunk.data, crc)
                 n += 1
             yield message

@@ -12,8 +12,6 @@ from __future__ import annotations
 import zlib
 from typing import Callable
 
-Buffer = bytes | bytearray | memoryview
-
 try:
     from zlib_ng.zlib_ng import crc32 as _fast_crc32
 except ImportError:  # pragma: no cover - the dependency is declared; this keeps odd platforms working

@@ -98,6 +98,11 @@ def encode_batch(chunks: ChunkBatch) -> bytes:
     return b"".join([_varint((BATCH_FIELD << 3) | _LEN) + _varint(inner_len), *parts])
 
 
+def chunks_of(message: RawChunk | ChunkBatch) -> tuple[RawChunk, ...]:
+    """The chunks a tensor message carries: itself, or a batch's."""
+    return (message,) if isinstance(message, RawChunk) else message
+
+
 def group_chunks(chunks: Iterable[RawChunk], limit: int = CHUNK_BYTES) -> Iterator[RawChunk | ChunkBatch]:
     """Consecutive chunks grouped into messages of at most ``limit`` data bytes: a chunk that
     fills a message alone travels as a ``chunk``, runs of small ones as one ``batch``."""

@@ -75,6 +75,7 @@ class Accumulator:
                 v.fill(0.0)
             self.total_weight = 0.0
             self.count = 0
+
     def begin(self, weight: float) -> "UploadFold":
         if not (math.isfinite(weight) and weight > 0):
             raise ValueError(f"aggregation weight {weight} must be positive")

@@ -27,7 +27,7 @@ GRPC_OPTIONS = [
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     # Without BDP probing the per-stream receive windows stay small: ten concurrent uploads
     # then buffer ~1 MiB each in gRPC instead of growing windows of ~17 MB each (peak RSS
-    # 2.5x the model instead of 4-6x, benchmarks/results/transport.json).
+    # about 2x the model instead of up to 6x, benchmarks/results/transport.json).
     ("grpc.http2.bdp_probe", 0),
     # Large HTTP/2 frames: a 1 MiB message crosses in a few frames instead of 64 of 16 KiB.
     ("grpc.http2.max_frame_size", (1 << 24) - 1),

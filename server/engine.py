@@ -244,7 +244,6 @@ class RoundEngine:
         if cancelled:
             log.warning("round.cancelled_uploads", round=r, count=cancelled)
         await loop.run_in_executor(self.executor, self._aggregate, state)
-        clients = state.accumulator.count
         every = self.cfg.eval_every
         if r == self.cfg.rounds or (every and r % every == 0):
             acc, _, loss = await loop.run_in_executor(self.executor, self._evaluate)
@@ -261,7 +260,7 @@ class RoundEngine:
             "round_s": round_(self.wall() - state.opened_at),
             "bytes_up": state.bytes_up,
             "bytes_down": self.bytes_down,
-            "clients": clients,
+            "clients": state.accumulator.count,
             "selected": len(selected),
             "train_loss": round_(_mean([m.get("train_loss") for m in state.metrics.values()])),
         }

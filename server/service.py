@@ -17,7 +17,7 @@ import structlog
 from wafl.common.checksum import crc32
 from wafl.common.codec import ChunkError, RawChunk, TensorSpec, TransferChecker
 from wafl.common.proto import federation_pb2 as pb
-from wafl.common.wire import ChunkBatch, decode_upload, encode_broadcast
+from wafl.common.wire import ChunkBatch, chunks_of, decode_upload, encode_broadcast
 from wafl.server.aggregator import UploadFold
 from wafl.server.engine import RoundEngine, UploadRefused, decode_knowledge
 
@@ -96,7 +96,7 @@ class FederationService:
                 if trailer is not None:
                     raise ChunkError("message after the trailer")
                 if isinstance(msg, (RawChunk, ChunkBatch)):
-                    chunks = (msg,) if isinstance(msg, RawChunk) else msg
+                    chunks = chunks_of(msg)
                     if knowledge:
                         raise ChunkError("tensor chunk after knowledge")
                     if not chunks:
