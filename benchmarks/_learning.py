@@ -9,6 +9,7 @@ mean/std/min/max, machine, wall time) and ``<name>.md`` (a table the README incl
 Accuracies in the tables are percentages: mean +- population std over the seeds, then the
 spread (min-max) in parentheses.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,16 +18,15 @@ import os
 import platform
 import sys
 import time
-from pathlib import Path
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-
+from _machine import cpu_name
 from wafl.cli.simulate import run_many, summarize
 from wafl.common.config import RunConfig, load_config
-from _machine import cpu_name
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO / "benchmarks" / "results"
@@ -38,13 +38,30 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def parse_args(name: str, description: str, default_rounds: int, add: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+def parse_args(
+    name: str, description: str, default_rounds: int, add: Callable[[argparse.ArgumentParser], None] | None = None
+) -> argparse.Namespace:
     """``--seeds`` (default 0 1 2), ``--rounds``, ``--out`` (default ``benchmarks/results/<name>.json``), plus ``add``'s."""
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds; each changes the split, the initial model and the batches")
+    p.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=[0, 1, 2],
+        help="seeds; each changes the split, the initial model and the batches",
+    )
     p.add_argument("--rounds", type=int, default=default_rounds, help="federated rounds of every run")
-    p.add_argument("--out", type=Path, default=RESULTS_DIR / f"{name}.json", help="result JSON; the markdown table goes next to it (.md)")
-    p.add_argument("--resume", action="store_true", help="reuse the runs of an existing --out whose configuration and seeds match exactly")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=RESULTS_DIR / f"{name}.json",
+        help="result JSON; the markdown table goes next to it (.md)",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="reuse the runs of an existing --out whose configuration and seeds match exactly",
+    )
     if add is not None:
         add(p)
     args = p.parse_args()
@@ -62,7 +79,9 @@ def make_config(base: Mapping[str, Any], **overrides: Any) -> RunConfig:
     return load_config(None, data)
 
 
-def describe(cfg: RunConfig, keys: Iterable[str] = ("algorithm", "params", "optimizer", "lr", "momentum")) -> dict[str, Any]:
+def describe(
+    cfg: RunConfig, keys: Iterable[str] = ("algorithm", "params", "optimizer", "lr", "momentum")
+) -> dict[str, Any]:
     d = json.loads(cfg.to_json())
     return {k: d[k] for k in keys}
 
@@ -83,7 +102,10 @@ def previous_runs(path: Path) -> dict[str, Any]:
     def walk(o: Any) -> None:
         if isinstance(o, dict):
             if isinstance(o.get("config"), dict) and isinstance(o.get("runs"), list):
-                found[config_key(o["config"], [r["seed"] for r in o["runs"]])] = {"reused_from": data.get("started"), **o}
+                found[config_key(o["config"], [r["seed"] for r in o["runs"]])] = {
+                    "reused_from": data.get("started"),
+                    **o,
+                }
                 return
             for v in o.values():
                 walk(v)
@@ -95,7 +117,9 @@ def previous_runs(path: Path) -> dict[str, Any]:
     return found
 
 
-def run_suite(configs: Mapping[str, RunConfig], seeds: list[int], tag: str = "", reuse: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def run_suite(
+    configs: Mapping[str, RunConfig], seeds: list[int], tag: str = "", reuse: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """Runs each configuration for each seed (one thread); adds ``wall_s`` per configuration.
 
     The result maps each name to ``run_many``'s entry: ``config`` (JSON), ``runs`` (per seed:
@@ -112,8 +136,10 @@ def run_suite(configs: Mapping[str, RunConfig], seeds: list[int], tag: str = "",
             out[name] = dict(reuse[key])
             log(f"{tag}[{i}/{total}] {name}: reused from {out[name].get('reused_from')}")
             continue
-        log(f"{tag}[{i}/{total}] {name}: {cfg.algorithm} {json.dumps(cfg.params, sort_keys=True)} "
-            f"{cfg.optimizer} lr {cfg.lr} mom {cfg.momentum}, {cfg.rounds} rounds, seeds {seeds}")
+        log(
+            f"{tag}[{i}/{total}] {name}: {cfg.algorithm} {json.dumps(cfg.params, sort_keys=True)} "
+            f"{cfg.optimizer} lr {cfg.lr} mom {cfg.momentum}, {cfg.rounds} rounds, seeds {seeds}"
+        )
         t0 = time.monotonic()
         res = run_many({name: cfg}, seeds, log=lambda m: log(f"{tag}  {m}"))[name]
         res["config"] = json.loads(res["config"])
@@ -138,12 +164,20 @@ def pct(summary: Mapping[str, float] | None, spread: bool = True) -> str:
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|"]
+    lines = [
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|",
+    ]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines)
 
 
-def accuracy_table(results: Mapping[str, Any], rows: list[tuple[str, str]], metrics: Iterable[str] = METRICS, extra: Mapping[str, Callable[[Mapping[str, Any]], str]] | None = None) -> str:
+def accuracy_table(
+    results: Mapping[str, Any],
+    rows: list[tuple[str, str]],
+    metrics: Iterable[str] = METRICS,
+    extra: Mapping[str, Callable[[Mapping[str, Any]], str]] | None = None,
+) -> str:
     """One row per ``(label, result name)``: final accuracy (%) as mean ± std (min–max) over seeds."""
     titles = {"gm_accuracy": "GM accuracy (%)", "pm_accuracy": "PM accuracy (%)"}
     metrics = list(metrics)
@@ -247,4 +281,20 @@ def _jsonable(o: Any) -> Any:
     raise TypeError(f"not JSON serializable: {type(o).__name__}")
 
 
-__all__ = ["REPO", "RESULTS_DIR", "Report", "accuracy_table", "best", "config_key", "describe", "log", "make_config", "markdown_table", "parse_args", "pct", "previous_runs", "run_suite", "summarize"]
+__all__ = [
+    "REPO",
+    "RESULTS_DIR",
+    "Report",
+    "accuracy_table",
+    "best",
+    "config_key",
+    "describe",
+    "log",
+    "make_config",
+    "markdown_table",
+    "parse_args",
+    "pct",
+    "previous_runs",
+    "run_suite",
+    "summarize",
+]

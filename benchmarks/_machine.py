@@ -1,4 +1,5 @@
 """What machine a benchmark ran on (shared by the scripts in this folder)."""
+
 from __future__ import annotations
 
 import platform

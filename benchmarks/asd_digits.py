@@ -17,6 +17,7 @@ Adam lr 3e-3 (state fresh every round): on a held-out seed (100), FedAvg's globa
 reached 87% after 15 rounds with it and 72% with SGD lr 0.05 momentum 0.9, which stayed near
 chance for the first ten rounds.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,7 +45,13 @@ ASD = {"asd_lambda": 2.0, "asd_temperature": 2.0}
 
 
 def options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--uniform-bases", nargs="*", default=list(BASES), choices=list(BASES), help="bases that also run with uniform ASD weights")
+    p.add_argument(
+        "--uniform-bases",
+        nargs="*",
+        default=list(BASES),
+        choices=list(BASES),
+        help="bases that also run with uniform ASD weights",
+    )
 
 
 def main() -> None:
@@ -57,7 +64,11 @@ def main() -> None:
         configs[f"{b}+asd"] = cfg(algorithm=f"{b}+asd", params={**ASD, "asd_uniform": False})
         if b in args.uniform_bases:
             configs[f"{b}+asd uniform"] = cfg(algorithm=f"{b}+asd", params={**ASD, "asd_uniform": True})
-    rep["settings"] = {"base": {**BASE, "rounds": args.rounds}, "asd": ASD, "configs": {n: L.describe(c) for n, c in configs.items()}}
+    rep["settings"] = {
+        "base": {**BASE, "rounds": args.rounds},
+        "asd": ASD,
+        "configs": {n: L.describe(c) for n, c in configs.items()},
+    }
     res = L.run_suite(configs, args.seeds, reuse=rep.reuse)
     rep["results"] = res
 
@@ -72,7 +83,9 @@ def main() -> None:
         b: {
             "adaptive_minus_base_per_seed": paired(f"{b}+asd", b),
             "uniform_minus_base_per_seed": paired(f"{b}+asd uniform", b),
-            "adaptive_minus_uniform_per_seed": paired(f"{b}+asd", f"{b}+asd uniform") if f"{b}+asd uniform" in res else None,
+            "adaptive_minus_uniform_per_seed": paired(f"{b}+asd", f"{b}+asd uniform")
+            if f"{b}+asd uniform" in res
+            else None,
         }
         for b in BASES
     }
@@ -90,9 +103,7 @@ def main() -> None:
         [label, cell(b), cell(f"{b}+asd"), delta(f"{b}+asd", b), cell(f"{b}+asd uniform"), delta(f"{b}+asd uniform", b)]
         for b, label in BASES.items()
     ]
-    table = L.markdown_table(
-        ["Base method", "without ASD", "+ ASD (adaptive)", "Δ", "+ ASD (uniform)", "Δ"], rows
-    )
+    table = L.markdown_table(["Base method", "without ASD", "+ ASD (adaptive)", "Δ", "+ ASD (uniform)", "Δ"], rows)
     per_run = sum(r["wall_s"] for r in res.values()) / sum(len(r["runs"]) for r in res.values())
     settings = (
         f"Final GM accuracy (%) on the global test split: mean ± std over seeds (min–max). Δ: difference to the base "

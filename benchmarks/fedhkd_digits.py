@@ -23,6 +23,7 @@ extraction, the fraction of representation elements outside ``[-zeta, zeta]`` (a
 forward pass over the same batches in eval mode; the knowledge sent is unchanged) and
 reports it per configuration.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -90,11 +91,18 @@ class ClipCounter:
         out: dict[str, Any] = {"zeta": None, "per_seed": {}}
         for i, s in enumerate(seeds):
             part = recs[i * per : (i + 1) * per]
-            rounds_frac = [sum(r["fraction"] for r in part[k * clients : (k + 1) * clients]) / clients for k in range(rounds)]
-            out["per_seed"][str(s)] = {"per_round_mean_fraction": rounds_frac, "max_abs": max(r["max_abs"] for r in part)}
+            rounds_frac = [
+                sum(r["fraction"] for r in part[k * clients : (k + 1) * clients]) / clients for k in range(rounds)
+            ]
+            out["per_seed"][str(s)] = {
+                "per_round_mean_fraction": rounds_frac,
+                "max_abs": max(r["max_abs"] for r in part),
+            }
         fr = [r["fraction"] for r in recs]
         out["mean_fraction"] = sum(fr) / len(fr)
-        out["last_round_mean_fraction"] = sum(v["per_round_mean_fraction"][-1] for v in out["per_seed"].values()) / len(seeds)
+        out["last_round_mean_fraction"] = sum(v["per_round_mean_fraction"][-1] for v in out["per_seed"].values()) / len(
+            seeds
+        )
         out["max_abs"] = max(r["max_abs"] for r in recs)
         return out
 
@@ -111,7 +119,10 @@ def main() -> None:
         "fedhkd* sigma=0": cfg(algorithm="fedhkd", params={"gamma": 0.0, "sigma": 0.0}),
         "fedhkd sigma=0": cfg(algorithm="fedhkd", params={"sigma": 0.0}),
     }
-    rep["settings"] = {"base": {**BASE, "rounds": args.rounds}, "configs": {n: L.describe(c) for n, c in configs.items()}}
+    rep["settings"] = {
+        "base": {**BASE, "rounds": args.rounds},
+        "configs": {n: L.describe(c) for n, c in configs.items()},
+    }
     results: dict[str, Any] = {}
     with ClipCounter() as counter:
         for name, c in configs.items():
@@ -120,8 +131,10 @@ def main() -> None:
             if clip is not None:
                 clip["zeta"] = c.params["zeta"]
                 results[name]["clipping"] = clip
-                L.log(f"  {name}: {100 * clip['mean_fraction']:.1f}% of representation elements clipped to ±{clip['zeta']} "
-                      f"(last round {100 * clip['last_round_mean_fraction']:.1f}%, max |h| {clip['max_abs']:.1f})")
+                L.log(
+                    f"  {name}: {100 * clip['mean_fraction']:.1f}% of representation elements clipped to ±{clip['zeta']} "
+                    f"(last round {100 * clip['last_round_mean_fraction']:.1f}%, max |h| {clip['max_abs']:.1f})"
+                )
     rep["results"] = results
 
     hkd = results["fedhkd"]
@@ -153,7 +166,7 @@ def main() -> None:
         f"{BASE['local_epochs']} local epochs for every method; FedHKD lambda = gamma = 0.05, T = 0.5, nu = 0.25, "
         f"zeta = 3, code_len {BASE['code_len']}. Final-round accuracy in %: mean ± std over seeds (min–max). "
         f"GM: global model on the global test split; PM: local model right after local training on the local "
-        f"test sets, weighted by size. \"clipped h\": share of representation elements outside [-zeta, zeta] "
+        f'test sets, weighted by size. "clipped h": share of representation elements outside [-zeta, zeta] '
         f"over all knowledge extractions."
     )
     rep.write(f"{table}\n\n{settings}\n")

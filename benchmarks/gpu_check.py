@@ -24,6 +24,7 @@ whether PM work ran during it (the intervals overlap). Exit 0 when every check p
 one failed (PM on the default stream on CUDA, no overlap, the stop not honoured), 2 when the
 requested device is not available. ``--json FILE`` also writes everything measured.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,6 +37,7 @@ from collections import OrderedDict
 from itertools import islice
 from pathlib import Path
 from typing import Any
+
 from _machine import cpu_name
 
 
@@ -45,7 +47,9 @@ def _fail(msg: str, code: int) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default cuda)")
     p.add_argument("--gm-steps", type=int, default=10, help="GM batches (the first includes warm-up)")
     p.add_argument("--pm-steps", type=int, default=30, help="PM steps after which the broadcast 'arrives'")
@@ -99,7 +103,21 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         _fail(f"cannot import wafl ({e}); run through benchmarks/gpu_check.sh or install the repo (scripts/venv.sh)", 2)
 
     try:
-        cfg = load_config(None, {"dataset": a.dataset, "model": a.model, "algorithm": "scd", "protocol": "wait-free", "partition": "iid", "num_clients": 1, "rounds": 1, "local_epochs": 1, "batch_size": a.batch_size, "device": a.device})
+        cfg = load_config(
+            None,
+            {
+                "dataset": a.dataset,
+                "model": a.model,
+                "algorithm": "scd",
+                "protocol": "wait-free",
+                "partition": "iid",
+                "num_clients": 1,
+                "rounds": 1,
+                "local_epochs": 1,
+                "batch_size": a.batch_size,
+                "device": a.device,
+            },
+        )
     except ConfigError as e:
         _fail(f"configuration error: {e}", 2)
     t0 = time.perf_counter()
@@ -127,7 +145,14 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         gm_marks.append(time.perf_counter())
 
     data = epochs(trainer.data.train, trainer.train_idx, cfg.batch_size, trainer.rng, None, dev)
-    gm_stats = run_phase(trainer.gm, trainer.algorithm.gm_terms, ctx, islice(data, a.gm_steps), make_optimizer(cfg.optimizer, trainer.gm.parameters(), cfg.lr, cfg.momentum, cfg.weight_decay), on_step=on_gm_step)
+    gm_stats = run_phase(
+        trainer.gm,
+        trainer.algorithm.gm_terms,
+        ctx,
+        islice(data, a.gm_steps),
+        make_optimizer(cfg.optimizer, trainer.gm.parameters(), cfg.lr, cfg.momentum, cfg.weight_decay),
+        on_step=on_gm_step,
+    )
     gm_steps_ms = [(b - a_) * 1e3 for a_, b in zip([gm_start, *gm_marks[:-1]], gm_marks)]
 
     # ---------------------------------------------------------------- PM phase in a thread, upload here
@@ -142,7 +167,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         if cuda:
             s = torch.cuda.current_stream(dev)
             if not pm_stream_info:
-                pm_stream_info.update(stream=repr(s), default=s == torch.cuda.default_stream(dev), own=s == trainer.pm_stream)
+                pm_stream_info.update(
+                    stream=repr(s), default=s == torch.cuda.default_stream(dev), own=s == trainer.pm_stream
+                )
             ev = torch.cuda.Event(enable_timing=True)
             ev.record(s)
             pm_events.append(ev)
@@ -219,7 +246,12 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         "algorithm": "scd",
         "batch_size": cfg.batch_size,
         "setup_s": setup_s,
-        "gm": {"steps": gm_stats.steps, "step_ms": gm_steps_ms, "first_ms": gm_steps_ms[0] if gm_steps_ms else None, "after_first": _ms(gm_steps_ms[1:])},
+        "gm": {
+            "steps": gm_stats.steps,
+            "step_ms": gm_steps_ms,
+            "first_ms": gm_steps_ms[0] if gm_steps_ms else None,
+            "after_first": _ms(gm_steps_ms[1:]),
+        },
         "pm": {
             "steps": stats.steps,
             "steps_at_broadcast": steps_at_broadcast,
@@ -230,9 +262,24 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             "gpu_events": _ms(pm_gpu_steps_ms),
             "stream": pm_stream_info or None,
         },
-        "upload": {"bytes": nbytes, "chunks": nchunks, "start_s": rel(up_start), "end_s": rel(up_end), "ms": (up_end - up_start) * 1e3},
-        "timeline_s": {"pm_start": rel(pm_result["start"]), "pm_first_step": rel(pm_marks[0]) if pm_marks else None, "broadcast": rel(broadcast_at), "pm_end": rel(pm_result["end"])},
-        "overlap": {"overlapped": overlapped, "pm_work_during_upload_ms": work_overlap_s * 1e3, "pm_steps_during_upload": steps_during_upload},
+        "upload": {
+            "bytes": nbytes,
+            "chunks": nchunks,
+            "start_s": rel(up_start),
+            "end_s": rel(up_end),
+            "ms": (up_end - up_start) * 1e3,
+        },
+        "timeline_s": {
+            "pm_start": rel(pm_result["start"]),
+            "pm_first_step": rel(pm_marks[0]) if pm_marks else None,
+            "broadcast": rel(broadcast_at),
+            "pm_end": rel(pm_result["end"]),
+        },
+        "overlap": {
+            "overlapped": overlapped,
+            "pm_work_during_upload_ms": work_overlap_s * 1e3,
+            "pm_steps_during_upload": steps_during_upload,
+        },
         "checks": checks,
         "wall_s": time.perf_counter() - t0,
     }
@@ -249,13 +296,21 @@ def report(r: dict[str, Any]) -> str:
         lines.append(f"PM steps from CUDA events on the PM stream: {_fmt(r['pm']['gpu_events'])}")
     if r["pm"]["stream"]:
         s = r["pm"]["stream"]
-        lines.append(f"PM stream: {s['stream']} (default stream: {s['default']}, the trainer's own PM stream: {s['own']})")
+        lines.append(
+            f"PM stream: {s['stream']} (default stream: {s['default']}, the trainer's own PM stream: {s['own']})"
+        )
     u = r["upload"]
-    lines.append(f"upload (GM state to CPU + {u['chunks']} wire chunks, {u['bytes'] / 1e6:.1f} MB): {u['ms']:.1f} ms, t = {u['start_s']:.3f}..{u['end_s']:.3f} s")
+    lines.append(
+        f"upload (GM state to CPU + {u['chunks']} wire chunks, {u['bytes'] / 1e6:.1f} MB): {u['ms']:.1f} ms, t = {u['start_s']:.3f}..{u['end_s']:.3f} s"
+    )
     tl = r["timeline_s"]
-    lines.append(f"PM phase: t = {tl['pm_start']:.3f}..{tl['pm_end']:.3f} s (first step starts {tl['pm_first_step']:.3f} s, broadcast {tl['broadcast']:.3f} s)")
+    lines.append(
+        f"PM phase: t = {tl['pm_start']:.3f}..{tl['pm_end']:.3f} s (first step starts {tl['pm_first_step']:.3f} s, broadcast {tl['broadcast']:.3f} s)"
+    )
     o = r["overlap"]
-    lines.append(f"overlap: PM ran concurrently with the upload: {'yes' if o['overlapped'] else 'NO'} ({o['pm_work_during_upload_ms']:.1f} ms of PM work incl. its set-up; {o['pm_steps_during_upload']} PM steps overlapped the upload)")
+    lines.append(
+        f"overlap: PM ran concurrently with the upload: {'yes' if o['overlapped'] else 'NO'} ({o['pm_work_during_upload_ms']:.1f} ms of PM work incl. its set-up; {o['pm_steps_during_upload']} PM steps overlapped the upload)"
+    )
     for name, ok in r["checks"].items():
         lines.append(f"check {name}: {'ok' if ok else 'FAILED'}")
     lines.append(f"total {r['wall_s']:.1f} s")

@@ -26,6 +26,7 @@ picks (1) one optimizer shared by all methods, by FedAvg's GM + Ditto's PM accur
 (2) Ditto's ``mu`` and SCD's ``(lambda_g, lambda_p)`` by PM accuracy. Every sweep run is
 recorded in the JSON. ``--no-sweep`` skips it and uses the fixed fallbacks below.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -79,15 +80,22 @@ def sweep(args: argparse.Namespace, reuse: dict[str, Any] | None) -> tuple[dict[
         stage1[f"fedavg / {name}"] = cfg(algorithm="fedavg", **opt)
         stage1[f"ditto mu 0.1 / {name}"] = cfg(algorithm="ditto", params={"mu": 0.1}, **opt)
     r1 = L.run_suite(stage1, seeds, tag="sweep ", reuse=reuse)
-    score = {n: r1[f"fedavg / {n}"]["gm_accuracy"]["mean"] + r1[f"ditto mu 0.1 / {n}"]["pm_accuracy"]["mean"] for n in OPTIMIZERS}
+    score = {
+        n: r1[f"fedavg / {n}"]["gm_accuracy"]["mean"] + r1[f"ditto mu 0.1 / {n}"]["pm_accuracy"]["mean"]
+        for n in OPTIMIZERS
+    }
     opt_name = max(OPTIMIZERS, key=lambda n: (score[n], -list(OPTIMIZERS).index(n)))
     opt = OPTIMIZERS[opt_name]
     L.log(f"sweep: optimizer {opt_name} (FedAvg GM + Ditto PM = {score[opt_name]:.3f})")
 
     L.log("sweep, stage 2: Ditto mu and SCD (lambda_g, lambda_p)")
-    stage2 = {f"ditto mu {mu} / {opt_name}": cfg(algorithm="ditto", params={"mu": mu}, **opt) for mu in DITTO_MU if mu != 0.1}
+    stage2 = {
+        f"ditto mu {mu} / {opt_name}": cfg(algorithm="ditto", params={"mu": mu}, **opt) for mu in DITTO_MU if mu != 0.1
+    }
     for lg, lp in SCD_LAMBDAS:
-        stage2[f"scd lambda_g {lg} lambda_p {lp} / {opt_name}"] = cfg(algorithm="scd", params={**SCD_FIXED, "lambda_g": lg, "lambda_p": lp}, **opt)
+        stage2[f"scd lambda_g {lg} lambda_p {lp} / {opt_name}"] = cfg(
+            algorithm="scd", params={**SCD_FIXED, "lambda_g": lg, "lambda_p": lp}, **opt
+        )
     r2 = L.run_suite(stage2, seeds, tag="sweep ", reuse=reuse)
     runs = {**r1, **r2}
     ditto_names = {mu: f"ditto mu {mu} / {opt_name}" for mu in DITTO_MU}
@@ -110,7 +118,13 @@ def sweep(args: argparse.Namespace, reuse: dict[str, Any] | None) -> tuple[dict[
 def sweep_table(record: dict[str, Any]) -> str:
     rows = []
     for name, r in record["runs"].items():
-        rows.append([name, L.pct(r.get("gm_accuracy"), spread=False).split(" ±")[0], L.pct(r.get("pm_accuracy"), spread=False).split(" ±")[0]])
+        rows.append(
+            [
+                name,
+                L.pct(r.get("gm_accuracy"), spread=False).split(" ±")[0],
+                L.pct(r.get("pm_accuracy"), spread=False).split(" ±")[0],
+            ]
+        )
     return L.markdown_table([f"Sweep run (seed {record['seed']}, {record['rounds']} rounds)", "GM (%)", "PM (%)"], rows)
 
 
@@ -156,9 +170,13 @@ def main() -> None:
     }
     target["met"] = target["scd_pm_at_least_ditto_pm"] and target["scd_pm_above_fedavg_gm"]
     ditto_by_seed = {r["seed"]: r["pm_accuracy"] for r in res["ditto"]["runs"]}
-    target["scd_pm_minus_ditto_pm_per_seed"] = {n: [r["pm_accuracy"] - ditto_by_seed[r["seed"]] for r in res[n]["runs"]] for n in res if n.startswith("scd")}
+    target["scd_pm_minus_ditto_pm_per_seed"] = {
+        n: [r["pm_accuracy"] - ditto_by_seed[r["seed"]] for r in res[n]["runs"]] for n in res if n.startswith("scd")
+    }
     target["extra_rows_meeting_it"] = [
-        n for n in EXTRA if n in res and res[n]["pm_accuracy"]["mean"] >= ditto_pm and res[n]["pm_accuracy"]["mean"] > fedavg_gm
+        n
+        for n in EXTRA
+        if n in res and res[n]["pm_accuracy"]["mean"] >= ditto_pm and res[n]["pm_accuracy"]["mean"] > fedavg_gm
     ]
     rep["target"] = target
 
@@ -173,7 +191,10 @@ def main() -> None:
     for name, over in EXTRA.items():
         if name in res:
             p = {**scd, **over}
-            rows.append((f"SCD, lambda_g = {p['lambda_g']:g}, lambda_p = {p['lambda_p']:g} (extra, not from the sweep)", name))
+            rows.append(
+                (f"SCD, lambda_g = {p['lambda_g']:g}, lambda_p = {p['lambda_p']:g} (extra, not from the sweep)", name)
+            )
+
     def vs_ditto(r: dict[str, Any]) -> str:
         d = [x["pm_accuracy"] - ditto_by_seed[x["seed"]] for x in r["runs"] if x["pm_accuracy"] is not None]
         if not d or r is res["ditto"]:

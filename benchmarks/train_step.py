@@ -24,6 +24,7 @@ down, so the machine's load average and the CPU utilization of each measurement 
 time / (wall time x threads), about 1 on an otherwise idle machine) are recorded with the
 figures, and the table says when a measurement did not get its cores.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,18 +34,17 @@ import platform
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from itertools import cycle
 from pathlib import Path
 from typing import Any
 
 import torch
-
+from _machine import cpu_name
 from wafl.common.algorithms import registry
 from wafl.common.algorithms.base import RoundContext
 from wafl.common.models import build_model
 from wafl.common.training import make_optimizer, run_phase
-from _machine import cpu_name
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # model -> (in_channels, image_size): cnn on the embedded digits' shape, the rest on CIFAR's
@@ -64,7 +64,9 @@ KINDS = {
 NUM_CLASSES = 10
 
 
-def measure(name: str, kind: str, batch: int, warmup: int, min_steps: int, max_steps: int, min_time: float, seed: int = 0) -> dict[str, Any]:
+def measure(
+    name: str, kind: str, batch: int, warmup: int, min_steps: int, max_steps: int, min_time: float, seed: int = 0
+) -> dict[str, Any]:
     channels, size = MODELS[name]
     algo_name, which, _ = KINDS[kind]
     algo = registry.resolve(algo_name)
@@ -79,7 +81,10 @@ def measure(name: str, kind: str, batch: int, warmup: int, min_steps: int, max_s
         pm.load_state_dict(gm.state_dict())
         model = pm
     g = torch.Generator().manual_seed(seed)
-    data = [(torch.randn(batch, channels, size, size, generator=g), torch.randint(0, NUM_CLASSES, (batch,), generator=g)) for _ in range(4)]
+    data = [
+        (torch.randn(batch, channels, size, size, generator=g), torch.randint(0, NUM_CLASSES, (batch,), generator=g))
+        for _ in range(4)
+    ]
     label_freq = torch.full((NUM_CLASSES,), 1.0 / NUM_CLASSES)
     ctx = RoundContext(1, {k: v.detach().clone() for k, v in gm.state_dict().items()}, gm, pm, label_freq, {})
     opt = make_optimizer("sgd", model.parameters(), 0.01, 0.9, 0.0)
@@ -146,7 +151,11 @@ def markdown(res: dict[str, Any]) -> str:
             cells.append("-" if r is None else f"{r['samples_per_s']:.1f} ({r['median_step_ms']:.0f} ms)")
         utils = [r["cpu_utilization"] for r in kinds.values()]
         low += [f"{name} {k}" for k, r in kinds.items() if r["cpu_utilization"] < 0.8]
-        lines.append(f"| {name} | {shape} | {any_r['params'] / 1e6:.2f}M | " + " | ".join(cells) + f" | {min(utils):.2f}-{max(utils):.2f} |")
+        lines.append(
+            f"| {name} | {shape} | {any_r['params'] / 1e6:.2f}M | "
+            + " | ".join(cells)
+            + f" | {min(utils):.2f}-{max(utils):.2f} |"
+        )
     lines.append("")
     if low:
         lines.append(f"Contended (CPU utilization below 0.8, figures too low): {', '.join(low)}.")
@@ -175,10 +184,13 @@ def main(argv: list[str] | None = None) -> int:
         for kind in a.kinds:
             r = measure(name, kind, a.batch_size, a.warmup, a.min_steps, a.max_steps, a.min_time)
             results.append(r)
-            print(f"{name:<13} {kind:<9} {r['samples_per_s']:9.1f} samples/s  (median {r['median_step_ms']:.1f} ms over {r['timed_steps']} steps, CPU utilization {r['cpu_utilization']:.2f})", flush=True)
+            print(
+                f"{name:<13} {kind:<9} {r['samples_per_s']:9.1f} samples/s  (median {r['median_step_ms']:.1f} ms over {r['timed_steps']} steps, CPU utilization {r['cpu_utilization']:.2f})",
+                flush=True,
+            )
     res = {
         "benchmark": "train_step",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": {
             "cpu": cpu_name(),
             "cpus": os.cpu_count(),

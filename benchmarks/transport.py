@@ -42,6 +42,7 @@ not train and upload the received global state as is. No run reaches its last ro
 evaluates the model): clients stop at the broadcast after their last measured round and the
 server is stopped. MB = 10^6 bytes throughout.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -306,7 +307,9 @@ class TcpPair:
         self.rx = ctx.Process(target=_tcp_receiver, args=(port_q, bufsize), daemon=True, name="bench-tcp-receiver")
         self.rx.start()
         port = port_q.get(timeout=120)
-        self.tx = ctx.Process(target=_tcp_sender, args=(port, bufsize, self.cmd_q, self.result_q), daemon=True, name="bench-tcp-sender")
+        self.tx = ctx.Process(
+            target=_tcp_sender, args=(port, bufsize, self.cmd_q, self.result_q), daemon=True, name="bench-tcp-sender"
+        )
         self.tx.start()
 
     def trial(self, nbytes: int) -> dict[str, float]:
@@ -315,7 +318,12 @@ class TcpPair:
         got, secs = self.result_q.get(timeout=300)
         if got != total:
             raise RuntimeError(f"raw TCP: the receiver counted {got} of {total} bytes")
-        return {"bytes": total, "seconds": round(secs, 4), "MBps": round(total / secs / MB, 1), "t": round(time.monotonic(), 3)}
+        return {
+            "bytes": total,
+            "seconds": round(secs, 4),
+            "MBps": round(total / secs / MB, 1),
+            "t": round(time.monotonic(), 3),
+        }
 
     def close(self) -> None:
         if self.tx.is_alive():
@@ -338,7 +346,9 @@ def _grpc_raw_server(port_q: Any, hop: bool, limit: int) -> None:
     import grpc
 
     async def serve() -> None:
-        server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)])
+        server = grpc.aio.server(
+            options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+        )
         pool = ThreadPoolExecutor(max_workers=4)
 
         async def upload(requests: Any, ctx: Any) -> bytes:
@@ -350,7 +360,13 @@ def _grpc_raw_server(port_q: Any, hop: bool, limit: int) -> None:
                     await loop.run_in_executor(pool, len, m)
             return n.to_bytes(8, "little")
 
-        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("bench.Raw", {"Upload": grpc.stream_unary_rpc_method_handler(upload)})])
+        server.add_generic_rpc_handlers(
+            [
+                grpc.method_handlers_generic_handler(
+                    "bench.Raw", {"Upload": grpc.stream_unary_rpc_method_handler(upload)}
+                )
+            ]
+        )
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         port_q.put(port)
@@ -364,7 +380,10 @@ def _grpc_raw_client(port: int, sizes: list[int], reps: int, limit: int, result_
     import grpc
 
     async def run() -> list[float]:
-        ch = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)])
+        ch = grpc.aio.insecure_channel(
+            f"127.0.0.1:{port}",
+            options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)],
+        )
         call = ch.stream_unary("/bench.Raw/Upload")
         blob = os.urandom(max(sizes))
         msgs = [blob[:n] for n in sizes]
@@ -392,11 +411,21 @@ def grpc_alone(ctx: Any, sizes: list[int], reps: int) -> dict[str, Any]:
     out: dict[str, Any] = {"messages": len(sizes), "bytes": sum(sizes), "reps": reps}
     for name, hop in (("plain", False), ("executor_hop_per_message", True)):
         port_q, result_q = ctx.Queue(), ctx.Queue()
-        srv = ctx.Process(target=_grpc_raw_server, args=(port_q, hop, MESSAGE_LIMIT), daemon=True, name=f"bench-grpc-raw-server-{name}")
+        srv = ctx.Process(
+            target=_grpc_raw_server,
+            args=(port_q, hop, MESSAGE_LIMIT),
+            daemon=True,
+            name=f"bench-grpc-raw-server-{name}",
+        )
         srv.start()
         try:
             port = port_q.get(timeout=120)
-            cli = ctx.Process(target=_grpc_raw_client, args=(port, sizes, reps, MESSAGE_LIMIT, result_q), daemon=True, name=f"bench-grpc-raw-client-{name}")
+            cli = ctx.Process(
+                target=_grpc_raw_client,
+                args=(port, sizes, reps, MESSAGE_LIMIT, result_q),
+                daemon=True,
+                name=f"bench-grpc-raw-client-{name}",
+            )
             cli.start()
             times = result_q.get(timeout=300)
             cli.join(10)
@@ -411,7 +440,6 @@ def grpc_alone(ctx: Any, sizes: list[int], reps: int) -> dict[str, Any]:
 def upload_message_sizes() -> list[int]:
     """Sizes of the chunk messages of one upload of the benchmark's model (as encoded by wafl)."""
     import torch
-
     from wafl.common.codec import iter_chunks
     from wafl.common.models import build_model
     from wafl.common.wire import encode_upload, group_chunks
@@ -430,7 +458,6 @@ def _worker(slot: int, cmd_q: Any, msg_q: Any, gates: dict[str, Any]) -> None:
     """
     _orphan_watchdog()
     import torch
-
     import wafl.client.session  # noqa: F401  (warm imports before the first measurement)
 
     parent = os.getppid()
@@ -462,7 +489,9 @@ async def _client(task: dict[str, Any], msg_q: Any, gates: dict[str, Any]) -> No
 
     phase, index, server_pid = task["phase"], task["index"], task["server_pid"]
     configure_logging(f"bench-client-{index}", task["log_file"], level="WARNING", console=False)
-    session = Session(task["address"], f"client-{index}", index, NUM_SAMPLES, [NUM_SAMPLES // 10] * 10, reconnect_s=60.0)
+    session = Session(
+        task["address"], f"client-{index}", index, NUM_SAMPLES, [NUM_SAMPLES // 10] * 10, reconnect_s=60.0
+    )
     await session.join()
     model_bytes = sum(s.nbytes for s in session.manifest)
     params = sum(s.numel for s in session.manifest)
@@ -479,7 +508,9 @@ async def _client(task: dict[str, Any], msg_q: Any, gates: dict[str, Any]) -> No
 
     assert session._channel is not None  # opened by join()
     session._broadcasts = session._channel.unary_stream(
-        "/wafl.v1.Federation/Broadcasts", request_serializer=pb.BroadcastRequest.SerializeToString, response_deserializer=timed_decode
+        "/wafl.v1.Federation/Broadcasts",
+        request_serializer=pb.BroadcastRequest.SerializeToString,
+        response_deserializer=timed_decode,
     )
 
     loop = asyncio.get_running_loop()
@@ -487,7 +518,12 @@ async def _client(task: dict[str, Any], msg_q: Any, gates: dict[str, Any]) -> No
     try:
         async for model in session.models():
             t_model = time.monotonic()
-            rec: dict[str, Any] = {"round": model.round, "t_header": header_t.get(model.round), "t_model": t_model, "final": model.final}
+            rec: dict[str, Any] = {
+                "round": model.round,
+                "t_header": header_t.get(model.round),
+                "t_model": t_model,
+                "final": model.final,
+            }
             records.append(rec)
             if model.final:
                 await session.report(model.round - 1, {"final": 1.0})
@@ -523,14 +559,39 @@ async def _client(task: dict[str, Any], msg_q: Any, gates: dict[str, Any]) -> No
             srv1 = thread_cpu(server_pid)
             if rss0 is not None:
                 rss1 = proc_status(server_pid)
-                rec["server_rss"] = {"idle_VmRSS": rss0["VmRSS"], "peak_VmHWM": rss1["VmHWM"], "peak_minus_idle": rss1["VmHWM"] - rss0["VmRSS"], "peak_minus_idle_model_multiples": round((rss1["VmHWM"] - rss0["VmRSS"]) / model_bytes, 3)}
-            rec.update(t_up_start=t0, t_up_end=t1, bytes=n, client_cpu_s=round(cpu1 - cpu0, 3), server_cpu=cpu_delta(server_pid, srv0, srv1), profiled=prof is not None)
+                rec["server_rss"] = {
+                    "idle_VmRSS": rss0["VmRSS"],
+                    "peak_VmHWM": rss1["VmHWM"],
+                    "peak_minus_idle": rss1["VmHWM"] - rss0["VmRSS"],
+                    "peak_minus_idle_model_multiples": round((rss1["VmHWM"] - rss0["VmRSS"]) / model_bytes, 3),
+                }
+            rec.update(
+                t_up_start=t0,
+                t_up_end=t1,
+                bytes=n,
+                client_cpu_s=round(cpu1 - cpu0, 3),
+                server_cpu=cpu_delta(server_pid, srv0, srv1),
+                profiled=prof is not None,
+            )
             if prof is not None:
                 rec["profile_top"] = _profile_top(prof, 14)
             msg_q.put((phase, "uploaded", index, model.round, t0, t1, n))
     finally:
         await session.close()
-    msg_q.put((phase, "done", index, {"records": records, "model_bytes": model_bytes, "params": params, "float32_params": float32_params, "tensors": len(session.manifest)}))
+    msg_q.put(
+        (
+            phase,
+            "done",
+            index,
+            {
+                "records": records,
+                "model_bytes": model_bytes,
+                "params": params,
+                "float32_params": float32_params,
+                "tensors": len(session.manifest),
+            },
+        )
+    )
 
 
 def _profile_top(prof: Any, n: int) -> list[dict[str, Any]]:
@@ -540,7 +601,15 @@ def _profile_top(prof: Any, n: int) -> list[dict[str, Any]]:
     total = st.total_tt or 1e-9  # type: ignore[attr-defined]
     rows = []
     for (file, line, fn), (cc, nc, tt, ct, _) in st.stats.items():  # type: ignore[attr-defined]
-        rows.append({"function": f"{Path(file).name}:{line}({fn})", "calls": nc, "tottime_s": round(tt, 4), "cumtime_s": round(ct, 4), "tottime_share": round(tt / total, 3)})
+        rows.append(
+            {
+                "function": f"{Path(file).name}:{line}({fn})",
+                "calls": nc,
+                "tottime_s": round(tt, 4),
+                "cumtime_s": round(ct, 4),
+                "tottime_share": round(tt / total, 3),
+            }
+        )
     rows.sort(key=lambda r: -r["tottime_s"])
     return [{"profiled_s": round(total, 4)}] + rows[:n]
 
@@ -553,7 +622,15 @@ class Pool:
         self.msg_q = ctx.Queue()
         self.gates = {name: ctx.Event() for name in gate_names}
         self.cmd_qs = [ctx.Queue() for _ in range(size)]
-        self.procs = [ctx.Process(target=_worker, args=(i, self.cmd_qs[i], self.msg_q, self.gates), daemon=True, name=f"bench-client-worker-{i}") for i in range(size)]
+        self.procs = [
+            ctx.Process(
+                target=_worker,
+                args=(i, self.cmd_qs[i], self.msg_q, self.gates),
+                daemon=True,
+                name=f"bench-client-worker-{i}",
+            )
+            for i in range(size)
+        ]
         for p in self.procs:
             p.start()
 
@@ -604,9 +681,35 @@ class Server:
         cfg_path.write_text(json.dumps(self.cfg))
         self.ready = self.dir / "server.json"
         self.console = open(self.dir / "console.txt", "wb")
-        cmd = [sys.executable, "-m", "wafl.cli.main", "server", "--config", str(cfg_path), "--host", "127.0.0.1", "--port", "0", "--out", str(self.dir), "--ready-file", str(self.ready), "--quiet", "--threads", "1"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "wafl.cli.main",
+            "server",
+            "--config",
+            str(cfg_path),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--out",
+            str(self.dir),
+            "--ready-file",
+            str(self.ready),
+            "--quiet",
+            "--threads",
+            "1",
+        ]
         self.env = env or {}
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.console, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **self.env}, preexec_fn=_die_with_parent)
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            stdout=self.console,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **self.env},
+            preexec_fn=_die_with_parent,
+        )
         self.pid = self.proc.pid
         self.port = 0
 
@@ -614,7 +717,9 @@ class Server:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode} before listening:\n{self.console_text()}")
+                raise RuntimeError(
+                    f"server exited with {self.proc.returncode} before listening:\n{self.console_text()}"
+                )
             if self.ready.exists():
                 self.port = json.loads(self.ready.read_text())["port"]
                 return f"127.0.0.1:{self.port}"
@@ -670,7 +775,14 @@ class Phase:
         self.done: dict[int, dict[str, Any]] = {}
         self.backlog: list[tuple] = []
 
-    def start_clients(self, n: int, last_round: int, gates: dict[int, dict[int, str]] | None = None, profile_rounds: list[int] | None = None, rss_probe: bool = False) -> None:
+    def start_clients(
+        self,
+        n: int,
+        last_round: int,
+        gates: dict[int, dict[int, str]] | None = None,
+        profile_rounds: list[int] | None = None,
+        rss_probe: bool = False,
+    ) -> None:
         if n > len(self.pool.procs):
             raise ValueError(f"{n} clients need {n} pool processes, the pool has {len(self.pool.procs)}")
         for i in range(n):
@@ -696,7 +808,9 @@ class Phase:
                 msg = self.pool.msg_q.get(timeout=1.0)
             except queue.Empty:
                 if self.server.proc.poll() is not None:
-                    raise RuntimeError(f"{self.name}: server exited with {self.server.proc.returncode}:\n{self.server.console_text()}")
+                    raise RuntimeError(
+                        f"{self.name}: server exited with {self.server.proc.returncode}:\n{self.server.console_text()}"
+                    )
                 dead = [p.name for p in self.pool.procs if p.exitcode is not None]
                 if dead:
                     raise RuntimeError(f"{self.name}: client process(es) died: {dead}")
@@ -765,7 +879,13 @@ def phase_single(pool: Pool, server: Server, measured: int, tcp: TcpPair, paired
     last = measured + 1  # the last upload runs under cProfile (diagnostics only)
     assert server.cfg["rounds"] == last + 1
     ph = Phase(pool, server)
-    ph.start_clients(1, last_round=last, gates={0: {r: f"{ph.name}:go{r}" for r in range(1, last + 1)}}, profile_rounds=[last], rss_probe=True)
+    ph.start_clients(
+        1,
+        last_round=last,
+        gates={0: {r: f"{ph.name}:go{r}" for r in range(1, last + 1)}},
+        profile_rounds=[last],
+        rss_probe=True,
+    )
     paired: dict[int, dict[str, float]] = {}
     for r in range(1, last + 1):
         ph.wait_for("ready", 1)
@@ -809,7 +929,9 @@ def phase_single(pool: Pool, server: Server, measured: int, tcp: TcpPair, paired
         "paired_raw_tcp": list(paired.values()),
         "median_ratio_to_paired_raw_tcp": round(statistics.median(u["ratio_to_paired_raw_tcp"] for u in uploads), 4),
         "all_bytes_acknowledged": ok,
-        "server_rss_growth_model_multiples": [u["server_rss"]["peak_minus_idle_model_multiples"] for u in uploads if u.get("server_rss")],
+        "server_rss_growth_model_multiples": [
+            u["server_rss"]["peak_minus_idle_model_multiples"] for u in uploads if u.get("server_rss")
+        ],
         "profiled_upload": profiled,
         "server_rounds": ph.rows,
     }
@@ -847,9 +969,20 @@ def phase_stage_times(pool: Pool, server: Server, uploads: int, stats_path: Path
             c0, s0 = before.get(k, [0, 0.0])
             if calls - c0 and "per round" not in k:
                 stages[k] = {"calls": calls - c0, "seconds": round(secs - s0, 4)}
-        rows.append({"round": r, "bytes": n, "seconds": round(t1 - t0, 4), "MBps": round(n / (t1 - t0) / MB, 1), "stages": stages, "unaccounted_s": round((t1 - t0) - sum(v["seconds"] for v in stages.values()), 4)})
+        rows.append(
+            {
+                "round": r,
+                "bytes": n,
+                "seconds": round(t1 - t0, 4),
+                "MBps": round(n / (t1 - t0) / MB, 1),
+                "stages": stages,
+                "unaccounted_s": round((t1 - t0) - sum(v["seconds"] for v in stages.values()), 4),
+            }
+        )
     ph.finish()
-    per_round = {k: {"calls": v[0], "seconds_each": round(v[1] / v[0], 4)} for k, v in after.items() if "per round" in k and v[0]}
+    per_round = {
+        k: {"calls": v[0], "seconds_each": round(v[1] / v[0], 4)} for k, v in after.items() if "per round" in k and v[0]
+    }
     return {
         "uploads": rows,
         "per_round_costs": per_round,
@@ -924,7 +1057,9 @@ def phase_concurrent(pool: Pool, server: Server, n: int, rounds: int) -> dict[st
                     "sampled_max_VmRSS": max(sampled) if sampled else None,
                     "idle_breakdown": {k: idle.get(k) for k in ("RssAnon", "RssFile", "RssShmem")},
                     "after_uploads_breakdown": {k: peak.get(k) for k in ("RssAnon", "RssFile", "RssShmem")},
-                    "timeline_ms_MB": _downsample([(round((t - t_release) * 1000), round(v / MB, 1)) for t, v in sampler.samples], 60),
+                    "timeline_ms_MB": _downsample(
+                        [(round((t - t_release) * 1000), round(v / MB, 1)) for t, v in sampler.samples], 60
+                    ),
                     "samples": len(sampled),
                     "peak_minus_idle": peak["VmHWM"] - idle["VmRSS"],
                     "peak_minus_idle_model_multiples": round((peak["VmHWM"] - idle["VmRSS"]) / model_bytes_guess, 3),
@@ -977,7 +1112,9 @@ def merge_concurrent(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "aggregate_MBps_median": round(statistics.median(pr["aggregate_MBps"] for pr in rounds), 1),
         "all_bytes_acknowledged": all(run["all_bytes_acknowledged"] for run in runs),
         "model_bytes": model_bytes,
-        "rss_first_round_model_multiples": [pr["rss"]["peak_minus_idle_model_multiples"] for pr in rounds if pr["round"] == 1],
+        "rss_first_round_model_multiples": [
+            pr["rss"]["peak_minus_idle_model_multiples"] for pr in rounds if pr["round"] == 1
+        ],
         "rss_worst_round": {
             "server": worst["server"],
             "round": worst["round"],
@@ -1008,14 +1145,20 @@ def phase_noop(pool: Pool, server: Server, timed_round: int) -> dict[str, Any]:
             {
                 "round": r,
                 "server_round_s": rows.get(r, {}).get("round_s"),
-                "first_header_to_last_next_broadcast_s": round(max(b["t_model"] for b in nxt) - min(a["t_header"] for a in cur), 4),
-                "last_broadcast_complete_to_last_next_broadcast_s": round(max(b["t_model"] for b in nxt) - max(a["t_model"] for a in cur), 4),
+                "first_header_to_last_next_broadcast_s": round(
+                    max(b["t_model"] for b in nxt) - min(a["t_header"] for a in cur), 4
+                ),
+                "last_broadcast_complete_to_last_next_broadcast_s": round(
+                    max(b["t_model"] for b in nxt) - max(a["t_model"] for a in cur), 4
+                ),
                 "per_client_header_to_next_header_s": [round(x, 4) for x in header_to_header],
                 "per_client_broadcast_to_next_broadcast_s": [round(x, 4) for x in model_to_model],
                 "broadcast_download_s": [round(a["t_model"] - a["t_header"], 4) for a in cur],
                 "upload_s": [round(x, 4) for x in uploads],
                 "upload_window_s": round(max(a["t_up_end"] for a in cur) - min(a["t_up_start"] for a in cur), 4),
-                "last_upload_end_to_first_next_header_s": round(min(b["t_header"] for b in nxt) - max(a["t_up_end"] for a in cur), 4),
+                "last_upload_end_to_first_next_header_s": round(
+                    min(b["t_header"] for b in nxt) - max(a["t_up_end"] for a in cur), 4
+                ),
             }
         )
     timed = out_rounds[timed_round - 1]
@@ -1036,13 +1179,20 @@ def stage_costs(repeat: int = 3) -> dict[str, Any]:
     """Per-MB cost of each step of the chunk path, on the benchmark's own model, in this process."""
     import numpy as np
     import torch
-
     from wafl.client.session import _Assembler
     from wafl.common.checksum import IMPLEMENTATION, crc32
     from wafl.common.codec import TransferChecker, crc32_of, iter_chunks, manifest_of, numpy_view
     from wafl.common.models import build_model
     from wafl.common.proto import federation_pb2 as pb
-    from wafl.common.wire import PreEncoded, chunks_of, decode_broadcast, decode_upload, encode_tensors, encode_upload, group_chunks
+    from wafl.common.wire import (
+        PreEncoded,
+        chunks_of,
+        decode_broadcast,
+        decode_upload,
+        encode_tensors,
+        encode_upload,
+        group_chunks,
+    )
     from wafl.server.aggregator import Accumulator
 
     torch.set_num_threads(1)
@@ -1140,7 +1290,9 @@ def stage_costs(repeat: int = 3) -> dict[str, Any]:
         asm.finish(bc_crc)
 
     per_upload = {
-        "client: group_chunks + encode_upload (protobuf prefixes + data, one join copy per message)": lambda: [encode_upload(m) for m in group_chunks(chunks)],
+        "client: group_chunks + encode_upload (protobuf prefixes + data, one join copy per message)": lambda: [
+            encode_upload(m) for m in group_chunks(chunks)
+        ],
         f"client: CRC-32 ({IMPLEMENTATION}) of the chunk data (Session._upload_messages)": crc,
         "server: decode_upload (zero-copy views)": lambda: [decode_upload(e) for e in encoded],
         "server: TransferChecker.check": check,
@@ -1158,19 +1310,33 @@ def stage_costs(repeat: int = 3) -> dict[str, Any]:
         "server: encode the broadcast (group_chunks + encode_tensors + crc32_of, RoundEngine._encode_broadcast)": encode_broadcast,
         "client: receive one broadcast (decode + _Assembler.add/finish: check, CRC, copy, tensors)": assemble,
     }
-    out: dict[str, Any] = {"model_bytes": nbytes, "chunks": len(chunks), "messages": len(messages), "repeat": repeat, "note": "best of `repeat`, one thread, in the benchmark's parent process after the other phases; MBps = model bytes / seconds", "per_upload": {}, "per_round": {}}
+    out: dict[str, Any] = {
+        "model_bytes": nbytes,
+        "chunks": len(chunks),
+        "messages": len(messages),
+        "repeat": repeat,
+        "note": "best of `repeat`, one thread, in the benchmark's parent process after the other phases; MBps = model bytes / seconds",
+        "per_upload": {},
+        "per_round": {},
+    }
     for group, steps in (("per_upload", per_upload), ("per_round", per_round)):
         for name, fn in steps.items():
             sec = best(fn)
             out[group][name] = {"seconds_per_model": round(sec, 4), "MBps": round(nbytes / sec / MB, 1)}
     up = out["per_upload"]
-    srv = sum(v["seconds_per_model"] for k, v in up.items() if k.startswith("server: ") and "part:" not in k and "first round" not in k)
+    srv = sum(
+        v["seconds_per_model"]
+        for k, v in up.items()
+        if k.startswith("server: ") and "part:" not in k and "first round" not in k
+    )
     cli = sum(v["seconds_per_model"] for k, v in up.items() if k.startswith("client: "))
     out["server_seconds_per_upload"] = round(srv, 4)
     out["server_ceiling_MBps"] = round(nbytes / srv / MB, 1)
     out["client_seconds_per_upload"] = round(cli, 4)
     out["client_ceiling_MBps"] = round(nbytes / cli / MB, 1)
-    out["ceiling_note"] = "the Python-side work one upload costs (decode + check + CRC + warm fold on the server; grouping, encoding + CRC on the client), gRPC's own work excluded"
+    out["ceiling_note"] = (
+        "the Python-side work one upload costs (decode + check + CRC + warm fold on the server; grouping, encoding + CRC on the client), gRPC's own work excluded"
+    )
     return out
 
 
@@ -1216,13 +1382,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--tcp-bytes", type=int, default=1 << 30, help="bytes per raw TCP trial (default 1 GiB)")
     ap.add_argument("--tcp-trials", type=int, default=3, help="raw TCP trials before and again after the gRPC phases")
-    ap.add_argument("--tcp-paired-bytes", type=int, default=1 << 29, help="bytes of the raw TCP trial run right before each single-client upload (default 512 MiB)")
+    ap.add_argument(
+        "--tcp-paired-bytes",
+        type=int,
+        default=1 << 29,
+        help="bytes of the raw TCP trial run right before each single-client upload (default 512 MiB)",
+    )
     ap.add_argument("--single-uploads", type=int, default=9, help="measured single-client uploads (one per round)")
     ap.add_argument("--concurrent", type=int, default=10)
-    ap.add_argument("--concurrent-runs", type=int, default=2, help="fresh servers for the concurrent uploads (the first round of a server is the one that shows its peak)")
+    ap.add_argument(
+        "--concurrent-runs",
+        type=int,
+        default=2,
+        help="fresh servers for the concurrent uploads (the first round of a server is the one that shows its peak)",
+    )
     ap.add_argument("--concurrent-rounds", type=int, default=1, help="rounds of concurrent uploads per server")
     ap.add_argument("--keep", action="store_true", help="keep the server output folders")
-    ap.add_argument("--strict", action="store_true", help="exit with status 1 when a target is missed (default: 0 once the measurements are written)")
+    ap.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit with status 1 when a target is missed (default: 0 once the measurements are written)",
+    )
     ap.add_argument(
         "--diagnostics",
         default=DEFAULT_DIAGNOSTICS,
@@ -1242,18 +1422,28 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGHUP, on_signal)
-    result: dict[str, Any] = {"benchmark": "transport", "started_unix": round(time.time(), 1), "MB": "10^6 bytes", "targets": TARGETS}
+    result: dict[str, Any] = {
+        "benchmark": "transport",
+        "started_unix": round(time.time(), 1),
+        "MB": "10^6 bytes",
+        "targets": TARGETS,
+    }
     try:
         result["machine"] = machine_info()
         result["loadavg"] = {"start": loadavg()}
-        log(f"machine: {result['machine']['nproc']} CPUs, load {result['loadavg']['start']}, python {result['machine']['python']}, grpc {result['machine']['grpc']}, torch {result['machine']['torch']}")
+        log(
+            f"machine: {result['machine']['nproc']} CPUs, load {result['loadavg']['start']}, python {result['machine']['python']}, grpc {result['machine']['grpc']}, torch {result['machine']['torch']}"
+        )
 
         size = max(a.concurrent + 1, NOOP_CLIENTS)
         plan: list[tuple[str, dict[str, Any]]] = [
             ("single", {"num_clients": 1, "rounds": a.single_uploads + 2}),
             (f"noop{NOOP_CLIENTS}", {"num_clients": NOOP_CLIENTS, "rounds": NOOP_TIMED_ROUND + 1}),
         ]
-        plan += [(f"concurrent{a.concurrent}-{i + 1}", {"num_clients": a.concurrent + 1, "rounds": a.concurrent_rounds + 1}) for i in range(a.concurrent_runs)]
+        plan += [
+            (f"concurrent{a.concurrent}-{i + 1}", {"num_clients": a.concurrent + 1, "rounds": a.concurrent_rounds + 1})
+            for i in range(a.concurrent_runs)
+        ]
         diagnostics = [d for d in a.diagnostics.split(",") if d and d != "none"]
         unknown = sorted(set(diagnostics) - set(DIAGNOSTICS))
         if unknown:
@@ -1273,7 +1463,12 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         for name, cfg in plan:
             servers.append(Server(workdir, name, **cfg))
-        gate_names = [g for srv in servers if srv.name.startswith(("concurrent", "diag-")) for g in concurrent_gate_names(srv.name, srv.cfg["rounds"] - 1)]
+        gate_names = [
+            g
+            for srv in servers
+            if srv.name.startswith(("concurrent", "diag-"))
+            for g in concurrent_gate_names(srv.name, srv.cfg["rounds"] - 1)
+        ]
         gate_names += [f"single:go{r}" for r in range(1, a.single_uploads + 2)]
         pool = Pool(ctx, size, gate_names)
         for srv in servers:
@@ -1289,33 +1484,47 @@ def main(argv: list[str] | None = None) -> int:
         tcp_before = [tcp.trial(a.tcp_bytes) for _ in range(a.tcp_trials)]
         log(f"  {[t['MBps'] for t in tcp_before]} MB/s")
 
-        log(f"single client: {a.single_uploads} uploads (+1 under cProfile), each right after a {a.tcp_paired_bytes / MB:.0f} MB raw TCP trial")
+        log(
+            f"single client: {a.single_uploads} uploads (+1 under cProfile), each right after a {a.tcp_paired_bytes / MB:.0f} MB raw TCP trial"
+        )
         result["loadavg"]["before_single"] = loadavg()
         single = phase_single(pool, servers[0], a.single_uploads, tcp, a.tcp_paired_bytes)
-        log(f"  {[u['MBps'] for u in single['uploads']]} MB/s (paired raw TCP {[t['MBps'] for t in single['paired_raw_tcp']]}); model {single['model']['model_bytes']} bytes, {single['model']['params']} parameters")
+        log(
+            f"  {[u['MBps'] for u in single['uploads']]} MB/s (paired raw TCP {[t['MBps'] for t in single['paired_raw_tcp']]}); model {single['model']['model_bytes']} bytes, {single['model']['params']} parameters"
+        )
 
         sizes = upload_message_sizes()
-        log(f"gRPC alone: the {len(sizes)} chunk messages of one upload through a bare grpc.aio stream ({a.single_uploads} times)")
+        log(
+            f"gRPC alone: the {len(sizes)} chunk messages of one upload through a bare grpc.aio stream ({a.single_uploads} times)"
+        )
         result["loadavg"]["before_grpc_alone"] = loadavg()
         galone = grpc_alone(ctx, sizes, a.single_uploads)
-        log(f"  plain {galone['plain']['MBps']} MB/s; with an executor hop per message {galone['executor_hop_per_message']['MBps']} MB/s")
+        log(
+            f"  plain {galone['plain']['MBps']} MB/s; with an executor hop per message {galone['executor_hop_per_message']['MBps']} MB/s"
+        )
 
         conc_runs = []
         for srv in servers:
             if not srv.name.startswith("concurrent"):
                 continue
-            log(f"{a.concurrent} concurrent clients (+1 holdout), fresh server {srv.name}, {a.concurrent_rounds} round(s)")
+            log(
+                f"{a.concurrent} concurrent clients (+1 holdout), fresh server {srv.name}, {a.concurrent_rounds} round(s)"
+            )
             result["loadavg"][f"before_{srv.name}"] = loadavg()
             conc_runs.append(phase_concurrent(pool, srv, a.concurrent, a.concurrent_rounds))
         conc = merge_concurrent(conc_runs)
         for pr in conc["rounds"]:
-            log(f"  {pr['server']} round {pr['round']}: per-client median {pr['per_client_median_MBps']} min {pr['per_client_min_MBps']} aggregate {pr['aggregate_MBps']} MB/s; RSS idle {pr['rss']['idle_VmRSS'] / MB:.0f} MB peak {pr['rss']['peak_VmHWM'] / MB:.0f} MB (+{pr['rss']['peak_minus_idle_model_multiples']} x model)")
+            log(
+                f"  {pr['server']} round {pr['round']}: per-client median {pr['per_client_median_MBps']} min {pr['per_client_min_MBps']} aggregate {pr['aggregate_MBps']} MB/s; RSS idle {pr['rss']['idle_VmRSS'] / MB:.0f} MB peak {pr['rss']['peak_VmHWM'] / MB:.0f} MB (+{pr['rss']['peak_minus_idle_model_multiples']} x model)"
+            )
 
         log(f"no-op round: {NOOP_CLIENTS} clients, round {NOOP_TIMED_ROUND} timed")
         result["loadavg"]["before_noop"] = loadavg()
         noop = phase_noop(pool, servers[1], NOOP_TIMED_ROUND)
         for r in noop["rounds"]:
-            log(f"  round {r['round']}: server round_s {r['server_round_s']}, client-observed {r['first_header_to_last_next_broadcast_s']} s")
+            log(
+                f"  round {r['round']}: server round_s {r['server_round_s']}, client-observed {r['first_header_to_last_next_broadcast_s']} s"
+            )
 
         diag_results: dict[str, Any] = {}
         for srv in servers:
@@ -1326,9 +1535,15 @@ def main(argv: list[str] | None = None) -> int:
             result["loadavg"][f"before_diag_{d}"] = loadavg()
             if spec["kind"] == "single":
                 log(f"diagnostic {d}: {STAGE_TIMED_UPLOADS} single-client uploads, {spec['what']}")
-                diag_results[d] = {"what": spec["what"], **phase_stage_times(pool, srv, STAGE_TIMED_UPLOADS, Path(srv.env["WAFL_BENCH_STAGE_TIMES"]))}
+                diag_results[d] = {
+                    "what": spec["what"],
+                    **phase_stage_times(pool, srv, STAGE_TIMED_UPLOADS, Path(srv.env["WAFL_BENCH_STAGE_TIMES"])),
+                }
                 for u in diag_results[d]["uploads"]:
-                    log(f"  round {u['round']}: {u['MBps']} MB/s, {u['seconds']} s: " + ", ".join(f"{k.split(' ')[0]} {v['seconds']} s" for k, v in u["stages"].items()))
+                    log(
+                        f"  round {u['round']}: {u['MBps']} MB/s, {u['seconds']} s: "
+                        + ", ".join(f"{k.split(' ')[0]} {v['seconds']} s" for k, v in u["stages"].items())
+                    )
                 continue
             log(f"diagnostic {d}: {a.concurrent} concurrent uploads, 1 round, {spec['what']}")
             res = phase_concurrent(pool, srv, a.concurrent, 1)
@@ -1342,7 +1557,9 @@ def main(argv: list[str] | None = None) -> int:
                 "server_cpu_s": pr["server_cpu_s"],
                 "all_bytes_acknowledged": res["all_bytes_acknowledged"],
             }
-            log(f"  aggregate {pr['aggregate_MBps']} MB/s; RSS idle {pr['rss']['idle_VmRSS'] / MB:.0f} MB peak {pr['rss']['peak_VmHWM'] / MB:.0f} MB (+{pr['rss']['peak_minus_idle_model_multiples']} x model)")
+            log(
+                f"  aggregate {pr['aggregate_MBps']} MB/s; RSS idle {pr['rss']['idle_VmRSS'] / MB:.0f} MB peak {pr['rss']['peak_VmHWM'] / MB:.0f} MB (+{pr['rss']['peak_minus_idle_model_multiples']} x model)"
+            )
 
         log("raw TCP loopback again")
         result["loadavg"]["before_tcp_after"] = loadavg()
@@ -1370,7 +1587,9 @@ def main(argv: list[str] | None = None) -> int:
         result["model"] = single["model"]
         result["single_client"] = single
         galone["plain"]["ratio_to_raw_tcp_median"] = round(galone["plain"]["median_MBps"] / tcp_median, 4)
-        galone["executor_hop_per_message"]["ratio_to_raw_tcp_median"] = round(galone["executor_hop_per_message"]["median_MBps"] / tcp_median, 4)
+        galone["executor_hop_per_message"]["ratio_to_raw_tcp_median"] = round(
+            galone["executor_hop_per_message"]["median_MBps"] / tcp_median, 4
+        )
         result["grpc_alone"] = galone
         result["concurrent"] = conc
         result["noop_round"] = noop
@@ -1392,10 +1611,12 @@ def main(argv: list[str] | None = None) -> int:
             "concurrent_peak_rss_within_idle_plus_4x_model": {
                 "idle_VmRSS": rss["idle_VmRSS"],
                 "peak_VmHWM": rss["peak_VmHWM"],
-                "limit": rss["idle_VmRSS"] + int(TARGETS["concurrent_peak_rss_growth_max_model_multiples"] * model_bytes),
+                "limit": rss["idle_VmRSS"]
+                + int(TARGETS["concurrent_peak_rss_growth_max_model_multiples"] * model_bytes),
                 "measured_model_multiples": rss["peak_minus_idle_model_multiples"],
                 "target": f"<= {TARGETS['concurrent_peak_rss_growth_max_model_multiples']}",
-                "pass": rss["peak_minus_idle_model_multiples"] <= TARGETS["concurrent_peak_rss_growth_max_model_multiples"],
+                "pass": rss["peak_minus_idle_model_multiples"]
+                <= TARGETS["concurrent_peak_rss_growth_max_model_multiples"],
             },
             "noop_round_under_2s": {
                 "client_observed_s": noop["client_observed_s"],
@@ -1405,7 +1626,11 @@ def main(argv: list[str] | None = None) -> int:
             },
         }
         result["checks"] = checks
-        result["all_pass"] = all(c["pass"] for c in checks.values()) and single["all_bytes_acknowledged"] and conc["all_bytes_acknowledged"]
+        result["all_pass"] = (
+            all(c["pass"] for c in checks.values())
+            and single["all_bytes_acknowledged"]
+            and conc["all_bytes_acknowledged"]
+        )
         result["wall_s"] = round(time.monotonic() - t_start, 1)
         one_min = [v[0] for k, v in result["loadavg"].items() if k.startswith("before_") or k == "end"]
         result["load_note"] = (
@@ -1440,29 +1665,55 @@ def print_summary(r: dict[str, Any]) -> None:
     ok = lambda b: "PASS" if b else "FAIL"  # noqa: E731
     ch = r["checks"]
     print()
-    print(f"model: {m['params']:,} parameters ({m['float32_params']:,} float32), {m['model_bytes'] / MB:.1f} MB in {m['tensors']} tensors")
-    print(f"machine: {r['machine']['nproc']} CPUs ({r['machine']['cpu']}), load average {r['loadavg']['start']} -> {r['loadavg']['end']}")
+    print(
+        f"model: {m['params']:,} parameters ({m['float32_params']:,} float32), {m['model_bytes'] / MB:.1f} MB in {m['tensors']} tensors"
+    )
+    print(
+        f"machine: {r['machine']['nproc']} CPUs ({r['machine']['cpu']}), load average {r['loadavg']['start']} -> {r['loadavg']['end']}"
+    )
     print(f"note: {r['load_note']}")
-    print(f"raw TCP loopback:            {t['median_MBps']:8.1f} MB/s  median, {t['worst_MBps']:.0f}..{t['best_MBps']:.0f} over {len(t['before'] + t['paired_with_single_uploads'] + t['after'])} trials")
+    print(
+        f"raw TCP loopback:            {t['median_MBps']:8.1f} MB/s  median, {t['worst_MBps']:.0f}..{t['best_MBps']:.0f} over {len(t['before'] + t['paired_with_single_uploads'] + t['after'])} trials"
+    )
     print(f"1 client upload:             {s['median_MBps']:8.1f} MB/s  median of {[u['MBps'] for u in s['uploads']]}")
-    print(f"  upload / raw TCP:          {s['median_ratio_to_paired_raw_tcp'] * 100:8.1f} %     median of per-upload ratios to the TCP trial just before {[round(u['ratio_to_paired_raw_tcp'] * 100, 1) for u in s['uploads']]}  [{ok(ch['single_upload_at_least_20pct_of_raw_tcp']['pass'])} >= 20%]")
-    print(f"                             {s['ratio_to_raw_tcp_median'] * 100:8.1f} %     median upload / median TCP; best / best {s['ratio_best_to_best_raw_tcp'] * 100:.1f}%")
+    print(
+        f"  upload / raw TCP:          {s['median_ratio_to_paired_raw_tcp'] * 100:8.1f} %     median of per-upload ratios to the TCP trial just before {[round(u['ratio_to_paired_raw_tcp'] * 100, 1) for u in s['uploads']]}  [{ok(ch['single_upload_at_least_20pct_of_raw_tcp']['pass'])} >= 20%]"
+    )
+    print(
+        f"                             {s['ratio_to_raw_tcp_median'] * 100:8.1f} %     median upload / median TCP; best / best {s['ratio_best_to_best_raw_tcp'] * 100:.1f}%"
+    )
     g = r["grpc_alone"]
-    print(f"same {g['messages']} messages, bare grpc.aio: {g['plain']['median_MBps']:8.1f} MB/s  ({g['plain']['ratio_to_raw_tcp_median'] * 100:.1f}% of raw TCP); with an executor hop per message {g['executor_hop_per_message']['median_MBps']:.1f} MB/s")
+    print(
+        f"same {g['messages']} messages, bare grpc.aio: {g['plain']['median_MBps']:8.1f} MB/s  ({g['plain']['ratio_to_raw_tcp_median'] * 100:.1f}% of raw TCP); with an executor hop per message {g['executor_hop_per_message']['median_MBps']:.1f} MB/s"
+    )
     k = c["clients_uploading"]
-    print(f"{k:2d} concurrent, per client:   {c['per_client_median_MBps']:8.1f} MB/s  median, {c['per_client_min_MBps']:.1f} min")
+    print(
+        f"{k:2d} concurrent, per client:   {c['per_client_median_MBps']:8.1f} MB/s  median, {c['per_client_min_MBps']:.1f} min"
+    )
     print(f"{k:2d} concurrent, aggregate:    {c['aggregate_MBps_median']:8.1f} MB/s  median of {c['aggregate_MBps']}")
     w = c["rss_worst_round"]
-    print(f"server RSS, {k:2d} concurrent:   idle {w['idle_VmRSS'] / MB:.0f} MB, peak {w['peak_VmHWM'] / MB:.0f} MB, +{w['peak_minus_idle'] / MB:.0f} MB = {w['peak_minus_idle_model_multiples']:.2f} x model (worst; first rounds {c['rss_first_round_model_multiples']})  [{ok(ch['concurrent_peak_rss_within_idle_plus_4x_model']['pass'])} <= 4]")
-    print(f"no-op round (5 clients):     client-observed {n['client_observed_s']:.3f} s, server round_s {n['server_round_s']:.3f} s  [{ok(ch['noop_round_under_2s']['pass'])} < 2 s]")
+    print(
+        f"server RSS, {k:2d} concurrent:   idle {w['idle_VmRSS'] / MB:.0f} MB, peak {w['peak_VmHWM'] / MB:.0f} MB, +{w['peak_minus_idle'] / MB:.0f} MB = {w['peak_minus_idle_model_multiples']:.2f} x model (worst; first rounds {c['rss_first_round_model_multiples']})  [{ok(ch['concurrent_peak_rss_within_idle_plus_4x_model']['pass'])} <= 4]"
+    )
+    print(
+        f"no-op round (5 clients):     client-observed {n['client_observed_s']:.3f} s, server round_s {n['server_round_s']:.3f} s  [{ok(ch['noop_round_under_2s']['pass'])} < 2 s]"
+    )
     sc = r["stage_costs"]
-    print(f"chunk-path CPU (in-process): server {sc['server_seconds_per_upload']:.3f} s/upload (ceiling {sc['server_ceiling_MBps']:.0f} MB/s), client {sc['client_seconds_per_upload']:.3f} s/upload (ceiling {sc['client_ceiling_MBps']:.0f} MB/s)")
+    print(
+        f"chunk-path CPU (in-process): server {sc['server_seconds_per_upload']:.3f} s/upload (ceiling {sc['server_ceiling_MBps']:.0f} MB/s), client {sc['client_seconds_per_upload']:.3f} s/upload (ceiling {sc['client_ceiling_MBps']:.0f} MB/s)"
+    )
     for d, res in r.get("diagnostics", {}).items():
         if "uploads" in res:
             u = res["uploads"][len(res["uploads"]) // 2]
-            print(f"  diagnostic {d} (round {u['round']}): upload {u['seconds']} s = " + " + ".join(f"{k.split(' ')[0]} {v['seconds']}" for k, v in u["stages"].items()) + f" + other {u['unaccounted_s']}")
+            print(
+                f"  diagnostic {d} (round {u['round']}): upload {u['seconds']} s = "
+                + " + ".join(f"{k.split(' ')[0]} {v['seconds']}" for k, v in u["stages"].items())
+                + f" + other {u['unaccounted_s']}"
+            )
             continue
-        print(f"  diagnostic {d}: +{res['rss']['peak_minus_idle'] / MB:.0f} MB = {res['rss']['peak_minus_idle_model_multiples']:.2f} x model, aggregate {res['aggregate_MBps']:.1f} MB/s (first round; compare the round-1 figures above)")
+        print(
+            f"  diagnostic {d}: +{res['rss']['peak_minus_idle'] / MB:.0f} MB = {res['rss']['peak_minus_idle_model_multiples']:.2f} x model, aggregate {res['aggregate_MBps']:.1f} MB/s (first round; compare the round-1 figures above)"
+        )
     print(f"overall: {ok(r['all_pass'])}")
 
 

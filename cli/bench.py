@@ -29,6 +29,7 @@ both protocols (the paper's Fig. 2), ``OUT/pm_accuracy.png`` the PM accuracy aga
 wall-clock. The runs' model files (``checkpoint.pt``, ``clients/``) are deleted afterwards;
 their records (``results.jsonl``, ``reports.jsonl``, ``timelines.json``, ``logs/``) stay.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,7 +46,13 @@ from typing import Any
 from wafl.common.config import RunConfig
 
 PROTOCOL_ORDER = ("compute-and-wait", "wait-free")
-PHASE_COLORS = {"gm_train": "tab:blue", "pm_train": "tab:orange", "upload": "tab:green", "evaluate": "tab:purple", "idle": "tab:red"}
+PHASE_COLORS = {
+    "gm_train": "tab:blue",
+    "pm_train": "tab:orange",
+    "upload": "tab:green",
+    "evaluate": "tab:purple",
+    "idle": "tab:red",
+}
 COMM_DEFINITION = (
     "t_comm_s = median over rounds r of min over clients i of (arrival_i(r+1) - upload_start_i(r)), "
     "where upload_start_i(r) is the start of client i's upload phase of round r and arrival_i(r+1) the end of "
@@ -93,7 +100,9 @@ def median(values: Iterable[float]) -> float | None:
 
 def phase_durations(timelines: Timelines, phase: str) -> list[float]:
     """Durations of every ``phase`` event of every client, in client then time order."""
-    return [float(e["end_s"]) - float(e["start_s"]) for tl in timelines.values() for e in _events(tl) if e["phase"] == phase]
+    return [
+        float(e["end_s"]) - float(e["start_s"]) for tl in timelines.values() for e in _events(tl) if e["phase"] == phase
+    ]
 
 
 def _share_of_wall(timelines: Timelines, part: Callable[[list[Mapping[str, Any]]], float]) -> float | None:
@@ -110,7 +119,9 @@ def _share_of_wall(timelines: Timelines, part: Callable[[list[Mapping[str, Any]]
 
 def idle_fraction(timelines: Timelines) -> float | None:
     """Sum of idle durations / sum of client wall times."""
-    return _share_of_wall(timelines, lambda ev: sum(float(e["end_s"]) - float(e["start_s"]) for e in ev if e["phase"] == "idle"))
+    return _share_of_wall(
+        timelines, lambda ev: sum(float(e["end_s"]) - float(e["start_s"]) for e in ev if e["phase"] == "idle")
+    )
 
 
 def _gaps(ev: list[Mapping[str, Any]]) -> float:
@@ -158,7 +169,9 @@ def training_start(rows: Sequence[Mapping[str, Any]]) -> float:
     return float(first["wall_s"]) - float(first.get("round_s") or 0.0)
 
 
-def pm_accuracy_curve(reports: Sequence[Mapping[str, Any]], rows: Sequence[Mapping[str, Any]] = ()) -> list[tuple[float, float]]:
+def pm_accuracy_curve(
+    reports: Sequence[Mapping[str, Any]], rows: Sequence[Mapping[str, Any]] = ()
+) -> list[tuple[float, float]]:
     """``[(t_s, pm_accuracy)]`` on the server clock, one point per PM report.
 
     At each report the value is the ``pm_test_samples``-weighted mean of every client's latest
@@ -261,7 +274,13 @@ def _aligned(timelines: Timelines) -> tuple[list[str], dict[str, list[tuple[str,
     starts = {c: float(timelines[c].get("client_start_unix") or 0.0) for c in clients}
     firsts = [starts[c] + float(_events(timelines[c])[0]["start_s"]) for c in clients if _events(timelines[c])]
     base = min(firsts) if firsts else 0.0
-    out = {c: [(e["phase"], int(e["round"]), starts[c] + float(e["start_s"]) - base, starts[c] + float(e["end_s"]) - base) for e in _events(timelines[c])] for c in clients}
+    out = {
+        c: [
+            (e["phase"], int(e["round"]), starts[c] + float(e["start_s"]) - base, starts[c] + float(e["end_s"]) - base)
+            for e in _events(timelines[c])
+        ]
+        for c in clients
+    }
     return clients, out
 
 
@@ -275,7 +294,9 @@ def plot_timelines(runs: Mapping[str, Timelines], path: Path, title: str = "") -
 
     names = [p for p in PROTOCOL_ORDER if p in runs] + [p for p in runs if p not in PROTOCOL_ORDER]
     n_clients = max((len(runs[p]) for p in names), default=1)
-    fig, axes = plt.subplots(len(names), 1, figsize=(12, 1.0 + 0.55 * n_clients * len(names) + 0.6 * len(names)), sharex=True, squeeze=False)
+    fig, axes = plt.subplots(
+        len(names), 1, figsize=(12, 1.0 + 0.55 * n_clients * len(names) + 0.6 * len(names)), sharex=True, squeeze=False
+    )
     for ax, name in zip(axes[:, 0], names):
         clients, events = _aligned(runs[name])
         for row, c in enumerate(clients):
@@ -284,7 +305,13 @@ def plot_timelines(runs: Mapping[str, Timelines], path: Path, title: str = "") -
                 if phase == "upload":
                     ax.broken_barh([(s, max(e - s, 1e-3))], (y - 0.42, 0.3), facecolors=PHASE_COLORS[phase])
                 else:
-                    ax.broken_barh([(s, max(e - s, 1e-3))], (y - 0.08, 0.5), facecolors=PHASE_COLORS.get(phase, "grey"), edgecolor="white", linewidth=0.3)
+                    ax.broken_barh(
+                        [(s, max(e - s, 1e-3))],
+                        (y - 0.08, 0.5),
+                        facecolors=PHASE_COLORS.get(phase, "grey"),
+                        edgecolor="white",
+                        linewidth=0.3,
+                    )
         ax.set_yticks(range(len(clients)))
         ax.set_yticklabels(list(reversed(clients)))
         ax.set_title(name, loc="left", fontsize=10)
@@ -299,7 +326,13 @@ def plot_timelines(runs: Mapping[str, Timelines], path: Path, title: str = "") -
     plt.close(fig)
 
 
-def plot_pm_accuracy(curves: Mapping[str, Sequence[tuple[float, float]]], path: Path, target: float | None = None, zetas: Mapping[str, float | None] | None = None, title: str = "") -> None:
+def plot_pm_accuracy(
+    curves: Mapping[str, Sequence[tuple[float, float]]],
+    path: Path,
+    target: float | None = None,
+    zetas: Mapping[str, float | None] | None = None,
+    title: str = "",
+) -> None:
     """PM accuracy (test-size-weighted mean of the latest reports) against wall-clock, per protocol."""
     import matplotlib
 
@@ -328,7 +361,14 @@ def plot_pm_accuracy(curves: Mapping[str, Sequence[tuple[float, float]]], path: 
 
 
 # ----------------------------------------------------------------------------- the command
-def bench_protocols(cfg: RunConfig, out: Path, link_rate: str | None = None, target: float = 0.9, show_progress: bool = True, timeout_s: float = 3600.0) -> int:
+def bench_protocols(
+    cfg: RunConfig,
+    out: Path,
+    link_rate: str | None = None,
+    target: float = 0.9,
+    show_progress: bool = True,
+    timeout_s: float = 3600.0,
+) -> int:
     """Runs ``cfg`` under both protocols; writes ``protocols.json`` and the two PNGs; 0 when both runs finished."""
     from wafl.cli.launcher import launch
 
@@ -342,7 +382,12 @@ def bench_protocols(cfg: RunConfig, out: Path, link_rate: str | None = None, tar
         run_dir = out / protocol
         shutil.rmtree(run_dir / "clients", ignore_errors=True)  # no PM state of an earlier run
         if show_progress:
-            print(f"[{i}/{len(PROTOCOL_ORDER)}] {protocol}: {cfg.algorithm}, {cfg.dataset}, {cfg.num_clients} clients, {cfg.rounds} rounds" + (f", links {link_rate}" if link_rate else ""), file=sys.stderr, flush=True)
+            print(
+                f"[{i}/{len(PROTOCOL_ORDER)}] {protocol}: {cfg.algorithm}, {cfg.dataset}, {cfg.num_clients} clients, {cfg.rounds} rounds"
+                + (f", links {link_rate}" if link_rate else ""),
+                file=sys.stderr,
+                flush=True,
+            )
         load_before = os.getloadavg()[0]
         summary = launch(run_cfg, run_dir, link_rate=link_rate, show_progress=show_progress, timeout_s=timeout_s)
         load_after = os.getloadavg()
@@ -351,11 +396,19 @@ def bench_protocols(cfg: RunConfig, out: Path, link_rate: str | None = None, tar
         shutil.rmtree(run_dir / "clients", ignore_errors=True)
         entry = summarize_run(run_dir, target)
         entry["ok"] = summary.ok
-        entry["host_load_avg"] = {"before_1m": round(load_before, 2), "after_1m": round(load_after[0], 2), "after_5m": round(load_after[1], 2), "cpus": os.cpu_count()}
+        entry["host_load_avg"] = {
+            "before_1m": round(load_before, 2),
+            "after_1m": round(load_after[0], 2),
+            "after_5m": round(load_after[1], 2),
+            "cpus": os.cpu_count(),
+        }
         results[protocol] = entry
         timelines[protocol] = read_timelines(run_dir / "timelines.json")
         t0 = training_start(read_jsonl(run_dir / "results.jsonl"))
-        curves[protocol] = [(t - t0, a) for t, a in pm_accuracy_curve(read_jsonl(run_dir / "reports.jsonl"), read_jsonl(run_dir / "results.jsonl"))]
+        curves[protocol] = [
+            (t - t0, a)
+            for t, a in pm_accuracy_curve(read_jsonl(run_dir / "reports.jsonl"), read_jsonl(run_dir / "results.jsonl"))
+        ]
     doc = {
         "config": {
             "algorithm": cfg.algorithm,
@@ -379,7 +432,9 @@ def bench_protocols(cfg: RunConfig, out: Path, link_rate: str | None = None, tar
         **compare(results),
     }
     (out / "protocols.json").write_text(json.dumps(doc, indent=2) + "\n")
-    title = f"{cfg.algorithm}, {cfg.dataset}, {cfg.num_clients} clients" + (f", {link_rate} links" if link_rate else ", loopback")
+    title = f"{cfg.algorithm}, {cfg.dataset}, {cfg.num_clients} clients" + (
+        f", {link_rate} links" if link_rate else ", loopback"
+    )
     plot_timelines(timelines, out / "timelines.png", title)
     plot_pm_accuracy(curves, out / "pm_accuracy.png", target, {p: results[p]["zeta_total_s"] for p in results}, title)
     if show_progress:
@@ -389,7 +444,17 @@ def bench_protocols(cfg: RunConfig, out: Path, link_rate: str | None = None, tar
 
 def format_table(doc: Mapping[str, Any]) -> str:
     """A short text summary of ``protocols.json``."""
-    keys = ("total_s", "rounds", "round_s", "idle_fraction", "zeta_total_s", "t_gm_s", "t_pm_s", "t_comm_s", "best_pm_accuracy")
+    keys = (
+        "total_s",
+        "rounds",
+        "round_s",
+        "idle_fraction",
+        "zeta_total_s",
+        "t_gm_s",
+        "t_pm_s",
+        "t_comm_s",
+        "best_pm_accuracy",
+    )
     protos = list(doc["protocols"])
     lines = [f"{'':<18}" + "".join(f"{p:>18}" for p in protos)]
     for k in keys:

@@ -4,6 +4,7 @@ Processes talk over localhost, or, with ``--link-rate``, each in its own network
 behind a shaped link (``wafl.cli.netns.Star``). The output folder gets ``config.json``,
 ``results.jsonl``, ``reports.jsonl``, ``timelines.json``, ``logs/`` and ``accuracy.png``.
 """
+
 from __future__ import annotations
 
 import json
@@ -44,7 +45,14 @@ def _env() -> dict[str, str]:
     return env
 
 
-def launch(cfg: RunConfig, out_dir: Path | None = None, link_rate: str | None = None, show_progress: bool = True, timeout_s: float | None = None, port: int = 50051) -> RunSummary:
+def launch(
+    cfg: RunConfig,
+    out_dir: Path | None = None,
+    link_rate: str | None = None,
+    show_progress: bool = True,
+    timeout_s: float | None = None,
+    port: int = 50051,
+) -> RunSummary:
     """Runs the federation described by ``cfg`` to its end; returns what it measured."""
     out = out_dir or default_out(cfg)
     logs = out / "logs"
@@ -70,14 +78,50 @@ def launch(cfg: RunConfig, out_dir: Path | None = None, link_rate: str | None = 
     summary = RunSummary(out, ok=False)
     try:
         prefix = star.exec_prefix("server") if star else []
-        server_cmd = [*prefix, sys.executable, "-m", "wafl.cli.main", "server", "--config", str(cfg_file), "--host", host, "--port", str(bind_port), "--out", str(out), "--ready-file", str(ready), "--threads", "1", "--quiet"]
+        server_cmd = [
+            *prefix,
+            sys.executable,
+            "-m",
+            "wafl.cli.main",
+            "server",
+            "--config",
+            str(cfg_file),
+            "--host",
+            host,
+            "--port",
+            str(bind_port),
+            "--out",
+            str(out),
+            "--ready-file",
+            str(ready),
+            "--threads",
+            "1",
+            "--quiet",
+        ]
         server = _spawn(server_cmd, logs / "server.log")
         procs.append(server)
         bound = _wait_ready(ready, server, logs / "server.log")
         address = f"{host}:{bound}"
         for i in range(cfg.num_clients):
             prefix = star.exec_prefix(f"client{i}") if star else []
-            cmd = [*prefix, sys.executable, "-m", "wafl.cli.main", "client", "--server", address, "--index", str(i), "--state-dir", str(out / "clients"), "--log-file", str(logs / f"client-{i}.jsonl"), "--threads", "1", "--quiet"]
+            cmd = [
+                *prefix,
+                sys.executable,
+                "-m",
+                "wafl.cli.main",
+                "client",
+                "--server",
+                address,
+                "--index",
+                str(i),
+                "--state-dir",
+                str(out / "clients"),
+                "--log-file",
+                str(logs / f"client-{i}.jsonl"),
+                "--threads",
+                "1",
+                "--quiet",
+            ]
             if cfg.data_dir:
                 cmd += ["--data-dir", cfg.data_dir]
             procs.append(_spawn(cmd, logs / f"client-{i}.log"))
@@ -104,13 +148,27 @@ def launch(cfg: RunConfig, out_dir: Path | None = None, link_rate: str | None = 
         summary.client_codes = [p.poll() for p in procs[1:]]
         summary.ok = server.returncode == 0 and len(summary.rows) == cfg.rounds
         if server.returncode != 0:
-            print(f"wafl: the server exited with code {server.returncode}; last lines of {logs / 'server.log'}:\n{_tail(logs / 'server.log')}", file=sys.stderr)
+            print(
+                f"wafl: the server exited with code {server.returncode}; last lines of {logs / 'server.log'}:\n{_tail(logs / 'server.log')}",
+                file=sys.stderr,
+            )
     finally:
         _stop(procs)
         if star is not None:
             star.close()
     summary.wall_s = time.monotonic() - t0
-    (out / "summary.json").write_text(json.dumps({"ok": summary.ok, "wall_s": round(summary.wall_s, 3), "final": summary.final, "server_code": summary.server_code, "client_codes": summary.client_codes}, indent=2))
+    (out / "summary.json").write_text(
+        json.dumps(
+            {
+                "ok": summary.ok,
+                "wall_s": round(summary.wall_s, 3),
+                "final": summary.final,
+                "server_code": summary.server_code,
+                "client_codes": summary.client_codes,
+            },
+            indent=2,
+        )
+    )
     if summary.rows:
         plot_accuracy(summary.rows, out / "accuracy.png", cfg)
     if show_progress:

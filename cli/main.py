@@ -1,4 +1,5 @@
 """The ``wafl`` command: ``run``, ``server``, ``client``, ``bench``, ``health``."""
+
 from __future__ import annotations
 
 import argparse
@@ -6,8 +7,9 @@ import asyncio
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from wafl.cli.netns import LinkShapingUnavailable
 from wafl.common.config import ConfigError, RunConfig, load_config
@@ -41,12 +43,42 @@ def _config_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model")
     g.add_argument("--seed", type=int)
     g.add_argument("--device", help="auto, cpu, cuda or cuda:N")
-    g.add_argument("--param", "-p", action="append", type=_kv, default=[], metavar="KEY=VALUE", help="algorithm parameter, repeatable")
-    g.add_argument("--set", action="append", type=_kv, default=[], metavar="FIELD=VALUE", help="any configuration field, repeatable")
+    g.add_argument(
+        "--param",
+        "-p",
+        action="append",
+        type=_kv,
+        default=[],
+        metavar="KEY=VALUE",
+        help="algorithm parameter, repeatable",
+    )
+    g.add_argument(
+        "--set",
+        action="append",
+        type=_kv,
+        default=[],
+        metavar="FIELD=VALUE",
+        help="any configuration field, repeatable",
+    )
 
 
 def _resolve_config(a: argparse.Namespace) -> RunConfig:
-    names = ("dataset", "data_dir", "partition", "alpha", "delta", "num_clients", "rounds", "fraction", "act_prob", "algorithm", "protocol", "model", "seed", "device")
+    names = (
+        "dataset",
+        "data_dir",
+        "partition",
+        "alpha",
+        "delta",
+        "num_clients",
+        "rounds",
+        "fraction",
+        "act_prob",
+        "algorithm",
+        "protocol",
+        "model",
+        "seed",
+        "device",
+    )
     overrides: dict[str, Any] = {n: getattr(a, n) for n in names if getattr(a, n, None) is not None}
     overrides.update(dict(a.set))
     if a.param:
@@ -62,12 +94,13 @@ def _setup_logging(component: str, log_file: str | None, quiet: bool = False) ->
 
 def cmd_run(a: argparse.Namespace) -> int:
     from wafl.cli.launcher import launch
-
     from wafl.client.trainer import resolve_device
 
     cfg = _resolve_config(a)
     resolve_device(cfg.device)  # every client runs here: a missing GPU is an error now, not at join
-    summary = launch(cfg, Path(a.out) if a.out else None, link_rate=a.link_rate, show_progress=not a.quiet, timeout_s=a.timeout)
+    summary = launch(
+        cfg, Path(a.out) if a.out else None, link_rate=a.link_rate, show_progress=not a.quiet, timeout_s=a.timeout
+    )
     return 0 if summary.ok else 1
 
 
@@ -81,7 +114,18 @@ def cmd_server(a: argparse.Namespace) -> int:
     from wafl.common.tls import server_tls
 
     tls = server_tls(a.tls_cert, a.tls_key)
-    return asyncio.run(serve(cfg, a.host, a.port, out, token=a.token or os.environ.get("WAFL_TOKEN", ""), resume=a.resume, ready_file=Path(a.ready_file) if a.ready_file else None, tls=tls))
+    return asyncio.run(
+        serve(
+            cfg,
+            a.host,
+            a.port,
+            out,
+            token=a.token or os.environ.get("WAFL_TOKEN", ""),
+            resume=a.resume,
+            ready_file=Path(a.ready_file) if a.ready_file else None,
+            tls=tls,
+        )
+    )
 
 
 def cmd_client(a: argparse.Namespace) -> int:
@@ -92,21 +136,35 @@ def cmd_client(a: argparse.Namespace) -> int:
     _setup_logging(f"client-{a.index}", a.log_file, a.quiet)
     _threads(a.threads)
     return asyncio.run(
-        run_client(a.server, a.index, Path(a.state_dir) if a.state_dir else None, a.data_dir, a.device, token=a.token or os.environ.get("WAFL_TOKEN", ""), reconnect_s=a.reconnect_s, tls=tls)
+        run_client(
+            a.server,
+            a.index,
+            Path(a.state_dir) if a.state_dir else None,
+            a.data_dir,
+            a.device,
+            token=a.token or os.environ.get("WAFL_TOKEN", ""),
+            reconnect_s=a.reconnect_s,
+            tls=tls,
+        )
     )
 
 
 def cmd_health(a: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
-
     from wafl.common.tls import client_tls
 
     tls = client_tls(a.tls_ca, a.tls_server_name)
     try:
-        ch = grpc.insecure_channel(a.server) if tls is None else grpc.secure_channel(a.server, tls.credentials(), options=tls.options())
+        ch = (
+            grpc.insecure_channel(a.server)
+            if tls is None
+            else grpc.secure_channel(a.server, tls.credentials(), options=tls.options())
+        )
         with ch:
-            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=a.service), timeout=a.timeout)
+            resp = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=a.service), timeout=a.timeout
+            )
     except grpc.RpcError as e:
         print(f"{a.server}: {e.code().name} {e.details()}", file=sys.stderr)
         return 1
@@ -129,8 +187,16 @@ def _threads(n: int | None) -> None:
 
 
 def _tls_client_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tls-ca", default=os.environ.get("WAFL_TLS_CA"), help="PEM CA bundle: connect over TLS and verify the server against it")
-    p.add_argument("--tls-server-name", default=os.environ.get("WAFL_TLS_SERVER_NAME"), help="name the server's certificate must carry, when not the dialled host")
+    p.add_argument(
+        "--tls-ca",
+        default=os.environ.get("WAFL_TLS_CA"),
+        help="PEM CA bundle: connect over TLS and verify the server against it",
+    )
+    p.add_argument(
+        "--tls-server-name",
+        default=os.environ.get("WAFL_TLS_SERVER_NAME"),
+        help="name the server's certificate must carry, when not the dialled host",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -140,7 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="a whole federation on this machine: a server and N client processes")
     _config_args(r)
     r.add_argument("--out", help="output folder (default runs/<time>-<algorithm>)")
-    r.add_argument("--link-rate", help="run each process in its own network namespace with links shaped to RATE (e.g. 20mbit; root only)")
+    r.add_argument(
+        "--link-rate",
+        help="run each process in its own network namespace with links shaped to RATE (e.g. 20mbit; root only)",
+    )
     r.add_argument("--timeout", type=float, default=None, help="seconds before the run is stopped (default: no limit)")
     r.add_argument("--quiet", action="store_true")
     r.set_defaults(fn=cmd_run)
@@ -155,15 +224,28 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ready-file", help="write the bound port here once listening")
     s.add_argument("--log-file")
     s.add_argument("--threads", type=int, default=None)
-    s.add_argument("--tls-cert", default=os.environ.get("WAFL_TLS_CERT"), help="PEM certificate chain: serve over TLS (with --tls-key)")
+    s.add_argument(
+        "--tls-cert",
+        default=os.environ.get("WAFL_TLS_CERT"),
+        help="PEM certificate chain: serve over TLS (with --tls-key)",
+    )
     s.add_argument("--tls-key", default=os.environ.get("WAFL_TLS_KEY"), help="PEM private key of --tls-cert")
     s.add_argument("--quiet", action="store_true")
     s.set_defaults(fn=cmd_server)
 
     c = sub.add_parser("client", help="one client of a run")
     c.add_argument("--server", default=os.environ.get("WAFL_SERVER", "localhost:50051"), help="HOST:PORT")
-    c.add_argument("--index", type=int, default=int(os.environ["WAFL_CLIENT_INDEX"]) if os.environ.get("WAFL_CLIENT_INDEX", "").isdigit() else None, required=not os.environ.get("WAFL_CLIENT_INDEX", "").isdigit())
-    c.add_argument("--state-dir", default=os.environ.get("WAFL_STATE_DIR"), help="keeps the personalized model and client state across restarts")
+    c.add_argument(
+        "--index",
+        type=int,
+        default=int(os.environ["WAFL_CLIENT_INDEX"]) if os.environ.get("WAFL_CLIENT_INDEX", "").isdigit() else None,
+        required=not os.environ.get("WAFL_CLIENT_INDEX", "").isdigit(),
+    )
+    c.add_argument(
+        "--state-dir",
+        default=os.environ.get("WAFL_STATE_DIR"),
+        help="keeps the personalized model and client state across restarts",
+    )
     c.add_argument("--data-dir", default=os.environ.get("WAFL_DATA_DIR"))
     c.add_argument("--device", default=os.environ.get("WAFL_DEVICE"))
     c.add_argument("--token")

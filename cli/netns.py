@@ -108,9 +108,7 @@ def default_burst_bytes(rate_bps: int) -> int:
     return max(rate_bps // 8 // 100, _MIN_BURST_BYTES)
 
 
-def tbf_command(
-    dev: str, rate_bps: int, burst_bytes: int | None = None, latency_ms: int = 50
-) -> list[str]:
+def tbf_command(dev: str, rate_bps: int, burst_bytes: int | None = None, latency_ms: int = 50) -> list[str]:
     """Return the argv of ``tc qdisc replace dev DEV root tbf`` limiting DEV's egress to ``rate_bps``."""
     if not dev or len(dev) > _IFNAMSIZ or not _NAME_RE.match(dev):
         raise ValueError(f"invalid device name {dev!r}")
@@ -132,17 +130,13 @@ def tbf_command(
 def _run(cmd: Sequence[str]) -> subprocess.CompletedProcess[str]:
     """Run ``cmd`` with ``check=True``; raise :class:`NetnsCommandError` showing stderr on failure."""
     try:
-        return subprocess.run(
-            list(cmd), check=True, capture_output=True, text=True, timeout=_COMMAND_TIMEOUT_S
-        )
+        return subprocess.run(list(cmd), check=True, capture_output=True, text=True, timeout=_COMMAND_TIMEOUT_S)
     except subprocess.CalledProcessError as exc:
         raise NetnsCommandError(cmd, exc.returncode, exc.stderr or "") from None
     except subprocess.TimeoutExpired:
         raise NetnsCommandError(cmd, -1, f"timed out after {_COMMAND_TIMEOUT_S:.0f}s") from None
     except FileNotFoundError:
-        raise LinkShapingUnavailable(
-            f"link shaping unavailable: {cmd[0]!r} not found (install iproute2)"
-        ) from None
+        raise LinkShapingUnavailable(f"link shaping unavailable: {cmd[0]!r} not found (install iproute2)") from None
 
 
 _counter = itertools.count()
@@ -163,16 +157,12 @@ def check_permissions() -> None:
         )
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
-            raise LinkShapingUnavailable(
-                f"link shaping unavailable: {tool!r} not found on PATH (install iproute2)"
-            )
+            raise LinkShapingUnavailable(f"link shaping unavailable: {tool!r} not found on PATH (install iproute2)")
     probe = f"waflprobe-{os.getpid()}-{_next_id()}"
     try:
         _run(["ip", "netns", "add", probe])
     except NetnsCommandError as exc:
-        raise LinkShapingUnavailable(
-            f"link shaping unavailable: cannot create a network namespace: {exc}"
-        ) from None
+        raise LinkShapingUnavailable(f"link shaping unavailable: cannot create a network namespace: {exc}") from None
     try:
         _run(["ip", "netns", "exec", probe, *tbf_command("lo", 10**6)])
     except NetnsCommandError as exc:

@@ -6,15 +6,16 @@ knowledge through the same accumulator the server uses. Selection is the server'
 trains ``pm_epochs`` per round (what compute-and-wait does; wait-free trains it for as long as
 the round lasts, which depends on the machine, not on the algorithm).
 """
+
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
-
 from wafl.client.trainer import Trainer
 from wafl.common.algorithms import registry
 from wafl.common.algorithms.hyperknowledge import Knowledge, KnowledgeAccumulator
@@ -98,7 +99,15 @@ def run_many(configs: dict[str, RunConfig], seeds: list[int], log: Callable[[str
             c.validate()
             rows = simulate(c)
             f = rows[-1]
-            finals.append({"seed": seed, "gm_accuracy": f["gm_accuracy"], "pm_accuracy": f["pm_accuracy"], "wall_s": f["wall_s"], "curve": [(x["gm_accuracy"], x["pm_accuracy"]) for x in rows]})
+            finals.append(
+                {
+                    "seed": seed,
+                    "gm_accuracy": f["gm_accuracy"],
+                    "pm_accuracy": f["pm_accuracy"],
+                    "wall_s": f["wall_s"],
+                    "curve": [(x["gm_accuracy"], x["pm_accuracy"]) for x in rows],
+                }
+            )
             pm = "-" if f["pm_accuracy"] is None else f"{f['pm_accuracy']:.4f}"
             log(f"{name:<28} seed {seed}: gm {f['gm_accuracy']:.4f} pm {pm} ({f['wall_s']:.0f}s)")
         out[name] = {"config": cfg.to_json(), "runs": finals, **summarize(finals)}
@@ -110,5 +119,10 @@ def summarize(finals: list[dict[str, Any]]) -> dict[str, Any]:
     for key in ("gm_accuracy", "pm_accuracy"):
         vals = [f[key] for f in finals if f[key] is not None]
         if vals:
-            res[key] = {"mean": float(np.mean(vals)), "std": float(np.std(vals)), "min": float(np.min(vals)), "max": float(np.max(vals))}
+            res[key] = {
+                "mean": float(np.mean(vals)),
+                "std": float(np.std(vals)),
+                "min": float(np.min(vals)),
+                "max": float(np.max(vals)),
+            }
     return res

@@ -1,4 +1,5 @@
 """``wafl client``: join a federation, follow its broadcasts, train and upload until the end."""
+
 from __future__ import annotations
 
 import asyncio
@@ -6,7 +7,6 @@ from pathlib import Path
 
 import structlog
 import torch
-
 from wafl.client.protocol import RoundProtocol
 from wafl.client.session import Session
 from wafl.client.trainer import Trainer, resolve_device
@@ -16,7 +16,17 @@ from wafl.common.tls import ClientTls
 log = structlog.get_logger("client")
 
 
-async def run_client(address: str, index: int, state_dir: Path | None = None, data_dir: str | None = None, device: str | None = None, token: str = "", reconnect_s: float = 120.0, threads: int | None = None, tls: ClientTls | None = None) -> int:
+async def run_client(
+    address: str,
+    index: int,
+    state_dir: Path | None = None,
+    data_dir: str | None = None,
+    device: str | None = None,
+    token: str = "",
+    reconnect_s: float = 120.0,
+    threads: int | None = None,
+    tls: ClientTls | None = None,
+) -> int:
     """Runs one client to the end of the run; returns 0 on success."""
     if threads:
         torch.set_num_threads(threads)
@@ -29,10 +39,27 @@ async def run_client(address: str, index: int, state_dir: Path | None = None, da
     cfg = RunConfig.from_json(reply.config_json).validate()
     dev = str(resolve_device(device or cfg.device))
     trainer = await _to_thread(Trainer, cfg, index, state_dir, data_dir, dev)
-    session = Session(address, client_id, index, trainer.num_samples, trainer.label_histogram, device=dev, token=token, reconnect_s=reconnect_s, tls=tls)
+    session = Session(
+        address,
+        client_id,
+        index,
+        trainer.num_samples,
+        trainer.label_histogram,
+        device=dev,
+        token=token,
+        reconnect_s=reconnect_s,
+        tls=tls,
+    )
     await warm
     await session.join()
-    log.info("client.ready", client=client_id, samples=trainer.num_samples, local_test=len(trainer.test_idx), device=dev, protocol=cfg.protocol)
+    log.info(
+        "client.ready",
+        client=client_id,
+        samples=trainer.num_samples,
+        local_test=len(trainer.test_idx),
+        device=dev,
+        protocol=cfg.protocol,
+    )
     try:
         await RoundProtocol(session, trainer, cfg.protocol).run()
     finally:

@@ -17,6 +17,7 @@ CPUs it must not slow down another client's GM, the server's aggregation or this
 upload, which the round waits for. Nice values compare between processes of one session
 (autogroup), which is how ``wafl run`` starts its processes.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -29,7 +30,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import structlog
-
 from wafl.client.session import ReceivedModel, Session
 from wafl.client.timeline import Timeline
 from wafl.client.trainer import Trainer
@@ -53,7 +53,9 @@ class RoundProtocol:
         self.arrived = 0  # complete broadcasts received; the wait-free PM loop watches this
         self.background: ThreadPoolExecutor | None = None
         if protocol == "wait-free" and trainer.algorithm.personalized:
-            self.background = ThreadPoolExecutor(1, thread_name_prefix="wafl-pm", initializer=lower_thread_priority, initargs=(trainer.cfg.pm_nice,))
+            self.background = ThreadPoolExecutor(
+                1, thread_name_prefix="wafl-pm", initializer=lower_thread_priority, initargs=(trainer.cfg.pm_nice,)
+            )
 
     async def run(self) -> None:
         try:
@@ -71,7 +73,11 @@ class RoundProtocol:
             await self._evaluate_pm(model)
             if model.final:
                 await self._drain_uploads()
-                final = {"final": 1.0, "bytes_up": float(self.bytes_up), "global_crc32": float(crc32_of(model.state.values()))}
+                final = {
+                    "final": 1.0,
+                    "bytes_up": float(self.bytes_up),
+                    "global_crc32": float(crc32_of(model.state.values())),
+                }
                 await self.session.report(model.round - 1, final, self.timeline.events, self.timeline.start_unix)
                 log.info("run.final", round=model.round - 1)
                 return
@@ -98,7 +104,12 @@ class RoundProtocol:
                     acc, n = await asyncio.to_thread(t.evaluate_local, t.gm)
                     metrics.update(pm_accuracy=acc, pm_test_samples=float(n))
                 state = await asyncio.to_thread(t.gm_upload_state)
-        if t.algorithm.personalized and self.protocol == "compute-and-wait" and selected and self.trainer.cfg.pm_epochs > 0:
+        if (
+            t.algorithm.personalized
+            and self.protocol == "compute-and-wait"
+            and selected
+            and self.trainer.cfg.pm_epochs > 0
+        ):
             with self.timeline.phase("pm_train", r):
                 await asyncio.to_thread(t.train_pm, None, float(t.cfg.pm_epochs))
             self.pm_trained_round = r
@@ -108,7 +119,11 @@ class RoundProtocol:
             upload.add_done_callback(self.uploads.discard)
             if self.protocol == "compute-and-wait":
                 await upload
-        if t.algorithm.personalized and self.protocol == "wait-free" and (selected or self.pm_trained_round is not None):
+        if (
+            t.algorithm.personalized
+            and self.protocol == "wait-free"
+            and (selected or self.pm_trained_round is not None)
+        ):
             train = functools.partial(t.train_pm, lambda: self.arrived > seen, t.cfg.pm_max_epochs, t.cfg.pm_min_steps)
             with self.timeline.phase("pm_train", r):
                 await asyncio.get_running_loop().run_in_executor(self.background, train)

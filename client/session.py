@@ -5,18 +5,19 @@ exponential backoff and full jitter; the session re-joins and re-subscribes by i
 upload is retried under the same idempotency key so that a retry of an accepted upload is
 answered as a success.
 """
+
 from __future__ import annotations
 
 import asyncio
 import random
 import uuid
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Mapping
+from typing import Any
 
 import grpc
 import structlog
 import torch
-
 from wafl.common.algorithms.hyperknowledge import ClassKnowledge
 from wafl.common.checksum import crc32
 from wafl.common.codec import ChunkError, Manifest, RawChunk, TensorSpec, TransferChecker, iter_chunks
@@ -26,7 +27,13 @@ from wafl.common.tls import channel as tls_channel
 from wafl.common.wire import ChunkBatch, chunks_of, decode_broadcast, encode_upload, group_chunks
 
 PROTOCOL_VERSION = 1
-RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED}
+RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.CANCELLED,
+}
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", (1 << 20) + (64 << 10)),
     ("grpc.max_send_message_length", (1 << 20) + (64 << 10)),
@@ -95,10 +102,26 @@ class Session:
         if self._channel is None:
             self._channel = tls_channel(self.address, self.tls, CHANNEL_OPTIONS)
             ch = self._channel
-            self._join = ch.unary_unary("/wafl.v1.Federation/Join", request_serializer=pb.JoinRequest.SerializeToString, response_deserializer=pb.JoinReply.FromString)
-            self._broadcasts = ch.unary_stream("/wafl.v1.Federation/Broadcasts", request_serializer=pb.BroadcastRequest.SerializeToString, response_deserializer=decode_broadcast)
-            self._upload = ch.stream_unary("/wafl.v1.Federation/Upload", request_serializer=encode_upload, response_deserializer=pb.UploadReply.FromString)
-            self._report = ch.unary_unary("/wafl.v1.Federation/Report", request_serializer=pb.ReportRequest.SerializeToString, response_deserializer=pb.ReportReply.FromString)
+            self._join = ch.unary_unary(
+                "/wafl.v1.Federation/Join",
+                request_serializer=pb.JoinRequest.SerializeToString,
+                response_deserializer=pb.JoinReply.FromString,
+            )
+            self._broadcasts = ch.unary_stream(
+                "/wafl.v1.Federation/Broadcasts",
+                request_serializer=pb.BroadcastRequest.SerializeToString,
+                response_deserializer=decode_broadcast,
+            )
+            self._upload = ch.stream_unary(
+                "/wafl.v1.Federation/Upload",
+                request_serializer=encode_upload,
+                response_deserializer=pb.UploadReply.FromString,
+            )
+            self._report = ch.unary_unary(
+                "/wafl.v1.Federation/Report",
+                request_serializer=pb.ReportRequest.SerializeToString,
+                response_deserializer=pb.ReportReply.FromString,
+            )
 
     async def close(self) -> None:
         if self._channel is not None:
@@ -164,13 +187,24 @@ class Session:
                 log.warning("broadcasts.ended_early")
                 await backoff.wait("broadcast stream ended")
             except grpc.aio.AioRpcError as e:
-                if e.code() == grpc.StatusCode.NOT_FOUND or e.code() in RETRYABLE or e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                if (
+                    e.code() == grpc.StatusCode.NOT_FOUND
+                    or e.code() in RETRYABLE
+                    or e.code() == grpc.StatusCode.FAILED_PRECONDITION
+                ):
                     await backoff.wait(f"broadcasts: {e.code().name}")
                     await self.join()
                     continue
                 raise
 
-    async def upload(self, round: int, state: Mapping[str, torch.Tensor], num_samples: int, metrics: Mapping[str, float], knowledge: Mapping[int, ClassKnowledge] | None = None) -> int:
+    async def upload(
+        self,
+        round: int,
+        state: Mapping[str, torch.Tensor],
+        num_samples: int,
+        metrics: Mapping[str, float],
+        knowledge: Mapping[int, ClassKnowledge] | None = None,
+    ) -> int:
         """Streams one update; returns the bytes the server acknowledged (0 if it refused it)."""
         key = uuid.uuid4().hex
         backoff = Backoff(deadline_s=self.reconnect_s)
@@ -188,8 +222,25 @@ class Session:
                     raise
                 await backoff.wait(f"upload: {e.code().name}")
 
-    async def _upload_messages(self, round: int, state: Mapping[str, torch.Tensor], num_samples: int, metrics: Mapping[str, float], knowledge: Mapping[int, ClassKnowledge] | None, key: str) -> AsyncIterator[object]:
-        yield pb.UploadMessage(header=pb.UploadHeader(run_id=self.run_id, round=round, client_id=self.client_id, num_samples=num_samples, idempotency_key=key, metrics=dict(metrics)))
+    async def _upload_messages(
+        self,
+        round: int,
+        state: Mapping[str, torch.Tensor],
+        num_samples: int,
+        metrics: Mapping[str, float],
+        knowledge: Mapping[int, ClassKnowledge] | None,
+        key: str,
+    ) -> AsyncIterator[object]:
+        yield pb.UploadMessage(
+            header=pb.UploadHeader(
+                run_id=self.run_id,
+                round=round,
+                client_id=self.client_id,
+                num_samples=num_samples,
+                idempotency_key=key,
+                metrics=dict(metrics),
+            )
+        )
         crc = 0
         n = 0
         for message in group_chunks(iter_chunks(state.items())):
@@ -198,16 +249,24 @@ class Session:
                 n += 1
             yield message
         for k in sorted((knowledge or {}).values(), key=lambda k: k.class_id):
-            yield pb.UploadMessage(knowledge=pb.ClassKnowledge(class_id=k.class_id, count=k.count, representation=k.rep.tolist(), soft_prediction=k.soft.tolist()))
+            yield pb.UploadMessage(
+                knowledge=pb.ClassKnowledge(
+                    class_id=k.class_id, count=k.count, representation=k.rep.tolist(), soft_prediction=k.soft.tolist()
+                )
+            )
         yield pb.UploadMessage(trailer=pb.UploadTrailer(crc32=crc, num_chunks=n))
 
-    async def report(self, round: int, metrics: Mapping[str, float], timeline: list[Any] | None = None, start_unix: float = 0.0) -> None:
+    async def report(
+        self, round: int, metrics: Mapping[str, float], timeline: list[Any] | None = None, start_unix: float = 0.0
+    ) -> None:
         req = pb.ReportRequest(
             run_id=self.run_id,
             client_id=self.client_id,
             round=round,
             metrics=dict(metrics),
-            timeline=[pb.PhaseEvent(phase=e.phase, round=e.round, start_s=e.start_s, end_s=e.end_s) for e in (timeline or [])],
+            timeline=[
+                pb.PhaseEvent(phase=e.phase, round=e.round, start_s=e.start_s, end_s=e.end_s) for e in (timeline or [])
+            ],
             client_start_unix=start_unix,
         )
         backoff = Backoff(deadline_s=min(30.0, self.reconnect_s))
@@ -248,8 +307,15 @@ class _Assembler:
         self.checker.finish(crc)
         state = {s.name: tensor_from_bytes(self.buffers[s.name], s) for s in self.checker.manifest}
         know = {
-            k.class_id: ClassKnowledge(k.class_id, k.count, torch.tensor(list(k.representation), dtype=torch.float32), torch.tensor(list(k.soft_prediction), dtype=torch.float32))
+            k.class_id: ClassKnowledge(
+                k.class_id,
+                k.count,
+                torch.tensor(list(k.representation), dtype=torch.float32),
+                torch.tensor(list(k.soft_prediction), dtype=torch.float32),
+            )
             for k in self.knowledge
         }
         h = self.header
-        return ReceivedModel(h.round, set(h.selected), h.final, state, know, json.loads(h.server_state_json or "{}"), self.checker.bytes)
+        return ReceivedModel(
+            h.round, set(h.selected), h.final, state, know, json.loads(h.server_state_json or "{}"), self.checker.bytes
+        )

@@ -1,10 +1,11 @@
 """A client's phase timeline (gm_train, upload, pm_train, idle, evaluate) on a monotonic clock."""
+
 from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 PHASES = ("gm_train", "upload", "pm_train", "idle", "evaluate")
 

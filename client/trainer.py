@@ -5,18 +5,19 @@ personalized algorithms, the personalized model (PM, never uploaded, kept across
 across restarts in ``state_dir``). Training goes through the one shared trainer
 (:func:`wafl.common.training.run_phase`) with the algorithm's loss terms.
 """
+
 from __future__ import annotations
 
 import copy
 import json
 import os
 from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
-
 from wafl.common.algorithms import registry
 from wafl.common.algorithms.base import Algorithm, RoundContext
 from wafl.common.config import ConfigError, RunConfig
@@ -36,20 +37,40 @@ def resolve_device(name: str) -> torch.device:
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, index: int, state_dir: Path | None = None, data_dir: str | None = None, device: str | None = None, dataset: FederatedDataset | None = None) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        index: int,
+        state_dir: Path | None = None,
+        data_dir: str | None = None,
+        device: str | None = None,
+        dataset: FederatedDataset | None = None,
+    ) -> None:
         self.cfg = cfg
         self.index = index
         self.device = resolve_device(device or cfg.device)
         self.algorithm: Algorithm = registry.resolve(cfg.algorithm, cfg.params, vars(cfg))
         self.data = dataset or load_dataset(cfg.dataset, data_dir or cfg.data_dir)
-        shard = client_shard(self.data.train_labels, self.data.test_labels, cfg.num_clients, cfg.partition, cfg.alpha, cfg.delta, cfg.seed, index, cfg.local_test_fraction)
+        shard = client_shard(
+            self.data.train_labels,
+            self.data.test_labels,
+            cfg.num_clients,
+            cfg.partition,
+            cfg.alpha,
+            cfg.delta,
+            cfg.seed,
+            index,
+            cfg.local_test_fraction,
+        )
         self.train_idx = shard.train
         self.test_idx = shard.test
         counts = np.bincount(self.data.train_labels[self.train_idx], minlength=self.data.num_classes)
         self.label_histogram = counts.tolist()
         self.label_freq = torch.as_tensor(counts / counts.sum(), dtype=torch.float32, device=self.device)
         torch.manual_seed(cfg.seed)  # every process starts from the same initial weights
-        self.gm = build_model(cfg.model, self.data.num_classes, self.data.in_channels, self.data.image_size, cfg.code_len).to(self.device)
+        self.gm = build_model(
+            cfg.model, self.data.num_classes, self.data.in_channels, self.data.image_size, cfg.code_len
+        ).to(self.device)
         self.pm = copy.deepcopy(self.gm) if self.algorithm.personalized else None
         self.pm_initialized = False
         self.client_state: dict[str, Any] = {}
@@ -66,13 +87,21 @@ class Trainer:
         return int(len(self.train_idx))
 
     # -------------------------------------------------------------- rounds
-    def begin_round(self, round: int, global_state: Mapping[str, torch.Tensor], knowledge: Any = None, server_state: Mapping[str, Any] | None = None) -> RoundContext:
+    def begin_round(
+        self,
+        round: int,
+        global_state: Mapping[str, torch.Tensor],
+        knowledge: Any = None,
+        server_state: Mapping[str, Any] | None = None,
+    ) -> RoundContext:
         state = {k: v.to(self.device) for k, v in global_state.items()}
         self.gm.load_state_dict(state)
         if self.pm is not None and not self.pm_initialized:
             self.pm.load_state_dict(state)  # the PM starts equal to the first global model
             self.pm_initialized = True
-        self.ctx = RoundContext(round, state, self.gm, self.pm, self.label_freq, self.client_state, knowledge, server_state)
+        self.ctx = RoundContext(
+            round, state, self.gm, self.pm, self.label_freq, self.client_state, knowledge, server_state
+        )
         return self.ctx
 
     def _optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -81,13 +110,17 @@ class Trainer:
 
     def train_gm(self) -> PhaseStats:
         assert self.ctx is not None
-        data = epochs(self.data.train, self.train_idx, self.cfg.batch_size, self.rng, self.cfg.local_epochs, self.device)
+        data = epochs(
+            self.data.train, self.train_idx, self.cfg.batch_size, self.rng, self.cfg.local_epochs, self.device
+        )
         stats = run_phase(self.gm, self.algorithm.gm_terms, self.ctx, data, self._optimizer(self.gm))
         if self.client_state:
             self.save_state()  # client state the GM phase updated (FedDyn's g_k)
         return stats
 
-    def train_pm(self, should_stop: Callable[[], bool] | None = None, num_epochs: float | None = None, min_steps: int = 0) -> PhaseStats:
+    def train_pm(
+        self, should_stop: Callable[[], bool] | None = None, num_epochs: float | None = None, min_steps: int = 0
+    ) -> PhaseStats:
         """Trains the PM for ``num_epochs`` (None: until ``should_stop``), on its own CUDA stream on a GPU."""
         assert self.ctx is not None and self.pm is not None and self.algorithm.pm_terms is not None
         data = epochs(self.data.train, self.train_idx, self.cfg.batch_size, self.rng, num_epochs, self.device)
@@ -96,14 +129,18 @@ class Trainer:
         if self.pm_stream is not None:
             self.pm_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.pm_stream):
-                stats = run_phase(self.pm, self.algorithm.pm_terms, self.ctx, data, self.pm_optimizer, should_stop, min_steps)
+                stats = run_phase(
+                    self.pm, self.algorithm.pm_terms, self.ctx, data, self.pm_optimizer, should_stop, min_steps
+                )
             self.pm_stream.synchronize()
         else:
-            stats = run_phase(self.pm, self.algorithm.pm_terms, self.ctx, data, self.pm_optimizer, should_stop, min_steps)
+            stats = run_phase(
+                self.pm, self.algorithm.pm_terms, self.ctx, data, self.pm_optimizer, should_stop, min_steps
+            )
         self.save_state()
         return stats
 
-    def gm_upload_state(self) -> "OrderedDict[str, torch.Tensor]":
+    def gm_upload_state(self) -> OrderedDict[str, torch.Tensor]:
         return OrderedDict((k, v.detach().to("cpu", copy=True).contiguous()) for k, v in self.gm.state_dict().items())
 
     def knowledge(self) -> Any:

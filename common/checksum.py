@@ -7,10 +7,11 @@ MiB), because a checksum on both ends of every chunk is the largest per-byte cos
 upload after the copy itself. Where the zlib-ng wheel is not installed the stdlib's is used;
 both give identical values (``tests/test_codec.py`` checks it).
 """
+
 from __future__ import annotations
 
 import zlib
-from typing import Callable
+from collections.abc import Callable
 
 try:
     from zlib_ng.zlib_ng import crc32 as _fast_crc32

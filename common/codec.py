@@ -5,15 +5,15 @@ bit-exact for every dtype, including bfloat16, NaN payloads, 0-d and empty tenso
 boundaries fall on element boundaries so that each chunk can be checked (finite values) and
 folded into an aggregate on its own.
 """
+
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Mapping
 
 import numpy as np
 import torch
-
 from wafl.common.checksum import crc32
 from wafl.common.proto import federation_pb2 as pb
 
@@ -54,7 +54,9 @@ def wire_dtype(dtype: torch.dtype) -> int:
     try:
         return _WIRE_BY_TORCH[dtype]
     except KeyError:
-        raise ValueError(f"dtype {dtype} cannot travel on the wire; supported: {sorted(map(str, _WIRE_BY_TORCH))}") from None
+        raise ValueError(
+            f"dtype {dtype} cannot travel on the wire; supported: {sorted(map(str, _WIRE_BY_TORCH))}"
+        ) from None
 
 
 def torch_dtype(wire: int) -> torch.dtype:
@@ -101,7 +103,7 @@ class TensorSpec:
         return pb.TensorSpec(name=self.name, dtype=self.dtype, shape=list(self.shape))
 
     @staticmethod
-    def from_proto(msg: pb.TensorSpec) -> "TensorSpec":
+    def from_proto(msg: pb.TensorSpec) -> TensorSpec:
         return TensorSpec(msg.name, msg.dtype, tuple(msg.shape))
 
 
@@ -129,7 +131,7 @@ class RawChunk:
         )
 
     @staticmethod
-    def from_proto(msg: pb.TensorChunk) -> "RawChunk":
+    def from_proto(msg: pb.TensorChunk) -> RawChunk:
         return RawChunk(msg.name, msg.dtype, tuple(msg.shape), msg.offset, msg.data)
 
 
@@ -148,7 +150,9 @@ def tensor_from_bytes(buf: bytes | bytearray | memoryview, spec: TensorSpec) -> 
     """A new tensor (owning its memory) from raw bytes; raises ``ValueError`` on a size mismatch."""
     mv = memoryview(buf).cast("B")
     if mv.nbytes != spec.nbytes:
-        raise ValueError(f"tensor {spec.name!r}: {mv.nbytes} bytes for shape {spec.shape} {dtype_name(spec.dtype)} ({spec.nbytes} expected)")
+        raise ValueError(
+            f"tensor {spec.name!r}: {mv.nbytes} bytes for shape {spec.shape} {dtype_name(spec.dtype)} ({spec.nbytes} expected)"
+        )
     dt = torch_dtype(spec.dtype)
     if spec.nbytes == 0:
         return torch.empty(spec.shape, dtype=dt)
@@ -207,9 +211,17 @@ class TransferChecker:
     returns the spec of the chunk's tensor; ``finish`` verifies completeness and the trailer CRC.
     """
 
-    def __init__(self, manifest: Manifest, max_chunk_bytes: int = MAX_CHUNK_BYTES, require_finite: bool = True, compute_crc: bool = True) -> None:
+    def __init__(
+        self,
+        manifest: Manifest,
+        max_chunk_bytes: int = MAX_CHUNK_BYTES,
+        require_finite: bool = True,
+        compute_crc: bool = True,
+    ) -> None:
         self.manifest = manifest
-        self.compute_crc = compute_crc  # False: the caller keeps the running CRC (off the event loop) and passes it to finish
+        self.compute_crc = (
+            compute_crc  # False: the caller keeps the running CRC (off the event loop) and passes it to finish
+        )
         self.by_name = {s.name: i for i, s in enumerate(manifest)}
         self.max_chunk_bytes = max_chunk_bytes
         self.require_finite = require_finite
@@ -225,7 +237,10 @@ class TransferChecker:
             raise ChunkError(f"tensor {c.name!r} is not in the manifest")
         n = len(c.data)
         if n > self.max_chunk_bytes:
-            raise ChunkError(f"chunk of tensor {c.name!r} has {n} bytes, more than the {self.max_chunk_bytes} allowed", "RESOURCE_EXHAUSTED")
+            raise ChunkError(
+                f"chunk of tensor {c.name!r} has {n} bytes, more than the {self.max_chunk_bytes} allowed",
+                "RESOURCE_EXHAUSTED",
+            )
         i = self.by_name[c.name]
         spec = self.manifest[i]
         if c.dtype != spec.dtype:
@@ -235,7 +250,9 @@ class TransferChecker:
         if i > self.index and self._current_complete():
             self._advance()
         if i != self.index:
-            expected = self.manifest[self.index].name if self.index < len(self.manifest) else "(none: all tensors received)"
+            expected = (
+                self.manifest[self.index].name if self.index < len(self.manifest) else "(none: all tensors received)"
+            )
             what = "missing" if i > self.index else "repeated or out of order"
             raise ChunkError(f"tensor {c.name!r} arrived where {expected!r} was expected ({what})")
         if c.offset != self.offset:
@@ -261,7 +278,9 @@ class TransferChecker:
         return spec
 
     def _current_complete(self) -> bool:
-        return self.index < len(self.manifest) and self._seen_current and self.offset == self.manifest[self.index].nbytes
+        return (
+            self.index < len(self.manifest) and self._seen_current and self.offset == self.manifest[self.index].nbytes
+        )
 
     def _advance(self) -> None:
         self.index += 1
@@ -279,4 +298,6 @@ class TransferChecker:
             spec = self.manifest[self.index]
             raise ChunkError(f"tensor {spec.name!r} is missing or incomplete ({self.offset} of {spec.nbytes} bytes)")
         if trailer_crc != self.crc:
-            raise ChunkError(f"transfer CRC-32 {trailer_crc:#010x} does not match the data received ({self.crc:#010x})", "DATA_LOSS")
+            raise ChunkError(
+                f"transfer CRC-32 {trailer_crc:#010x} does not match the data received ({self.crc:#010x})", "DATA_LOSS"
+            )

@@ -4,15 +4,17 @@ Sources, later ones winning: defaults, a TOML or JSON file (``--config``), comma
 overrides. The server resolves it and hands it to every client in ``JoinReply.config_json``,
 so clients need only the server's address and their index.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 PROTOCOLS = ("wait-free", "compute-and-wait")
 OPTIMIZERS = ("sgd", "adam")
@@ -63,7 +65,7 @@ class RunConfig:
     eval_every: int = 1  # evaluate the global model every N rounds (0: only after the last)
     checkpoint: bool = True
 
-    def validate(self) -> "RunConfig":
+    def validate(self) -> RunConfig:
         """Checks every field; returns self. Raises :class:`ConfigError` naming the first bad one."""
         from wafl.common.algorithms import registry
         from wafl.common.datasets import DATASETS
@@ -102,10 +104,14 @@ class RunConfig:
         if self.pm_max_epochs is not None:
             _positive("pm_max_epochs", self.pm_max_epochs)
         if not isinstance(self.pm_nice, int) or isinstance(self.pm_nice, bool) or not 0 <= self.pm_nice <= 19:
-            raise ConfigError(f"pm_nice={self.pm_nice!r} must be an integer in [0, 19] (0: the PM thread runs at normal priority)")
+            raise ConfigError(
+                f"pm_nice={self.pm_nice!r} must be an integer in [0, 19] (0: the PM thread runs at normal priority)"
+            )
         _int_at_least("eval_batch_size", self.eval_batch_size, 1)
         _int_at_least("eval_every", self.eval_every, 0)
-        if not (self.device in ("auto", "cpu", "cuda") or (self.device.startswith("cuda:") and self.device[5:].isdigit())):
+        if not (
+            self.device in ("auto", "cpu", "cuda") or (self.device.startswith("cuda:") and self.device[5:].isdigit())
+        ):
             raise ConfigError(f"device={self.device!r} is not one of auto, cpu, cuda, cuda:N")
         try:
             self.params = registry.resolve(self.algorithm, self.params).params
@@ -117,7 +123,7 @@ class RunConfig:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
     @staticmethod
-    def from_mapping(data: Mapping[str, Any]) -> "RunConfig":
+    def from_mapping(data: Mapping[str, Any]) -> RunConfig:
         names = {f.name for f in dataclasses.fields(RunConfig)}
         unknown = sorted(set(data) - names)
         if unknown:
@@ -128,7 +134,7 @@ class RunConfig:
         return cfg
 
     @staticmethod
-    def from_json(text: str) -> "RunConfig":
+    def from_json(text: str) -> RunConfig:
         return RunConfig.from_mapping(json.loads(text))
 
 
@@ -143,7 +149,9 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
         try:
             loaded = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
         except (ValueError, tomllib.TOMLDecodeError) as e:
-            raise ConfigError(f"config file {str(p)!r} is not valid {'JSON' if p.suffix == '.json' else 'TOML'}: {e}") from None
+            raise ConfigError(
+                f"config file {str(p)!r} is not valid {'JSON' if p.suffix == '.json' else 'TOML'}: {e}"
+            ) from None
         data.update(loaded)
     for k, v in (overrides or {}).items():
         if v is None:
@@ -153,8 +161,6 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
         else:
             data[k] = v
     return RunConfig.from_mapping(data).validate()
-
-
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -205,7 +211,9 @@ def _int_at_least(name: str, value: int, low: int) -> None:
         raise ConfigError(f"{name}={value!r} must be an integer >= {low}")
 
 
-def _in_range(name: str, value: float, low: float, high: float, low_open: bool = False, high_open: bool = False) -> None:
+def _in_range(
+    name: str, value: float, low: float, high: float, low_open: bool = False, high_open: bool = False
+) -> None:
     ok = isinstance(value, (int, float)) and not math.isnan(value)
     if ok:
         ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)

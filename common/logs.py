@@ -1,4 +1,5 @@
 """structlog set-up: JSON lines to a file, a readable console, one call per process."""
+
 from __future__ import annotations
 
 import logging
@@ -8,7 +9,9 @@ from pathlib import Path
 import structlog
 
 
-def configure_logging(component: str, log_file: str | Path | None = None, level: str = "INFO", console: bool = True) -> structlog.stdlib.BoundLogger:
+def configure_logging(
+    component: str, log_file: str | Path | None = None, level: str = "INFO", console: bool = True
+) -> structlog.stdlib.BoundLogger:
     """Routes structlog through stdlib logging to a JSON file and/or a console; returns a bound logger."""
     shared = [
         structlog.contextvars.merge_contextvars,
@@ -28,11 +31,28 @@ def configure_logging(component: str, log_file: str | Path | None = None, level:
     if log_file is not None:
         Path(log_file).parent.mkdir(parents=True, exist_ok=True)
         fh = logging.FileHandler(log_file)
-        fh.setFormatter(structlog.stdlib.ProcessorFormatter(processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, structlog.processors.dict_tracebacks, structlog.processors.JSONRenderer()], foreign_pre_chain=shared))
+        fh.setFormatter(
+            structlog.stdlib.ProcessorFormatter(
+                processors=[
+                    structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                    structlog.processors.dict_tracebacks,
+                    structlog.processors.JSONRenderer(),
+                ],
+                foreign_pre_chain=shared,
+            )
+        )
         root.addHandler(fh)
     if console:
         ch = logging.StreamHandler(sys.stderr)
-        ch.setFormatter(structlog.stdlib.ProcessorFormatter(processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())], foreign_pre_chain=shared))
+        ch.setFormatter(
+            structlog.stdlib.ProcessorFormatter(
+                processors=[
+                    structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                    structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()),
+                ],
+                foreign_pre_chain=shared,
+            )
+        )
         root.addHandler(ch)
     logging.getLogger("asyncio").setLevel(logging.WARNING)
     return structlog.get_logger(component).bind(component=component)

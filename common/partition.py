@@ -5,6 +5,7 @@ process (server or client) rebuilds the same split by itself and takes its own i
 is shipped between processes. A client's local test set is drawn from the global test split
 with the same class proportions as its local train set.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,7 +21,9 @@ def iid_partition(num_samples: int, num_clients: int, seed: int) -> list[np.ndar
     return [np.sort(p) for p in np.array_split(perm, num_clients)]
 
 
-def dirichlet_partition(labels: np.ndarray, num_clients: int, alpha: float, seed: int, min_size: int = 10, max_tries: int = 1000) -> list[np.ndarray]:
+def dirichlet_partition(
+    labels: np.ndarray, num_clients: int, alpha: float, seed: int, min_size: int = 10, max_tries: int = 1000
+) -> list[np.ndarray]:
     """Per-class Dirichlet split: class c's samples go to clients in proportions ~ Dir(alpha).
 
     Redrawn (deterministically) until every client holds at least ``min_size`` samples.
@@ -40,7 +43,9 @@ def dirichlet_partition(labels: np.ndarray, num_clients: int, alpha: float, seed
                 shards[k].extend(part.tolist())
         if min(len(s) for s in shards) >= min_size:
             return [np.sort(np.asarray(s, dtype=np.int64)) for s in shards]
-    raise ValueError(f"alpha={alpha}: no Dirichlet split gave every one of {num_clients} clients {min_size} samples in {max_tries} tries")
+    raise ValueError(
+        f"alpha={alpha}: no Dirichlet split gave every one of {num_clients} clients {min_size} samples in {max_tries} tries"
+    )
 
 
 def dirichlet_equal_partition(labels: np.ndarray, num_clients: int, delta: float, seed: int) -> list[np.ndarray]:
@@ -72,7 +77,9 @@ def dirichlet_equal_partition(labels: np.ndarray, num_clients: int, delta: float
     return [np.sort(np.asarray(s, dtype=np.int64)) for s in shards]
 
 
-def local_test_indices(test_labels: np.ndarray, train_labels_of_client: np.ndarray, fraction: float, seed: int, client_index: int) -> np.ndarray:
+def local_test_indices(
+    test_labels: np.ndarray, train_labels_of_client: np.ndarray, fraction: float, seed: int, client_index: int
+) -> np.ndarray:
     """A local test set of ``round(fraction * n_train)`` samples with the client's train class proportions."""
     test_labels = np.asarray(test_labels)
     num_classes = int(max(test_labels.max(), train_labels_of_client.max() if len(train_labels_of_client) else 0)) + 1
@@ -101,7 +108,9 @@ class Shard:
     test: np.ndarray
 
 
-def partition(train_labels: np.ndarray, num_clients: int, kind: str, alpha: float, delta: float, seed: int) -> list[np.ndarray]:
+def partition(
+    train_labels: np.ndarray, num_clients: int, kind: str, alpha: float, delta: float, seed: int
+) -> list[np.ndarray]:
     if kind == "dirichlet":
         return dirichlet_partition(train_labels, num_clients, alpha, seed)
     if kind == "dirichlet-equal":
@@ -111,7 +120,17 @@ def partition(train_labels: np.ndarray, num_clients: int, kind: str, alpha: floa
     raise ValueError(f"partition={kind!r} is not one of {PARTITIONS}")
 
 
-def client_shard(train_labels: np.ndarray, test_labels: np.ndarray, num_clients: int, kind: str, alpha: float, delta: float, seed: int, index: int, test_fraction: float) -> Shard:
+def client_shard(
+    train_labels: np.ndarray,
+    test_labels: np.ndarray,
+    num_clients: int,
+    kind: str,
+    alpha: float,
+    delta: float,
+    seed: int,
+    index: int,
+    test_fraction: float,
+) -> Shard:
     """Client ``index``'s shard, rebuilt from the seed alone."""
     if not 0 <= index < num_clients:
         raise ValueError(f"client index {index} is outside 0..{num_clients - 1}")

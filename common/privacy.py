@@ -17,6 +17,7 @@ sensitivity is 1 (noise std = ``sigma``).
 * ``sigma = 0`` gives no privacy at all; the functions here reject it and callers report
   ``epsilon = inf``.
 """
+
 from __future__ import annotations
 
 import math

@@ -5,6 +5,7 @@ import each other relatively (``from . import federation_pb2``) so they live ins
 ``wafl.common.proto`` instead of claiming a top-level ``wafl.v1`` package.
 ``tests/test_protos.py`` regenerates into a temporary folder and fails on any difference.
 """
+
 from __future__ import annotations
 
 import re
@@ -23,8 +24,8 @@ def proto_files() -> list[Path]:
 
 def generate(out_dir: Path = OUT_DIR) -> list[Path]:
     """Writes ``<name>_pb2.py``, ``<name>_pb2.pyi`` and ``<name>_pb2_grpc.py`` into ``out_dir``."""
-    from grpc_tools import protoc
     import grpc_tools
+    from grpc_tools import protoc
 
     out_dir.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []

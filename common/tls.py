@@ -6,13 +6,13 @@ certificate against another name than the one dialled (an IP address, a compose 
 Without these options every connection is plaintext, as on localhost. A missing or unreadable
 file, or a certificate without its key, is a configuration error that names the file.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-
 from wafl.common.config import ConfigError
 
 
@@ -52,7 +52,9 @@ def server_tls(cert: str | None, key: str | None) -> ServerTls | None:
     if not cert and not key:
         return None
     if not (cert and key):
-        raise ConfigError("--tls-cert and --tls-key go together: " + ("--tls-key is missing" if cert else "--tls-cert is missing"))
+        raise ConfigError(
+            "--tls-cert and --tls-key go together: " + ("--tls-key is missing" if cert else "--tls-cert is missing")
+        )
     tls = ServerTls(cert, key)
     tls.credentials()  # read both files now: a bad path fails at start, not at the first handshake
     return tls

@@ -4,26 +4,33 @@
 loss terms, stopping early when ``should_stop()`` turns true (checked between batches: the
 wait-free PM loop stops within one batch of a broadcast) or after ``max_steps``.
 """
+
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
-
 from wafl.common.algorithms.base import Forward, LossTerm, RoundContext, cross_entropy
 from wafl.common.models.base import SplitModel
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-def batches(dataset: Dataset, indices: np.ndarray, batch_size: int, shuffle: bool, generator: np.random.Generator | None = None, device: torch.device | None = None) -> Iterator[Batch]:
+def batches(
+    dataset: Dataset,
+    indices: np.ndarray,
+    batch_size: int,
+    shuffle: bool,
+    generator: np.random.Generator | None = None,
+    device: torch.device | None = None,
+) -> Iterator[Batch]:
     """One pass over ``dataset[indices]``. Tensor datasets are sliced directly (no per-sample collate)."""
     idx = np.asarray(indices)
     if shuffle:
@@ -46,7 +53,14 @@ def batches(dataset: Dataset, indices: np.ndarray, batch_size: int, shuffle: boo
         yield x, y
 
 
-def epochs(dataset: Dataset, indices: np.ndarray, batch_size: int, generator: np.random.Generator, num_epochs: float | None, device: torch.device | None = None) -> Iterator[Batch]:
+def epochs(
+    dataset: Dataset,
+    indices: np.ndarray,
+    batch_size: int,
+    generator: np.random.Generator,
+    num_epochs: float | None,
+    device: torch.device | None = None,
+) -> Iterator[Batch]:
     """Shuffled passes over the data: ``num_epochs`` of them (fractions allowed), or forever when None."""
     per_epoch = max(1, math.ceil(len(indices) / batch_size))
     limit = None if num_epochs is None else max(1, int(round(num_epochs * per_epoch)))
@@ -59,7 +73,9 @@ def epochs(dataset: Dataset, indices: np.ndarray, batch_size: int, generator: np
             n += 1
 
 
-def make_optimizer(name: str, params: Sequence[nn.Parameter] | Iterator[nn.Parameter], lr: float, momentum: float, weight_decay: float) -> torch.optim.Optimizer:
+def make_optimizer(
+    name: str, params: Sequence[nn.Parameter] | Iterator[nn.Parameter], lr: float, momentum: float, weight_decay: float
+) -> torch.optim.Optimizer:
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
     if name == "adam":
@@ -120,7 +136,9 @@ def run_phase(
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, dataset: Dataset, indices: np.ndarray, batch_size: int = 256, device: torch.device | None = None) -> tuple[float, int, float]:
+def evaluate(
+    model: nn.Module, dataset: Dataset, indices: np.ndarray, batch_size: int = 256, device: torch.device | None = None
+) -> tuple[float, int, float]:
     """``(accuracy, num_samples, mean_loss)`` of ``model`` on ``dataset[indices]``."""
     was_training = model.training
     model.eval()

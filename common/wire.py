@@ -8,12 +8,13 @@ directly so that ``data`` stays a zero-copy view of the received message. Runs o
 per-message cost, not bytes, dominates those. Every other message goes through the generated
 protobuf classes. A stock client's chunk or batch decodes identically.
 """
+
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator, TypeVar
+from collections.abc import Callable, Iterable, Iterator
+from typing import TypeVar
 
 from google.protobuf.message import DecodeError, Message
-
 from wafl.common.codec import CHUNK_BYTES, RawChunk
 from wafl.common.proto import federation_pb2 as pb
 
@@ -93,7 +94,12 @@ def encode_batch(chunks: ChunkBatch) -> bytes:
     parts: list[bytes | memoryview] = []
     for c in chunks:
         head, data_prefix, data = _chunk_parts(c)
-        parts += (_varint((_BATCH_CHUNKS << 3) | _LEN) + _varint(len(head) + len(data_prefix) + len(data)), head, data_prefix, data)
+        parts += (
+            _varint((_BATCH_CHUNKS << 3) | _LEN) + _varint(len(head) + len(data_prefix) + len(data)),
+            head,
+            data_prefix,
+            data,
+        )
     inner_len = sum(len(p) for p in parts)
     return b"".join([_varint((BATCH_FIELD << 3) | _LEN) + _varint(inner_len), *parts])
 

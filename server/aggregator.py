@@ -7,6 +7,7 @@ upload that fails after some folds is subtracted back out from that file, so it 
 trace beyond float64 rounding (a relative 1e-16, far below the float32 the model is stored
 in). The global model itself is never touched until the round closes.
 """
+
 from __future__ import annotations
 
 import math
@@ -16,8 +17,16 @@ from typing import IO
 
 import numpy as np
 import torch
-
-from wafl.common.codec import ChunkError, FLOAT_WIRE_DTYPES, Manifest, RawChunk, TensorSpec, itemsize, numpy_view, torch_dtype
+from wafl.common.codec import (
+    FLOAT_WIRE_DTYPES,
+    ChunkError,
+    Manifest,
+    RawChunk,
+    TensorSpec,
+    itemsize,
+    numpy_view,
+    torch_dtype,
+)
 
 
 class SpillPool:
@@ -64,7 +73,7 @@ class Accumulator:
         self.total_weight = 0.0
         self.count = 0
         self.spills = SpillPool(spill_dir)
-        self.open_folds: set["UploadFold"] = set()
+        self.open_folds: set[UploadFold] = set()
 
     def reset(self) -> None:
         """Zeroes the sums for a new round; no fold may be open."""
@@ -76,7 +85,7 @@ class Accumulator:
             self.total_weight = 0.0
             self.count = 0
 
-    def begin(self, weight: float) -> "UploadFold":
+    def begin(self, weight: float) -> UploadFold:
         if not (math.isfinite(weight) and weight > 0):
             raise ValueError(f"aggregation weight {weight} must be positive")
         fold = UploadFold(self, weight)

@@ -1,4 +1,5 @@
 """Starts the gRPC server (federation, health, reflection) and drives one run to its end."""
+
 from __future__ import annotations
 
 import asyncio
@@ -8,7 +9,6 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-
 from wafl.common.codec import MAX_CHUNK_BYTES
 from wafl.common.config import RunConfig
 from wafl.common.proto import federation_pb2 as pb
@@ -34,7 +34,17 @@ GRPC_OPTIONS = [
 ]
 
 
-async def serve(cfg: RunConfig, host: str, port: int, out_dir: Path, token: str = "", resume: bool = False, ready_file: Path | None = None, final_report_timeout_s: float = 30.0, tls: ServerTls | None = None) -> int:
+async def serve(
+    cfg: RunConfig,
+    host: str,
+    port: int,
+    out_dir: Path,
+    token: str = "",
+    resume: bool = False,
+    ready_file: Path | None = None,
+    final_report_timeout_s: float = 30.0,
+    tls: ServerTls | None = None,
+) -> int:
     """Runs the federation; returns 0 on a completed run. Writes the bound port to ``ready_file``."""
     import structlog
 
@@ -60,7 +70,7 @@ async def serve(cfg: RunConfig, host: str, port: int, out_dir: Path, token: str 
         await engine.run()
         try:
             await asyncio.wait_for(engine.final_reported.wait(), final_report_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("final_reports.missing", got=len(engine.final_reports), clients=len(engine.clients))
         engine.results.close_before(cfg.rounds + 1)
     except Exception as e:  # a run that cannot finish is logged with its reason

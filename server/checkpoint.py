@@ -1,4 +1,5 @@
 """Atomic checkpoints: the global model, the round reached, algorithm server state, knowledge."""
+
 from __future__ import annotations
 
 import os

@@ -7,6 +7,7 @@ or when its deadline passed with at least ``min_clients`` uploads; a deadline th
 with fewer is extended (``max_round_retries`` times), after which the round closes with
 whatever arrived, so a dead or slow client can never stall the run.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -22,16 +23,15 @@ from typing import Any
 import numpy as np
 import structlog
 import torch
-
 from wafl.common.algorithms import registry
 from wafl.common.algorithms.hyperknowledge import ClassKnowledge, Knowledge, KnowledgeAccumulator
-from wafl.common.codec import Manifest, iter_chunks, manifest_of, crc32_of
+from wafl.common.codec import Manifest, crc32_of, iter_chunks, manifest_of
 from wafl.common.config import RunConfig
 from wafl.common.datasets import load_dataset
 from wafl.common.models import build_model
+from wafl.common.proto import federation_pb2 as pb
 from wafl.common.training import evaluate
 from wafl.common.wire import PreEncoded, encode_tensors, group_chunks
-from wafl.common.proto import federation_pb2 as pb
 from wafl.server.aggregator import Accumulator
 from wafl.server.checkpoint import load_checkpoint, save_checkpoint
 from wafl.server.results import ResultsLog, round_
@@ -90,8 +90,12 @@ class RoundEngine:
         self.algorithm = registry.resolve(cfg.algorithm, cfg.params, vars(cfg))
         torch.manual_seed(cfg.seed)
         self.dataset = load_dataset(cfg.dataset, cfg.data_dir)
-        self.model = build_model(cfg.model, self.dataset.num_classes, self.dataset.in_channels, self.dataset.image_size, cfg.code_len)
-        self.global_state: OrderedDict[str, torch.Tensor] = OrderedDict((k, v.detach().clone()) for k, v in self.model.state_dict().items())
+        self.model = build_model(
+            cfg.model, self.dataset.num_classes, self.dataset.in_channels, self.dataset.image_size, cfg.code_len
+        )
+        self.global_state: OrderedDict[str, torch.Tensor] = OrderedDict(
+            (k, v.detach().clone()) for k, v in self.model.state_dict().items()
+        )
         self.manifest: Manifest = manifest_of(self.global_state)
         self.model_bytes = sum(s.nbytes for s in self.manifest)
         self.global_knowledge: Knowledge = {}
@@ -119,7 +123,13 @@ class RoundEngine:
         if self.algorithm.privacy is not None:
             report = {"per_release": self.algorithm.privacy(1), "per_run": self.algorithm.privacy(cfg.rounds)}
             (out_dir / "privacy.json").write_text(json.dumps(report, indent=2))
-            log.info("privacy", epsilon_per_release=report["per_release"]["epsilon_per_release"], epsilon_per_run=report["per_run"]["epsilon_per_run"], delta=report["per_run"]["delta"], composition=report["per_run"]["composition"])
+            log.info(
+                "privacy",
+                epsilon_per_release=report["per_release"]["epsilon_per_release"],
+                epsilon_per_run=report["per_run"]["epsilon_per_run"],
+                delta=report["per_run"]["delta"],
+                composition=report["per_run"]["composition"],
+            )
 
     # ----------------------------------------------------------------- state
     def _resume(self) -> None:
@@ -168,11 +178,21 @@ class RoundEngine:
             raise ValueError(f"num_samples {req.num_samples} must be positive (or 0 to ask for the configuration only)")
         if req.num_samples == 0:
             return None
-        info = ClientInfo(req.client_id, req.client_index, req.num_samples, list(req.label_histogram), req.device, self.wall())
+        info = ClientInfo(
+            req.client_id, req.client_index, req.num_samples, list(req.label_histogram), req.device, self.wall()
+        )
         rejoin = req.client_id in self.clients
         self.clients[req.client_id] = info
         self.index_owner[req.client_index] = req.client_id
-        log.info("client.join", client=req.client_id, index=req.client_index, samples=req.num_samples, device=req.device, rejoin=rejoin, joined=len(self.clients))
+        log.info(
+            "client.join",
+            client=req.client_id,
+            index=req.client_index,
+            samples=req.num_samples,
+            device=req.device,
+            rejoin=rejoin,
+            joined=len(self.clients),
+        )
         if len(self.clients) >= self.cfg.num_clients:
             self.all_joined.set()
         return info
@@ -197,9 +217,18 @@ class RoundEngine:
     async def run(self) -> None:
         try:
             await asyncio.wait_for(self.all_joined.wait(), self.cfg.join_timeout_s)
-        except asyncio.TimeoutError:
-            raise RunAborted(f"only {len(self.clients)} of num_clients={self.cfg.num_clients} joined within join_timeout_s={self.cfg.join_timeout_s}") from None
-        log.info("run.start", run_id=self.run_id, clients=len(self.clients), rounds=self.cfg.rounds, algorithm=self.cfg.algorithm, model_bytes=self.model_bytes)
+        except TimeoutError:
+            raise RunAborted(
+                f"only {len(self.clients)} of num_clients={self.cfg.num_clients} joined within join_timeout_s={self.cfg.join_timeout_s}"
+            ) from None
+        log.info(
+            "run.start",
+            run_id=self.run_id,
+            clients=len(self.clients),
+            rounds=self.cfg.rounds,
+            algorithm=self.cfg.algorithm,
+            model_bytes=self.model_bytes,
+        )
         for r in range(self.start_round, self.cfg.rounds + 1):
             await self._round(r)
         await self._publish(self.cfg.rounds + 1, set(), final=True)
@@ -210,7 +239,9 @@ class RoundEngine:
         loop = asyncio.get_running_loop()
         selected = self.select(r)
         await loop.run_in_executor(self.executor, self.accumulator.reset)  # faults its pages in before any upload
-        state = RoundState(r, selected, self.accumulator, deadline=loop.time() + self.cfg.round_deadline_s, opened_at=self.wall())
+        state = RoundState(
+            r, selected, self.accumulator, deadline=loop.time() + self.cfg.round_deadline_s, opened_at=self.wall()
+        )
         if self.algorithm.knowledge is not None:
             state.knowledge = KnowledgeAccumulator(self.dataset.num_classes)
         self.current = state
@@ -223,7 +254,7 @@ class RoundEngine:
             if remaining > 0:
                 try:
                     await asyncio.wait_for(state.done.wait(), remaining)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
             if set(state.uploaded) >= selected:
                 break
@@ -233,12 +264,20 @@ class RoundEngine:
                     break
                 if extensions >= self.cfg.max_round_retries:
                     if not state.uploaded:
-                        raise RunAborted(f"round {r}: no client uploaded within {extensions + 1} deadlines of {self.cfg.round_deadline_s}s")
+                        raise RunAborted(
+                            f"round {r}: no client uploaded within {extensions + 1} deadlines of {self.cfg.round_deadline_s}s"
+                        )
                     log.warning("round.closed_short", round=r, uploaded=len(state.uploaded), min_clients=min_clients)
                     break
                 extensions += 1
                 state.deadline = loop.time() + self.cfg.round_deadline_s
-                log.warning("round.extended", round=r, uploaded=len(state.uploaded), min_clients=min_clients, extension=extensions)
+                log.warning(
+                    "round.extended",
+                    round=r,
+                    uploaded=len(state.uploaded),
+                    min_clients=min_clients,
+                    extension=extensions,
+                )
         state.closed = True
         cancelled = await loop.run_in_executor(self.executor, state.accumulator.cancel_open)
         if cancelled:
@@ -270,7 +309,9 @@ class RoundEngine:
             got = [m["knowledge_received"] for m in state.metrics.values() if "knowledge_received" in m]
             row["knowledge_received_min"] = min(got) if got else None
         if self.algorithm.privacy is not None:
-            row["epsilon"] = self.algorithm.privacy(r)["epsilon_per_run"]  # a client that took part in every round so far
+            row["epsilon"] = self.algorithm.privacy(r)[
+                "epsilon_per_run"
+            ]  # a client that took part in every round so far
         for k in ("local_accuracy",):
             v = _weighted([(m.get(k), m.get("local_test_samples", 1)) for m in state.metrics.values()])
             if v is not None:
@@ -291,7 +332,9 @@ class RoundEngine:
             return
         mean = acc.mean()
         new = self.algorithm.server.finalize(self.global_state, mean, acc.count)
-        self.global_state = OrderedDict((k, new[k].detach().to(self.global_state[k].dtype).contiguous()) for k in self.global_state)
+        self.global_state = OrderedDict(
+            (k, new[k].detach().to(self.global_state[k].dtype).contiguous()) for k in self.global_state
+        )
         if state.knowledge is not None:
             self.global_knowledge = state.knowledge.result()
 
@@ -310,7 +353,9 @@ class RoundEngine:
     def _encode_broadcast(self, round: int, selected: set[str], final: bool) -> Broadcast:
         chunks = [PreEncoded(encode_tensors(m)) for m in group_chunks(iter_chunks(self.global_state.items()))]
         knowledge = [
-            pb.ClassKnowledge(class_id=k.class_id, count=k.count, representation=k.rep.tolist(), soft_prediction=k.soft.tolist())
+            pb.ClassKnowledge(
+                class_id=k.class_id, count=k.count, representation=k.rep.tolist(), soft_prediction=k.soft.tolist()
+            )
             for _, k in sorted(self.global_knowledge.items())
         ]
         header = pb.BroadcastHeader(
@@ -323,11 +368,20 @@ class RoundEngine:
             server_state_json="{}",
         )
         version = (self.broadcast.version + 1) if self.broadcast else 1
-        return Broadcast(version, header, chunks, knowledge, pb.BroadcastTrailer(crc32=crc32_of(self.global_state.values())), self.model_bytes)
+        return Broadcast(
+            version,
+            header,
+            chunks,
+            knowledge,
+            pb.BroadcastTrailer(crc32=crc32_of(self.global_state.values())),
+            self.model_bytes,
+        )
 
     async def next_broadcast(self, after_version: int) -> Broadcast:
         async with self.broadcast_changed:
-            await self.broadcast_changed.wait_for(lambda: self.broadcast is not None and self.broadcast.version > after_version)
+            await self.broadcast_changed.wait_for(
+                lambda: self.broadcast is not None and self.broadcast.version > after_version
+            )
             assert self.broadcast is not None
             return self.broadcast
 
@@ -345,7 +399,9 @@ class RoundEngine:
         if h.round < state.round or (h.round == state.round and state.closed):
             raise UploadRefused("FAILED_PRECONDITION", f"round {h.round} is closed; the current round is {state.round}")
         if h.round > state.round:
-            raise UploadRefused("FAILED_PRECONDITION", f"round {h.round} has not opened; the current round is {state.round}")
+            raise UploadRefused(
+                "FAILED_PRECONDITION", f"round {h.round} has not opened; the current round is {state.round}"
+            )
         if h.client_id not in state.selected:
             raise UploadRefused("FAILED_PRECONDITION", f"client {h.client_id!r} is not selected for round {h.round}")
         if h.client_id in state.uploaded:
@@ -353,9 +409,13 @@ class RoundEngine:
                 raise UploadRefused("OK", "duplicate of an accepted upload (same idempotency key)")
             raise UploadRefused("ALREADY_EXISTS", f"client {h.client_id!r} already uploaded for round {h.round}")
         if h.client_id in state.in_flight:
-            raise UploadRefused("ALREADY_EXISTS", f"an upload from client {h.client_id!r} for round {h.round} is already streaming")
+            raise UploadRefused(
+                "ALREADY_EXISTS", f"an upload from client {h.client_id!r} for round {h.round} is already streaming"
+            )
         if not 0 < h.num_samples <= info.num_samples:
-            raise UploadRefused("INVALID_ARGUMENT", f"num_samples {h.num_samples} must lie in 1..{info.num_samples} (declared at Join)")
+            raise UploadRefused(
+                "INVALID_ARGUMENT", f"num_samples {h.num_samples} must lie in 1..{info.num_samples} (declared at Join)"
+            )
         return state
 
     def accept(self, state: RoundState, h: pb.UploadHeader, knowledge: Knowledge | None, nbytes: int) -> None:
@@ -400,5 +460,10 @@ def decode_knowledge(messages: list[pb.ClassKnowledge]) -> Knowledge:
     for m in messages:
         if m.class_id in out:
             raise ValueError(f"class {m.class_id} appears twice in the knowledge")
-        out[m.class_id] = ClassKnowledge(m.class_id, m.count, torch.tensor(list(m.representation), dtype=torch.float32), torch.tensor(list(m.soft_prediction), dtype=torch.float32))
+        out[m.class_id] = ClassKnowledge(
+            m.class_id,
+            m.count,
+            torch.tensor(list(m.representation), dtype=torch.float32),
+            torch.tensor(list(m.soft_prediction), dtype=torch.float32),
+        )
     return out

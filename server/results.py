@@ -4,6 +4,7 @@ A round's line is written once the clients that trained in it have reported thei
 personalized-model accuracy for it (they evaluate right after the broadcast that closes the
 round), or when the next round closes, whichever comes first; lines stay in round order.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,12 +29,32 @@ class ResultsLog:
         self.pending[row["round"]] = (row, set(expected_reports))
         self._flush()
 
-    def add_report(self, client_id: str, round: int, metrics: dict[str, float], timeline: list[dict[str, Any]] | None = None, client_start_unix: float | None = None) -> None:
+    def add_report(
+        self,
+        client_id: str,
+        round: int,
+        metrics: dict[str, float],
+        timeline: list[dict[str, Any]] | None = None,
+        client_start_unix: float | None = None,
+    ) -> None:
         now = time.monotonic() - self.run_start
         with self.reports_path.open("a") as f:
-            f.write(json.dumps({"client": client_id, "round": round, "t_s": round_(now), **{k: round_(v) for k, v in metrics.items()}}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "client": client_id,
+                        "round": round,
+                        "t_s": round_(now),
+                        **{k: round_(v) for k, v in metrics.items()},
+                    }
+                )
+                + "\n"
+            )
         if "pm_accuracy" in metrics:
-            self.reports.setdefault(round, {})[client_id] = (metrics["pm_accuracy"], int(metrics.get("pm_test_samples", 1)))
+            self.reports.setdefault(round, {})[client_id] = (
+                metrics["pm_accuracy"],
+                int(metrics.get("pm_test_samples", 1)),
+            )
         if timeline:
             self.timelines[client_id] = {"client_start_unix": client_start_unix, "events": timeline}
             (self.out_dir / "timelines.json").write_text(json.dumps(self.timelines, indent=1))

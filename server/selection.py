@@ -3,15 +3,18 @@
 A pure function of (seed, round, client ids), so a run, its resumption and an in-process
 simulation of it select the same clients.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 
-def select_clients(seed: int, round: int, ids: Sequence[str], fraction: float = 1.0, act_prob: float | None = None) -> set[str]:
+def select_clients(
+    seed: int, round: int, ids: Sequence[str], fraction: float = 1.0, act_prob: float | None = None
+) -> set[str]:
     """``ids`` in client-index order. With ``act_prob`` each client is active independently
     (one is drawn at random if none is); otherwise ``round(fraction * len(ids))`` (at least one)
     are drawn without replacement."""

@@ -4,16 +4,16 @@ Every refusal is a precise status; nothing a client sends can change the global 
 its upload completes and passes every check (see ``aggregator.py`` for how a partial upload
 is undone).
 """
+
 from __future__ import annotations
 
 import asyncio
 import queue
 import threading
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import grpc
 import structlog
-
 from wafl.common.checksum import crc32
 from wafl.common.codec import ChunkError, RawChunk, TensorSpec, TransferChecker
 from wafl.common.proto import federation_pb2 as pb
@@ -36,7 +36,10 @@ class FederationService:
 
     async def join(self, req: pb.JoinRequest, ctx: grpc.aio.ServicerContext) -> pb.JoinReply:
         if req.protocol_version != PROTOCOL_VERSION:
-            await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, f"protocol_version {req.protocol_version} is not supported (server speaks {PROTOCOL_VERSION})")
+            await ctx.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"protocol_version {req.protocol_version} is not supported (server speaks {PROTOCOL_VERSION})",
+            )
         try:
             self.engine.join(req)
         except PermissionError as e:
@@ -51,7 +54,9 @@ class FederationService:
         if req.client_id not in self.engine.clients:
             await ctx.abort(grpc.StatusCode.NOT_FOUND, f"unknown client_id {req.client_id!r}: call Join first")
         if req.run_id and req.run_id != self.engine.run_id:
-            await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, f"run_id {req.run_id!r} is not this run ({self.engine.run_id!r})")
+            await ctx.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, f"run_id {req.run_id!r} is not this run ({self.engine.run_id!r})"
+            )
         version = 0
         while True:
             bc = await self.engine.next_broadcast(version)
@@ -87,7 +92,9 @@ class FederationService:
         state.in_flight.add(cid)
         fold = state.accumulator.begin(engine.algorithm.server.weight(h.num_samples))
         folding = FoldPipeline(fold)
-        checker = TransferChecker(engine.manifest, require_finite=False, compute_crc=False)  # the fold checks values and keeps the CRC
+        checker = TransferChecker(
+            engine.manifest, require_finite=False, compute_crc=False
+        )  # the fold checks values and keeps the CRC
         knowledge: list[pb.ClassKnowledge] = []
         trailer: pb.UploadTrailer | None = None
         code, message = None, None
@@ -245,9 +252,23 @@ def handlers(service: FederationService) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(
         SERVICE,
         {
-            "Join": grpc.unary_unary_rpc_method_handler(service.join, request_deserializer=pb.JoinRequest.FromString, response_serializer=pb.JoinReply.SerializeToString),
-            "Broadcasts": grpc.unary_stream_rpc_method_handler(service.broadcasts, request_deserializer=pb.BroadcastRequest.FromString, response_serializer=encode_broadcast),
-            "Upload": grpc.stream_unary_rpc_method_handler(service.upload, request_deserializer=decode_upload, response_serializer=pb.UploadReply.SerializeToString),
-            "Report": grpc.unary_unary_rpc_method_handler(service.report, request_deserializer=pb.ReportRequest.FromString, response_serializer=pb.ReportReply.SerializeToString),
+            "Join": grpc.unary_unary_rpc_method_handler(
+                service.join,
+                request_deserializer=pb.JoinRequest.FromString,
+                response_serializer=pb.JoinReply.SerializeToString,
+            ),
+            "Broadcasts": grpc.unary_stream_rpc_method_handler(
+                service.broadcasts,
+                request_deserializer=pb.BroadcastRequest.FromString,
+                response_serializer=encode_broadcast,
+            ),
+            "Upload": grpc.stream_unary_rpc_method_handler(
+                service.upload, request_deserializer=decode_upload, response_serializer=pb.UploadReply.SerializeToString
+            ),
+            "Report": grpc.unary_unary_rpc_method_handler(
+                service.report,
+                request_deserializer=pb.ReportRequest.FromString,
+                response_serializer=pb.ReportReply.SerializeToString,
+            ),
         },
     )

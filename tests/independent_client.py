@@ -10,6 +10,7 @@ The stubs are generated with ``-I protos`` so that the descriptor is registered 
 in one process (protobuf accepts the same file twice, but not the same symbols under two file
 names).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -20,10 +21,11 @@ import sys
 import threading
 import time
 import zlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import grpc
 import numpy as np
@@ -62,7 +64,9 @@ def generate_stubs(out_dir: Path) -> tuple[ModuleType, ModuleType]:
     """Runs protoc on the .proto and returns the generated ``(federation_pb2, federation_pb2_grpc)``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     cmd = [
-        sys.executable, "-m", "grpc_tools.protoc",
+        sys.executable,
+        "-m",
+        "grpc_tools.protoc",
         f"-I{PROTO_ROOT}",
         f"--python_out={out_dir}",
         f"--grpc_python_out={out_dir}",
@@ -92,7 +96,9 @@ def generate_stubs(out_dir: Path) -> tuple[ModuleType, ModuleType]:
 class ServerProcess:
     """``python -m wafl.cli.main server`` on 127.0.0.1 with an ephemeral port."""
 
-    def __init__(self, config: dict[str, Any], work_dir: Path, startup_timeout_s: float = 120.0, extra_args: Sequence[str] = ()) -> None:
+    def __init__(
+        self, config: dict[str, Any], work_dir: Path, startup_timeout_s: float = 120.0, extra_args: Sequence[str] = ()
+    ) -> None:
         self.work_dir = work_dir
         work_dir.mkdir(parents=True, exist_ok=True)
         self.config_path = work_dir / "config.json"
@@ -104,11 +110,20 @@ class ServerProcess:
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
             [
-                sys.executable, "-m", "wafl.cli.main", "server",
-                "--config", str(self.config_path),
-                "--host", "127.0.0.1", "--port", "0",
-                "--out", str(self.out_dir),
-                "--ready-file", str(self.ready_file),
+                sys.executable,
+                "-m",
+                "wafl.cli.main",
+                "server",
+                "--config",
+                str(self.config_path),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--out",
+                str(self.out_dir),
+                "--ready-file",
+                str(self.ready_file),
                 "--quiet",
                 *extra_args,
             ],
@@ -228,8 +243,20 @@ class BroadcastListener:
                     for s in self.manifest:
                         raw = bytes(buffers[s.name])
                         crc = zlib.crc32(raw, crc)
-                        tensors[s.name] = np.frombuffer(raw, dtype=numpy_dtype(pb, s.dtype)).reshape(tuple(s.shape)).copy()
-                    model = Model(header.round, list(header.selected), header.final, tensors, msg.trailer.crc32, crc, sizes, names, knowledge)
+                        tensors[s.name] = (
+                            np.frombuffer(raw, dtype=numpy_dtype(pb, s.dtype)).reshape(tuple(s.shape)).copy()
+                        )
+                    model = Model(
+                        header.round,
+                        list(header.selected),
+                        header.final,
+                        tensors,
+                        msg.trailer.crc32,
+                        crc,
+                        sizes,
+                        names,
+                        knowledge,
+                    )
                     with self.cond:
                         self.models[model.round] = model
                         self.cond.notify_all()
@@ -256,7 +283,9 @@ class BroadcastListener:
                     raise AssertionError(f"broadcast stream ended before round {round}")
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise AssertionError(f"no broadcast for round {round} within {timeout}s (have {sorted(self.models)})")
+                    raise AssertionError(
+                        f"no broadcast for round {round} within {timeout}s (have {sorted(self.models)})"
+                    )
                 self.cond.wait(left)
             return self.models[round]
 
@@ -279,7 +308,9 @@ def nbytes(pb: ModuleType, spec: Any) -> int:
 # --------------------------------------------------------------------------- uploads
 
 
-def tensor_chunks(pb: ModuleType, manifest: list[Any], tensors: dict[str, np.ndarray], chunk_bytes: int = 64 << 10) -> list[Any]:
+def tensor_chunks(
+    pb: ModuleType, manifest: list[Any], tensors: dict[str, np.ndarray], chunk_bytes: int = 64 << 10
+) -> list[Any]:
     """Every manifest tensor, in manifest order, as ``TensorChunk`` messages of <= ``chunk_bytes``."""
     out = []
     for s in manifest:
@@ -290,11 +321,15 @@ def tensor_chunks(pb: ModuleType, manifest: list[Any], tensors: dict[str, np.nda
         if not raw:
             out.append(pb.TensorChunk(name=s.name, dtype=s.dtype, shape=list(s.shape), offset=0, data=b""))
         for off in range(0, len(raw), step):
-            out.append(pb.TensorChunk(name=s.name, dtype=s.dtype, shape=list(s.shape), offset=off, data=raw[off : off + step]))
+            out.append(
+                pb.TensorChunk(name=s.name, dtype=s.dtype, shape=list(s.shape), offset=off, data=raw[off : off + step])
+            )
     return out
 
 
-def upload_messages(pb: ModuleType, header: Any, chunks: list[Any], crc: int | None = None, trailer: bool = True, batch: int = 0) -> list[Any]:
+def upload_messages(
+    pb: ModuleType, header: Any, chunks: list[Any], crc: int | None = None, trailer: bool = True, batch: int = 0
+) -> list[Any]:
     """Header, chunks, trailer (CRC-32 over the chunk data as sent unless ``crc`` is given).
 
     With ``batch`` > 0 the chunks travel ``batch`` at a time in ``TensorChunkBatch`` messages.
@@ -304,40 +339,63 @@ def upload_messages(pb: ModuleType, header: Any, chunks: list[Any], crc: int | N
     for c in chunks:
         computed = zlib.crc32(c.data, computed)
     if batch > 0:
-        msgs += [pb.UploadMessage(batch=pb.TensorChunkBatch(chunks=chunks[i : i + batch])) for i in range(0, len(chunks), batch)]
+        msgs += [
+            pb.UploadMessage(batch=pb.TensorChunkBatch(chunks=chunks[i : i + batch]))
+            for i in range(0, len(chunks), batch)
+        ]
     else:
         msgs += [pb.UploadMessage(chunk=c) for c in chunks]
     if trailer:
-        msgs.append(pb.UploadMessage(trailer=pb.UploadTrailer(crc32=computed if crc is None else crc, num_chunks=len(chunks))))
+        msgs.append(
+            pb.UploadMessage(trailer=pb.UploadTrailer(crc32=computed if crc is None else crc, num_chunks=len(chunks)))
+        )
     return msgs
 
 
 class IndependentClient:
     """One federation client: its channel, stub, Join data and broadcast listener."""
 
-    def __init__(self, pb: ModuleType, pb_grpc: ModuleType, address: str, client_id: str, index: int, num_samples: int) -> None:
+    def __init__(
+        self, pb: ModuleType, pb_grpc: ModuleType, address: str, client_id: str, index: int, num_samples: int
+    ) -> None:
         self.pb = pb
         self.client_id = client_id
         self.index = index
         self.num_samples = num_samples
         # a client may send any message size; the server enforces its own limit
-        self.channel = grpc.insecure_channel(address, options=[("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", 8 * MIB)])
+        self.channel = grpc.insecure_channel(
+            address, options=[("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", 8 * MIB)]
+        )
         self.stub = pb_grpc.FederationStub(self.channel)
         self.listener: BroadcastListener | None = None
         self.reply: Any = None
 
     def join(self, timeout: float = 30.0, **fields: Any) -> Any:
-        req = dict(client_id=self.client_id, protocol_version=1, client_index=self.index, num_samples=self.num_samples, label_histogram=[self.num_samples])
+        req = dict(
+            client_id=self.client_id,
+            protocol_version=1,
+            client_index=self.index,
+            num_samples=self.num_samples,
+            label_histogram=[self.num_samples],
+        )
         req.update(fields)
         return self.stub.Join(self.pb.JoinRequest(**req), timeout=timeout)
 
     def join_and_listen(self) -> Any:
         self.reply = self.join()
-        self.listener = BroadcastListener(self.pb, self.stub, self.reply.run_id, self.client_id, list(self.reply.manifest))
+        self.listener = BroadcastListener(
+            self.pb, self.stub, self.reply.run_id, self.client_id, list(self.reply.manifest)
+        )
         return self.reply
 
     def header(self, round: int, key: str, **fields: Any) -> Any:
-        h = dict(run_id=self.reply.run_id, round=round, client_id=self.client_id, num_samples=self.num_samples, idempotency_key=key)
+        h = dict(
+            run_id=self.reply.run_id,
+            round=round,
+            client_id=self.client_id,
+            num_samples=self.num_samples,
+            idempotency_key=key,
+        )
         h.update(fields)
         return self.pb.UploadHeader(**h)
 

@@ -1,10 +1,10 @@
 """Streaming aggregation: FedAvg against a numpy re-computation, rollback, server updates."""
+
 import threading
 
 import numpy as np
 import pytest
 import torch
-
 from wafl.common.algorithms import registry
 from wafl.common.codec import ChunkError, iter_chunks, manifest_of
 from wafl.server.aggregator import Accumulator
@@ -20,7 +20,9 @@ def make_state(seed: int) -> dict[str, torch.Tensor]:
     }
 
 
-def fold(acc: Accumulator, state: dict[str, torch.Tensor], weight: float, chunk_bytes: int = 16384, commit: bool = True):
+def fold(
+    acc: Accumulator, state: dict[str, torch.Tensor], weight: float, chunk_bytes: int = 16384, commit: bool = True
+):
     specs = {s.name: s for s in acc.manifest}
     f = acc.begin(weight)
     for c in iter_chunks(state.items(), chunk_bytes):
@@ -60,7 +62,9 @@ def test_rollback_leaves_no_trace() -> None:
     states = [make_state(s) for s in range(3)]
     acc = Accumulator(manifest_of(states[0]))
     fold(acc, states[0], 5)
-    partial = fold(acc, {k: (v * 1e6 if v.dtype == torch.float32 else v) for k, v in states[2].items()}, 9, commit=False)
+    partial = fold(
+        acc, {k: (v * 1e6 if v.dtype == torch.float32 else v) for k, v in states[2].items()}, 9, commit=False
+    )
     fold(acc, states[1], 3)
     partial.rollback()
     partial.rollback()  # idempotent

@@ -1,10 +1,10 @@
 """Algorithms plugged into the one trainer: exact reductions, composition, client state."""
+
 import copy
 from collections import OrderedDict
 
 import pytest
 import torch
-
 from wafl.client.trainer import Trainer
 from wafl.common.algorithms import registry
 from wafl.common.config import load_config
@@ -16,7 +16,15 @@ def digits():
     return load_dataset("digits")
 
 
-def one_round(digits, algorithm: str, params: dict | None = None, index: int = 0, rounds_done: int = 0, state_dir=None, pm: bool = False):
+def one_round(
+    digits,
+    algorithm: str,
+    params: dict | None = None,
+    index: int = 0,
+    rounds_done: int = 0,
+    state_dir=None,
+    pm: bool = False,
+):
     cfg = load_config(None, {"algorithm": algorithm, "params": params or {}, "local_epochs": 1, "num_clients": 5})
     t = Trainer(cfg, index, state_dir=state_dir, dataset=digits, device="cpu")
     g = OrderedDict((k, v.clone()) for k, v in t.gm.state_dict().items())
@@ -104,7 +112,13 @@ def test_pm_persists_across_a_restart(digits, tmp_path) -> None:
     again = Trainer(copy.deepcopy(t.cfg), 0, state_dir=tmp_path, dataset=digits, device="cpu")
     assert again.pm_initialized
     assert all(torch.equal(a, b) for a, b in zip(weights(t.pm), weights(again.pm)))
-    other = Trainer(load_config(None, {"algorithm": "scd", "seed": 9, "num_clients": 5}), 0, state_dir=tmp_path, dataset=digits, device="cpu")
+    other = Trainer(
+        load_config(None, {"algorithm": "scd", "seed": 9, "num_clients": 5}),
+        0,
+        state_dir=tmp_path,
+        dataset=digits,
+        device="cpu",
+    )
     assert not other.pm_initialized  # another run's state is not picked up
 
 

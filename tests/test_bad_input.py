@@ -16,6 +16,7 @@ so that any trace of them in the aggregate is large.
 The client side uses only stubs generated from ``protos/wafl/v1/federation.proto`` and plain
 ``grpc`` (see ``independent_client.py``); neither module imports anything from wafl.
 """
+
 from __future__ import annotations
 
 import math
@@ -23,13 +24,11 @@ import threading
 import time
 import uuid
 import zlib
-from pathlib import Path
 from typing import Any
 
 import grpc
 import numpy as np
 import pytest
-
 from independent_client import (
     CHUNK_LIMIT,
     MIB,
@@ -73,7 +72,10 @@ class Federation:
         self.pb = pb
         self.pb_grpc = pb_grpc
         self.server = server
-        self.clients = [IndependentClient(pb, pb_grpc, server.address, f"indep-{i}-{uuid.uuid4().hex[:6]}", i, n) for i, n in enumerate(NUM_SAMPLES)]
+        self.clients = [
+            IndependentClient(pb, pb_grpc, server.address, f"indep-{i}-{uuid.uuid4().hex[:6]}", i, n)
+            for i, n in enumerate(NUM_SAMPLES)
+        ]
         for c in self.clients:
             reply = c.join_and_listen()
             assert reply.run_id == server.run_id
@@ -99,7 +101,10 @@ class Federation:
     def valid_update(self, base: Model, client: IndependentClient, round: int) -> dict[str, np.ndarray]:
         """A deterministic, client- and round-specific perturbation of the broadcast model."""
         rng = np.random.default_rng([round, client.index, 17])
-        return {k: (v + (rng.standard_normal(v.shape) * 0.01).astype(v.dtype)).astype(v.dtype) for k, v in base.tensors.items()}
+        return {
+            k: (v + (rng.standard_normal(v.shape) * 0.01).astype(v.dtype)).astype(v.dtype)
+            for k, v in base.tensors.items()
+        }
 
     def poisoned(self, base: Model) -> dict[str, np.ndarray]:
         return {k: (v + np.asarray(POISON, dtype=v.dtype)).astype(v.dtype) for k, v in base.tensors.items()}
@@ -124,12 +129,20 @@ class Federation:
         model = self.a.listener.latest()
         for c in self.clients:
             try:
-                c.upload(upload_messages(self.pb, c.header(model.round, self.key()), self.chunks(self.valid_update(model, c, model.round))))
+                c.upload(
+                    upload_messages(
+                        self.pb,
+                        c.header(model.round, self.key()),
+                        self.chunks(self.valid_update(model, c, model.round)),
+                    )
+                )
             except grpc.RpcError:
                 pass
         self.a.listener.wait(model.round + 1, timeout=2 * CONFIG["round_deadline_s"])
 
-    def upload_valid(self, client: IndependentClient, round: int, base: Model, retry_streaming_s: float = 0.0) -> dict[str, np.ndarray]:
+    def upload_valid(
+        self, client: IndependentClient, round: int, base: Model, retry_streaming_s: float = 0.0
+    ) -> dict[str, np.ndarray]:
         tensors = self.valid_update(base, client, round)
         msgs = upload_messages(self.pb, client.header(round, self.key()), self.chunks(tensors))
         deadline = time.monotonic() + retry_streaming_s
@@ -139,7 +152,11 @@ class Federation:
                 break
             except grpc.RpcError as e:
                 # right after a cancelled stream the server may not have seen the cancellation yet
-                if e.code() == Code.ALREADY_EXISTS and "streaming" in (e.details() or "") and time.monotonic() < deadline:
+                if (
+                    e.code() == Code.ALREADY_EXISTS
+                    and "streaming" in (e.details() or "")
+                    and time.monotonic() < deadline
+                ):
                     time.sleep(0.1)
                     continue
                 raise
@@ -148,7 +165,13 @@ class Federation:
         assert reply.bytes_received == self.model_bytes
         return tensors
 
-    def complete_round(self, round: int, base: Model, done: dict[int, dict[str, np.ndarray]] | None = None, retry_streaming_s: float = 0.0) -> Model:
+    def complete_round(
+        self,
+        round: int,
+        base: Model,
+        done: dict[int, dict[str, np.ndarray]] | None = None,
+        retry_streaming_s: float = 0.0,
+    ) -> Model:
         """Valid uploads from the clients not in ``done``; checks the next model is their FedAvg."""
         uploads = dict(done or {})
         for c in self.clients:
@@ -164,7 +187,9 @@ class Federation:
             acc = sum(NUM_SAMPLES[i] * uploads[i][name].astype(np.float64) for i in uploads)
             expected = (acc / total).astype(got.dtype)
             assert got.shape == expected.shape
-            assert np.allclose(got, expected, rtol=1e-6, atol=1e-7), f"{name}: max |diff| {np.abs(got.astype(np.float64) - expected).max()}"
+            assert np.allclose(got, expected, rtol=1e-6, atol=1e-7), (
+                f"{name}: max |diff| {np.abs(got.astype(np.float64) - expected).max()}"
+            )
         assert self.server.alive(), self.server.log_tail()
         self.clean = True
         return new
@@ -220,12 +245,18 @@ def test_reflection_lists_federation(fed: Federation) -> None:
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
     stub = reflection_pb2_grpc.ServerReflectionStub(fed.a.channel)
-    responses = list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10))
+    responses = list(
+        stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
+    )
     assert len(responses) == 1
     names = {s.name for s in responses[0].list_services_response.service}
     assert "wafl.v1.Federation" in names
     # the service's descriptor can be fetched by symbol, as generic tools (grpcurl) do
-    responses = list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(file_containing_symbol="wafl.v1.Federation")]), timeout=10))
+    responses = list(
+        stub.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(file_containing_symbol="wafl.v1.Federation")]), timeout=10
+        )
+    )
     assert responses[0].WhichOneof("message_response") == "file_descriptor_response"
     assert responses[0].file_descriptor_response.file_descriptor_proto
 
@@ -267,7 +298,15 @@ def test_join_client_index_out_of_range(fed: Federation, index: int) -> None:
         err = call_error(lambda: stranger.join())
         expect_status(err, Code.INVALID_ARGUMENT, f"client_index {index}")
         # the refused client was not registered: it cannot subscribe
-        err = call_error(lambda: next(iter(stranger.stub.Broadcasts(fed.pb.BroadcastRequest(run_id=fed.server.run_id, client_id=stranger.client_id), timeout=10))))
+        err = call_error(
+            lambda: next(
+                iter(
+                    stranger.stub.Broadcasts(
+                        fed.pb.BroadcastRequest(run_id=fed.server.run_id, client_id=stranger.client_id), timeout=10
+                    )
+                )
+            )
+        )
         expect_status(err, Code.NOT_FOUND, stranger.client_id)
     finally:
         stranger.close()
@@ -276,7 +315,9 @@ def test_join_client_index_out_of_range(fed: Federation, index: int) -> None:
 
 def test_broadcasts_unknown_client(fed: Federation) -> None:
     r, base = fed.open_round()
-    stream = fed.a.stub.Broadcasts(fed.pb.BroadcastRequest(run_id=fed.server.run_id, client_id="nobody-joined-as-this"), timeout=10)
+    stream = fed.a.stub.Broadcasts(
+        fed.pb.BroadcastRequest(run_id=fed.server.run_id, client_id="nobody-joined-as-this"), timeout=10
+    )
     err = call_error(lambda: next(iter(stream)))
     expect_status(err, Code.NOT_FOUND, "nobody-joined-as-this")
     fed.complete_round(r, base)
@@ -349,7 +390,9 @@ def test_upload_non_finite_value(fed: Federation, value: float, word: str) -> No
 def test_upload_tensor_not_in_manifest(fed: Federation) -> None:
     r, base = fed.open_round()
     chunks = fed.chunks(fed.poisoned(base))
-    intruder = fed.pb.TensorChunk(name="features.99.weight", dtype=fed.pb.FLOAT32, shape=[4], offset=0, data=np.ones(4, "<f4").tobytes())
+    intruder = fed.pb.TensorChunk(
+        name="features.99.weight", dtype=fed.pb.FLOAT32, shape=[4], offset=0, data=np.ones(4, "<f4").tobytes()
+    )
     chunks.insert(first_index(chunks, fed.manifest[3].name), intruder)
     err = call_error(lambda: fed.a.upload(upload_messages(fed.pb, fed.a.header(r, fed.key()), chunks)))
     expect_status(err, Code.INVALID_ARGUMENT, "'features.99.weight'", "not in the manifest")
@@ -386,7 +429,16 @@ def test_upload_oversized_chunk(fed: Federation) -> None:
     size = CHUNK_LIMIT + 4  # one element over 1 MiB; the message still fits gRPC's limit
     at = first_index(chunks, spec.name)
     chunks = [c for c in chunks if c.name != spec.name]
-    chunks.insert(at, fed.pb.TensorChunk(name=spec.name, dtype=spec.dtype, shape=list(spec.shape), offset=0, data=np.full(size // 4, POISON, "<f4").tobytes()))
+    chunks.insert(
+        at,
+        fed.pb.TensorChunk(
+            name=spec.name,
+            dtype=spec.dtype,
+            shape=list(spec.shape),
+            offset=0,
+            data=np.full(size // 4, POISON, "<f4").tobytes(),
+        ),
+    )
     err = call_error(lambda: fed.a.upload(upload_messages(fed.pb, fed.a.header(r, fed.key()), chunks)))
     expect_status(err, Code.RESOURCE_EXHAUSTED, repr(spec.name), str(size))
     fed.complete_round(r, base)
@@ -397,7 +449,16 @@ def test_upload_message_over_grpc_limit(fed: Federation) -> None:
     chunks = fed.chunks(fed.poisoned(base))
     spec = fed.manifest[4]
     at = first_index(chunks, spec.name)
-    chunks.insert(at, fed.pb.TensorChunk(name=spec.name, dtype=spec.dtype, shape=list(spec.shape), offset=0, data=np.full(MIB // 2, POISON, "<f4").tobytes()))
+    chunks.insert(
+        at,
+        fed.pb.TensorChunk(
+            name=spec.name,
+            dtype=spec.dtype,
+            shape=list(spec.shape),
+            offset=0,
+            data=np.full(MIB // 2, POISON, "<f4").tobytes(),
+        ),
+    )
     assert len(chunks[at].data) == 2 * MIB  # well over 1 MiB + 64 KiB
     err = call_error(lambda: fed.a.upload(upload_messages(fed.pb, fed.a.header(r, fed.key()), chunks)))
     assert err.code() == Code.RESOURCE_EXHAUSTED, f"{err.code().name}: {err.details()}"
@@ -420,14 +481,18 @@ def test_upload_stale_round(fed: Federation) -> None:
     if r < 2:  # a stale round needs a closed one
         base = fed.complete_round(r, base)
         r, base = fed.open_round()
-    err = call_error(lambda: fed.a.upload(upload_messages(fed.pb, fed.a.header(r - 1, fed.key()), fed.chunks(fed.poisoned(base)))))
+    err = call_error(
+        lambda: fed.a.upload(upload_messages(fed.pb, fed.a.header(r - 1, fed.key()), fed.chunks(fed.poisoned(base))))
+    )
     expect_status(err, Code.FAILED_PRECONDITION, f"round {r - 1}", "closed")
     fed.complete_round(r, base)
 
 
 def test_upload_future_round(fed: Federation) -> None:
     r, base = fed.open_round()
-    err = call_error(lambda: fed.a.upload(upload_messages(fed.pb, fed.a.header(r + 1, fed.key()), fed.chunks(fed.poisoned(base)))))
+    err = call_error(
+        lambda: fed.a.upload(upload_messages(fed.pb, fed.a.header(r + 1, fed.key()), fed.chunks(fed.poisoned(base))))
+    )
     expect_status(err, Code.FAILED_PRECONDITION, f"round {r + 1}", "not opened")
     fed.complete_round(r, base)
 

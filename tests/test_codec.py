@@ -1,10 +1,10 @@
 """Tensor codec and wire format: bit-exact round trips, chunking, manifest checks."""
+
 import zlib
 
 import numpy as np
 import pytest
 import torch
-
 from wafl.common.codec import (
     ChunkError,
     RawChunk,
@@ -19,7 +19,9 @@ from wafl.common.proto import federation_pb2 as pb
 from wafl.common.wire import ChunkBatch, decode_broadcast, decode_upload, encode_upload, group_chunks
 
 
-def roundtrip(tensors: dict[str, torch.Tensor], chunk_bytes: int = 64, require_finite: bool = True) -> dict[str, torch.Tensor]:
+def roundtrip(
+    tensors: dict[str, torch.Tensor], chunk_bytes: int = 64, require_finite: bool = True
+) -> dict[str, torch.Tensor]:
     manifest = manifest_of(tensors)
     checker = TransferChecker(manifest, require_finite=require_finite)
     buffers = {s.name: bytearray(s.nbytes) for s in manifest}
@@ -37,12 +39,18 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and bytes(tensor_bytes(a)) == bytes(tensor_bytes(b))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.float64, torch.int32, torch.uint8, torch.bool])
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.float64, torch.int32, torch.uint8, torch.bool],
+)
 def test_roundtrip_is_bit_exact(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(0)
     base = torch.randn(7, 5, 3, generator=g) * 1000
     t = base.to(dtype) if dtype != torch.bool else base > 0
-    out = roundtrip({"w": t, "scalar": t.reshape(-1)[0].clone().reshape(()), "empty": t.reshape(-1)[:0].reshape(0, 3)}, chunk_bytes=48)
+    out = roundtrip(
+        {"w": t, "scalar": t.reshape(-1)[0].clone().reshape(()), "empty": t.reshape(-1)[:0].reshape(0, 3)},
+        chunk_bytes=48,
+    )
     assert same_bits(out["w"], t)
     assert out["scalar"].shape == () and same_bits(out["scalar"], t.reshape(-1)[0].reshape(()))
     assert out["empty"].shape == (0, 3) and out["empty"].dtype == t.dtype
@@ -77,10 +85,18 @@ def test_fast_encoding_is_plain_protobuf() -> None:
     assert msg.chunk.name == "layer.weight" and list(msg.chunk.shape) == [300] and msg.chunk.dtype == pb.FLOAT32
     assert msg.chunk.data == t.numpy().tobytes()
     # and a chunk serialized by stock protobuf decodes through the fast path to the same values
-    stock = pb.BroadcastMessage(chunk=pb.TensorChunk(name="a", dtype=pb.INT64, shape=[2, 2], offset=16, data=b"\x01" * 16)).SerializeToString()
+    stock = pb.BroadcastMessage(
+        chunk=pb.TensorChunk(name="a", dtype=pb.INT64, shape=[2, 2], offset=16, data=b"\x01" * 16)
+    ).SerializeToString()
     back = decode_broadcast(stock)
     assert isinstance(back, RawChunk)
-    assert (back.name, back.dtype, back.shape, back.offset, bytes(back.data)) == ("a", pb.INT64, (2, 2), 16, b"\x01" * 16)
+    assert (back.name, back.dtype, back.shape, back.offset, bytes(back.data)) == (
+        "a",
+        pb.INT64,
+        (2, 2),
+        16,
+        b"\x01" * 16,
+    )
 
 
 def _fields(c: RawChunk) -> tuple:
@@ -96,7 +112,9 @@ def test_batches_are_plain_protobuf_both_ways() -> None:
     msg = pb.UploadMessage.FromString(wire)
     assert msg.WhichOneof("kind") == "batch"
     assert [_fields(RawChunk.from_proto(c)) for c in msg.batch.chunks] == [_fields(c) for c in chunks]
-    assert pb.UploadMessage(batch=pb.TensorChunkBatch(chunks=[c.to_proto() for c in chunks])).SerializeToString() == wire
+    assert (
+        pb.UploadMessage(batch=pb.TensorChunkBatch(chunks=[c.to_proto() for c in chunks])).SerializeToString() == wire
+    )
     back = decode_upload(wire)
     assert isinstance(back, ChunkBatch) and [_fields(c) for c in back] == [_fields(c) for c in chunks]
     # a message holding the batch field twice merges them (protobuf's rule): decoded by protobuf

@@ -1,14 +1,20 @@
 """Configuration is validated once, and every error names the field and the value."""
+
 import json
 
 import pytest
-
 from wafl.common.config import ConfigError, RunConfig, load_config
 
 
 def test_defaults_validate() -> None:
     cfg = load_config()
-    assert cfg.dataset == "digits" and cfg.num_clients == 10 and cfg.algorithm == "fedavg" and cfg.partition == "dirichlet" and cfg.alpha == 0.5
+    assert (
+        cfg.dataset == "digits"
+        and cfg.num_clients == 10
+        and cfg.algorithm == "fedavg"
+        and cfg.partition == "dirichlet"
+        and cfg.alpha == 0.5
+    )
 
 
 @pytest.mark.parametrize(
@@ -49,7 +55,12 @@ def test_file_then_overrides(tmp_path) -> None:
     f = tmp_path / "c.toml"
     f.write_text('algorithm = "fedprox+asd"\nrounds = 7\n[params]\nmu = 0.1\nasd_lambda = 5\n')
     cfg = load_config(f, {"rounds": 9, "params": {"asd_temperature": 3}})
-    assert cfg.rounds == 9 and cfg.params == {"mu": 0.1, "asd_lambda": 5.0, "asd_temperature": 3.0, "asd_uniform": False}
+    assert cfg.rounds == 9 and cfg.params == {
+        "mu": 0.1,
+        "asd_lambda": 5.0,
+        "asd_temperature": 3.0,
+        "asd_uniform": False,
+    }
     again = RunConfig.from_json(cfg.to_json()).validate()
     assert json.loads(again.to_json()) == json.loads(cfg.to_json())
 

@@ -1,4 +1,5 @@
 """The file-backed datasets, loaded from small files written here in each real on-disk format."""
+
 from __future__ import annotations
 
 import os
@@ -9,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-
 from wafl.common.datasets import DATASETS, DatasetNotFoundError, load_dataset
 from wafl.common.datasets.imagefolder import load_imagefolder
 from wafl.common.datasets.transforms import NORMALIZATION

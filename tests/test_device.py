@@ -1,6 +1,7 @@
 """``--device auto|cpu|cuda[:N]``: parsing and validation, what ``auto`` resolves to, the device a
 client reports in ``Join``, and, on a machine with CUDA, the PM phase on its own stream and batches
 staged through pinned memory (those two are skipped where there is no CUDA)."""
+
 from __future__ import annotations
 
 import json
@@ -13,7 +14,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 import wafl.client.trainer as trainer_module
 from wafl.cli.main import _resolve_config, build_parser, main
 from wafl.client.trainer import Trainer, resolve_device
@@ -117,18 +117,55 @@ def _wait_ready(ready: Path, server: subprocess.Popen[bytes], timeout_s: float =
 
 def test_client_reports_its_device_in_join(tmp_path: Path) -> None:
     cfg = tmp_path / "cfg.json"
-    cfg.write_text(json.dumps({"num_clients": 1, "rounds": 1, "local_epochs": 1, "join_timeout_s": 120, "round_deadline_s": 120, "checkpoint": False}))
+    cfg.write_text(
+        json.dumps(
+            {
+                "num_clients": 1,
+                "rounds": 1,
+                "local_epochs": 1,
+                "join_timeout_s": 120,
+                "round_deadline_s": 120,
+                "checkpoint": False,
+            }
+        )
+    )
     out = tmp_path / "out"
     ready = out / "server.json"
     server = subprocess.Popen(
-        [sys.executable, "-m", "wafl.cli.main", "server", "--config", str(cfg), "--host", "127.0.0.1", "--port", "0", "--out", str(out), "--ready-file", str(ready), "--quiet"],
+        [
+            sys.executable,
+            "-m",
+            "wafl.cli.main",
+            "server",
+            "--config",
+            str(cfg),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--out",
+            str(out),
+            "--ready-file",
+            str(ready),
+            "--quiet",
+        ],
         env=_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
     try:
         port = _wait_ready(ready, server)
-        client = [sys.executable, "-m", "wafl.cli.main", "client", "--server", f"127.0.0.1:{port}", "--index", "0", "--quiet"]
+        client = [
+            sys.executable,
+            "-m",
+            "wafl.cli.main",
+            "client",
+            "--server",
+            f"127.0.0.1:{port}",
+            "--index",
+            "0",
+            "--quiet",
+        ]
         # The run's device is "auto": the client resolves it and reports the device it uses.
         good = subprocess.run(client, env=_env(), capture_output=True, text=True, timeout=240)
         assert good.returncode == 0, good.stderr[-2000:]
@@ -150,7 +187,18 @@ def test_client_reports_its_device_in_join(tmp_path: Path) -> None:
 
 
 def _cuda_trainer() -> Trainer:
-    cfg = load_config(None, {"dataset": "synthetic-cifar10", "model": "cnn", "algorithm": "scd", "num_clients": 2, "local_epochs": 1, "batch_size": 32, "device": "cuda"})
+    cfg = load_config(
+        None,
+        {
+            "dataset": "synthetic-cifar10",
+            "model": "cnn",
+            "algorithm": "scd",
+            "num_clients": 2,
+            "local_epochs": 1,
+            "batch_size": 32,
+            "device": "cuda",
+        },
+    )
     return Trainer(cfg, 0)
 
 

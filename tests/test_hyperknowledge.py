@@ -1,4 +1,5 @@
 """FedHKD hyper-knowledge and FedProto prototypes against slow per-sample re-computations."""
+
 from __future__ import annotations
 
 import math
@@ -6,7 +7,6 @@ import math
 import pytest
 import torch
 from torch import nn
-
 from wafl.common.algorithms.hyperknowledge import (
     ClassKnowledge,
     KnowledgeAccumulator,
@@ -39,7 +39,9 @@ def make_data(counts: list[int], seed: int = 1) -> tuple[torch.Tensor, torch.Ten
     return x, y
 
 
-def batches(x: torch.Tensor, y: torch.Tensor, sizes: tuple[int, ...] = (7, 3, 11)) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches(
+    x: torch.Tensor, y: torch.Tensor, sizes: tuple[int, ...] = (7, 3, 11)
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     out, i, k = [], 0, 0
     while i < len(y):
         s = sizes[k % len(sizes)]
@@ -48,7 +50,9 @@ def batches(x: torch.Tensor, y: torch.Tensor, sizes: tuple[int, ...] = (7, 3, 11
     return out
 
 
-def slow_knowledge(model: SplitModel, x, y, zeta: float | None, temperature: float) -> dict[int, tuple[int, list, list]]:
+def slow_knowledge(
+    model: SplitModel, x, y, zeta: float | None, temperature: float
+) -> dict[int, tuple[int, list, list]]:
     """Per-sample python loop: counts, mean clipped rep, mean softmax(logits(unclipped h) / T)."""
     model.eval()
     acc: dict[int, list] = {}

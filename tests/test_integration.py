@@ -1,8 +1,8 @@
 """Real server and client processes over localhost sockets."""
+
 import json
 
 import torch
-
 from wafl.cli.launcher import launch
 from wafl.common.codec import crc32_of
 from wafl.common.config import load_config

@@ -1,5 +1,6 @@
 """Knowledge on the wire (FedHKD/FedProto channel): bad contents refused precisely, the global
 model and knowledge untouched, and the server's aggregate exactly the count-weighted mean."""
+
 from __future__ import annotations
 
 import uuid
@@ -8,13 +9,28 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-
-from independent_client import IndependentClient, ServerProcess, call_error, generate_stubs, tensor_chunks, upload_messages
+from independent_client import (
+    IndependentClient,
+    ServerProcess,
+    call_error,
+    generate_stubs,
+    tensor_chunks,
+    upload_messages,
+)
 
 NUM_SAMPLES = (40, 60)
 CODE_LEN = 32
 CLASSES = 10
-CONFIG = {"num_clients": 2, "rounds": 40, "round_deadline_s": 60, "join_timeout_s": 120, "eval_every": 0, "checkpoint": False, "algorithm": "fedhkd", "code_len": CODE_LEN}
+CONFIG = {
+    "num_clients": 2,
+    "rounds": 40,
+    "round_deadline_s": 60,
+    "join_timeout_s": 120,
+    "eval_every": 0,
+    "checkpoint": False,
+    "algorithm": "fedhkd",
+    "code_len": CODE_LEN,
+}
 
 
 def knowledge(pb: Any, seed: int, classes: dict[int, int]) -> list[Any]:
@@ -23,7 +39,11 @@ def knowledge(pb: Any, seed: int, classes: dict[int, int]) -> list[Any]:
     for j, n in classes.items():
         soft = rng.random(CLASSES)
         soft /= soft.sum()
-        out.append(pb.ClassKnowledge(class_id=j, count=n, representation=rng.normal(size=CODE_LEN).tolist(), soft_prediction=soft.tolist()))
+        out.append(
+            pb.ClassKnowledge(
+                class_id=j, count=n, representation=rng.normal(size=CODE_LEN).tolist(), soft_prediction=soft.tolist()
+            )
+        )
     return out
 
 
@@ -31,13 +51,20 @@ class Fed:
     def __init__(self, pb: Any, pb_grpc: Any, server: ServerProcess) -> None:
         self.pb = pb
         self.server = server
-        self.clients = [IndependentClient(pb, pb_grpc, server.address, f"k-{i}-{uuid.uuid4().hex[:6]}", i, n) for i, n in enumerate(NUM_SAMPLES)]
+        self.clients = [
+            IndependentClient(pb, pb_grpc, server.address, f"k-{i}-{uuid.uuid4().hex[:6]}", i, n)
+            for i, n in enumerate(NUM_SAMPLES)
+        ]
         for c in self.clients:
             c.join_and_listen()
         self.manifest = list(self.clients[0].reply.manifest)
 
-    def upload(self, c: IndependentClient, round: int, tensors: dict, know: list[Any], before_chunks: bool = False) -> Any:
-        msgs = upload_messages(self.pb, c.header(round, uuid.uuid4().hex), tensor_chunks(self.pb, self.manifest, tensors))
+    def upload(
+        self, c: IndependentClient, round: int, tensors: dict, know: list[Any], before_chunks: bool = False
+    ) -> Any:
+        msgs = upload_messages(
+            self.pb, c.header(round, uuid.uuid4().hex), tensor_chunks(self.pb, self.manifest, tensors)
+        )
         k = [self.pb.UploadMessage(knowledge=x) for x in know]
         msgs = msgs[:1] + k + msgs[1:] if before_chunks else msgs[:-1] + k + msgs[-1:]
         return c.upload(msgs)
@@ -51,7 +78,9 @@ class Fed:
         """Both clients upload valid models + knowledge; checks the next broadcast's knowledge and model."""
         ups = {}
         for c in self.clients:
-            t = {k: v + np.float32(0.01 * (c.index + 1)) if v.dtype == np.float32 else v for k, v in base.tensors.items()}
+            t = {
+                k: v + np.float32(0.01 * (c.index + 1)) if v.dtype == np.float32 else v for k, v in base.tensors.items()
+            }
             know = knowledge(self.pb, 100 * r + c.index, {0: 5 + c.index, 3 + c.index: 7})
             assert self.upload(c, r, t, know).accepted
             ups[c.index] = (t, know)
@@ -68,7 +97,9 @@ class Fed:
         w = np.array([k.count for k in k0], dtype=float) / sum(k.count for k in k0)
         rep = sum(wi * np.array(k.representation) for wi, k in zip(w, k0))
         soft = sum(wi * np.array(k.soft_prediction) for wi, k in zip(w, k0))
-        assert np.allclose(got[0].representation, rep, atol=1e-6) and np.allclose(got[0].soft_prediction, soft, atol=1e-6)
+        assert np.allclose(got[0].representation, rep, atol=1e-6) and np.allclose(
+            got[0].soft_prediction, soft, atol=1e-6
+        )
         assert got[0].count == sum(k.count for k in k0)
         only = next(x for x in ups[1][1] if x.class_id == 4)  # shared by one client: passed through
         assert np.allclose(got[4].representation, only.representation, atol=1e-6)
@@ -103,7 +134,11 @@ def _bad(fed: Fed, mutate) -> tuple[grpc.RpcError, int, Any]:
     know = knowledge(fed.pb, 7, {1: 5, 2: 6})
     mutate(know)
     c = fed.clients[0]
-    err = call_error(lambda: fed.upload(c, r, {k: v + np.float32(1000) if v.dtype == np.float32 else v for k, v in base.tensors.items()}, know))
+    err = call_error(
+        lambda: fed.upload(
+            c, r, {k: v + np.float32(1000) if v.dtype == np.float32 else v for k, v in base.tensors.items()}, know
+        )
+    )
     return err, r, base
 
 

@@ -1,10 +1,10 @@
 """The CIFAR-style ResNets and ShuffleNetV2: split, shapes, stem, parameter counts, gradients."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 from torch import nn
-
 from wafl.common.models import MODELS, SplitModel, build_model
 
 NETS = ["resnet18", "resnet34", "resnet50", "shufflenetv2"]

@@ -9,7 +9,6 @@ import sys
 import time
 
 import pytest
-
 from wafl.cli import netns
 from wafl.cli.netns import LinkShapingUnavailable, NetnsCommandError, Star, parse_rate, tbf_command
 
@@ -326,7 +325,9 @@ def test_star_layout_and_close_removes_namespaces(root_ok: None) -> None:
             prefix = star.exec_prefix(host)
             lo = subprocess.run([*prefix, "ip", "-o", "link", "show", "lo"], capture_output=True, text=True, check=True)
             assert "UP" in lo.stdout.split("<", 1)[1].split(">", 1)[0]
-            qdisc = subprocess.run([*prefix, "tc", "qdisc", "show", "dev", "eth0"], capture_output=True, text=True, check=True)
+            qdisc = subprocess.run(
+                [*prefix, "tc", "qdisc", "show", "dev", "eth0"], capture_output=True, text=True, check=True
+            )
             assert "tbf" in qdisc.stdout and "rate 5Mbit" in qdisc.stdout
         switch = ["ip", "netns", "exec", star.namespaces[0]]
         qdiscs = subprocess.run([*switch, "tc", "qdisc", "show"], capture_output=True, text=True, check=True).stdout
@@ -365,7 +366,9 @@ def test_main_shape_in_namespace(root_ok: None) -> None:
         proc = subprocess.run([*prefix, *cmd], capture_output=True, text=True, timeout=30)
         assert proc.returncode == 0, proc.stderr
         assert "tc qdisc replace dev eth0 root tbf rate 3000000bit" in proc.stdout
-        shown = subprocess.run([*prefix, "tc", "qdisc", "show", "dev", "eth0"], capture_output=True, text=True, check=True)
+        shown = subprocess.run(
+            [*prefix, "tc", "qdisc", "show", "dev", "eth0"], capture_output=True, text=True, check=True
+        )
         assert "rate 3Mbit" in shown.stdout
         # Without CAP_NET_ADMIN the command exits 77 with a clear message.
         if shutil.which("setpriv") is None:

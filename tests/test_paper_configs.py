@@ -11,6 +11,7 @@ and so does the model except for SCD (see ``TINY_MODEL``).
 Files that differ only in overridden fields (FedHKD at 10, 20 and 50 clients; ASD at 100 and 500
 clients) give the identical tiny run: it runs once, and the test of each of those files checks it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,7 +23,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from test_datasets import _cifar_rows, _dump  # the CIFAR batch row layout and pickle writer
 from wafl.cli.simulate import simulate
 from wafl.common.algorithms import registry
@@ -43,7 +43,15 @@ EXPECTED = {
         for n in (10, 20, 50)
     },
     "asd-cifar100-delta0.3-100clients.toml": ("cifar100", "resnet18", "fedavg+asd", 100, "dirichlet-equal", 0.3, 0.1),
-    "asd-cifar100-delta0.3-500clients-1pct.toml": ("cifar100", "resnet18", "fedavg+asd", 500, "dirichlet-equal", 0.3, 0.01),
+    "asd-cifar100-delta0.3-500clients-1pct.toml": (
+        "cifar100",
+        "resnet18",
+        "fedavg+asd",
+        500,
+        "dirichlet-equal",
+        0.3,
+        0.01,
+    ),
 }
 FILES = sorted(p.name for p in CONFIG_DIR.glob("*.toml"))
 
@@ -71,7 +79,14 @@ def test_every_expected_config_exists_and_nothing_else() -> None:
 def test_config_validates_and_is_the_seed_setting(name: str) -> None:
     cfg = load_config(CONFIG_DIR / name)
     dataset, model, algorithm, clients, partition, concentration, fraction = EXPECTED[name]
-    assert (cfg.dataset, cfg.model, cfg.algorithm, cfg.num_clients, cfg.partition, cfg.fraction) == (dataset, model, algorithm, clients, partition, fraction)
+    assert (cfg.dataset, cfg.model, cfg.algorithm, cfg.num_clients, cfg.partition, cfg.fraction) == (
+        dataset,
+        model,
+        algorithm,
+        clients,
+        partition,
+        fraction,
+    )
     assert (cfg.alpha if partition == "dirichlet" else cfg.delta) == concentration
     assert cfg.device == "auto"
     assert cfg.data_dir is None  # given on the command line (--data-dir)
@@ -113,8 +128,18 @@ def write_tiny_cifar10(data_dir: Path) -> int:
     per = N_TRAIN // 5
     for b in range(5):
         part = labels[b * per : (b + 1) * per].tolist()
-        _dump(folder / f"data_batch_{b + 1}", {b"batch_label": f"training batch {b + 1} of 5".encode(), b"labels": part, b"data": _cifar_rows(rng, per)})
-    _dump(folder / "test_batch", {b"batch_label": b"testing batch 1 of 1", b"labels": _labels(N_TEST, 10, 2).tolist(), b"data": _cifar_rows(rng, N_TEST)})
+        _dump(
+            folder / f"data_batch_{b + 1}",
+            {b"batch_label": f"training batch {b + 1} of 5".encode(), b"labels": part, b"data": _cifar_rows(rng, per)},
+        )
+    _dump(
+        folder / "test_batch",
+        {
+            b"batch_label": b"testing batch 1 of 1",
+            b"labels": _labels(N_TEST, 10, 2).tolist(),
+            b"data": _cifar_rows(rng, N_TEST),
+        },
+    )
     return N_TRAIN
 
 
@@ -124,7 +149,15 @@ def write_tiny_cifar100(data_dir: Path, n_train: int) -> int:
     rng = np.random.default_rng(3)
     for split, n, seed in (("train", n_train, 4), ("test", 100, 5)):
         fine = _labels(n, 100, seed).tolist()
-        _dump(folder / split, {b"batch_label": f"{split}ing batch 1 of 1".encode(), b"fine_labels": fine, b"coarse_labels": [f // 5 for f in fine], b"data": _cifar_rows(rng, n)})
+        _dump(
+            folder / split,
+            {
+                b"batch_label": f"{split}ing batch 1 of 1".encode(),
+                b"fine_labels": fine,
+                b"coarse_labels": [f // 5 for f in fine],
+                b"data": _cifar_rows(rng, n),
+            },
+        )
     return n_train
 
 
@@ -158,7 +191,20 @@ def write_tiny(dataset: str, partition: str, data_dir: Path) -> int:
     raise AssertionError(f"no tiny writer for {dataset}")
 
 
-SETTING = {"dataset", "algorithm", "params", "partition", "alpha", "delta", "optimizer", "lr", "momentum", "weight_decay", "batch_size", "protocol"}
+SETTING = {
+    "dataset",
+    "algorithm",
+    "params",
+    "partition",
+    "alpha",
+    "delta",
+    "optimizer",
+    "lr",
+    "momentum",
+    "weight_decay",
+    "batch_size",
+    "protocol",
+}
 NUM_CLASSES = {"cifar10": 10, "cifar100": 100, "svhn": 10}
 
 
@@ -199,7 +245,12 @@ def test_config_runs_one_round_on_tiny_files(name: str, tiny_data) -> None:  # t
 
     # The file loader reads the tiny files: the config's dataset, at its real shape.
     data = load_dataset(cfg.dataset, cfg.data_dir)
-    assert (len(data.train_labels), data.num_classes, data.in_channels, data.image_size) == (n_train, NUM_CLASSES[cfg.dataset], 3, 32)
+    assert (len(data.train_labels), data.num_classes, data.in_channels, data.image_size) == (
+        n_train,
+        NUM_CLASSES[cfg.dataset],
+        3,
+        32,
+    )
 
     # The file's own model at that shape: a forward pass on two of those images.
     model = build_model(full.model, data.num_classes, data.in_channels, data.image_size, full.code_len).eval()

@@ -1,9 +1,16 @@
 """Partitions: deterministic from the seed, disjoint, the skew they promise, local test sets."""
+
 import numpy as np
 import pytest
-
 from wafl.common.datasets import load_dataset
-from wafl.common.partition import client_shard, dirichlet_equal_partition, dirichlet_partition, iid_partition, local_test_indices, partition
+from wafl.common.partition import (
+    client_shard,
+    dirichlet_equal_partition,
+    dirichlet_partition,
+    iid_partition,
+    local_test_indices,
+    partition,
+)
 
 
 @pytest.fixture(scope="module")

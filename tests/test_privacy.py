@@ -1,10 +1,10 @@
 """Gaussian-mechanism accounting: analytic per-release epsilon and zCDP composition."""
+
 from __future__ import annotations
 
 import math
 
 import pytest
-
 from wafl.common.privacy import (
     PrivacyReport,
     epsilon_composed,

@@ -1,4 +1,5 @@
 """``wafl bench protocols``: the figures of protocols.json on hand-computed timelines, and a short real run."""
+
 from __future__ import annotations
 
 import json
@@ -8,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from wafl.cli import bench
 from wafl.common.config import load_config
 
@@ -80,7 +80,17 @@ def test_idle_fraction_wall_starts_at_first_phase() -> None:
 def test_untracked_fraction_counts_time_in_no_phase() -> None:
     assert bench.untracked_fraction(TIMELINES) == pytest.approx(0.0)
     # covered: [0, 6] (gm and an overlapping upload, then idle), [6.5, 7], [7.2, 10]
-    tl = {"c": {"events": [_ev("gm_train", 1, 0.0, 4.0), _ev("upload", 1, 3.0, 5.0), _ev("idle", 1, 5.0, 6.0), _ev("evaluate", 1, 6.5, 7.0), _ev("gm_train", 2, 7.2, 10.0)]}}
+    tl = {
+        "c": {
+            "events": [
+                _ev("gm_train", 1, 0.0, 4.0),
+                _ev("upload", 1, 3.0, 5.0),
+                _ev("idle", 1, 5.0, 6.0),
+                _ev("evaluate", 1, 6.5, 7.0),
+                _ev("gm_train", 2, 7.2, 10.0),
+            ]
+        }
+    }
     assert bench.untracked_fraction(tl) == pytest.approx(0.7 / 10.0)
 
 
@@ -123,7 +133,11 @@ def test_zeta_is_the_first_crossing_after_start() -> None:
 
 
 def test_pm_curve_falls_back_to_round_rows() -> None:
-    rows = [{"round": 1, "wall_s": 3.0, "pm_accuracy": 0.4}, {"round": 2, "wall_s": 5.0, "pm_accuracy": None}, {"round": 3, "wall_s": 7.0, "pm_accuracy": 0.6}]
+    rows = [
+        {"round": 1, "wall_s": 3.0, "pm_accuracy": 0.4},
+        {"round": 2, "wall_s": 5.0, "pm_accuracy": None},
+        {"round": 3, "wall_s": 7.0, "pm_accuracy": 0.6},
+    ]
     assert bench.pm_accuracy_curve([{"client": "c", "t_s": 7.5, "final": 1.0}], rows) == [(3.0, 0.4), (7.0, 0.6)]
 
 
@@ -154,7 +168,18 @@ def _by_round(events: list[dict[str, Any]], phase: str) -> dict[int, dict[str, A
 
 @pytest.mark.slow
 def test_bench_protocols_end_to_end(tmp_path: Path) -> None:
-    cfg = load_config(None, {"dataset": "digits", "algorithm": "ditto", "num_clients": 2, "rounds": 2, "local_epochs": 1, "pm_epochs": 1, "seed": 0})
+    cfg = load_config(
+        None,
+        {
+            "dataset": "digits",
+            "algorithm": "ditto",
+            "num_clients": 2,
+            "rounds": 2,
+            "local_epochs": 1,
+            "pm_epochs": 1,
+            "seed": 0,
+        },
+    )
     code = bench.bench_protocols(cfg, tmp_path, link_rate=None, target=0.3, show_progress=False, timeout_s=300.0)
     assert code == 0
     doc = json.loads((tmp_path / "protocols.json").read_text())

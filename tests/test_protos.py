@@ -1,4 +1,5 @@
 """The generated protobuf code in common/proto is exactly what protos/ generates."""
+
 from pathlib import Path
 
 from wafl.common import protogen

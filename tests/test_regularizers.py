@@ -1,4 +1,5 @@
 """Regularizers and server updates checked against slow, independent re-computations."""
+
 from __future__ import annotations
 
 import math
@@ -8,15 +9,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-
 from wafl.common.algorithms.regularizers import (
     asd_kl,
     asd_term,
     asd_weights,
+    fedavgm_update,
     feddyn_client_state_update,
     feddyn_server_update,
     feddyn_term,
-    fedavgm_update,
     not_true_logits,
     ntd_term,
     params_snapshot,

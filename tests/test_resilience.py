@@ -1,4 +1,5 @@
 """A server killed mid-run and restarted with --resume: clients reconnect and the run completes."""
+
 import json
 import signal
 import socket
@@ -32,14 +33,42 @@ def test_clients_reconnect_to_a_resumed_server(tmp_path: Path) -> None:
     cfg = tmp_path / "cfg.json"
     cfg.write_text(json.dumps({"num_clients": 2, "rounds": 6, "local_epochs": 1, "round_deadline_s": 60}))
     port = free_port()
-    server_cmd = [sys.executable, "-m", "wafl.cli.main", "server", "--config", str(cfg), "--host", "127.0.0.1", "--port", str(port), "--out", str(out), "--quiet"]
+    server_cmd = [
+        sys.executable,
+        "-m",
+        "wafl.cli.main",
+        "server",
+        "--config",
+        str(cfg),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--out",
+        str(out),
+        "--quiet",
+    ]
     procs = []
     try:
         server = subprocess.Popen(server_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         procs.append(server)
         clients = [
             subprocess.Popen(
-                [sys.executable, "-m", "wafl.cli.main", "client", "--server", f"127.0.0.1:{port}", "--index", str(i), "--reconnect-s", "90", "--log-file", str(tmp_path / f"c{i}.jsonl"), "--quiet"],
+                [
+                    sys.executable,
+                    "-m",
+                    "wafl.cli.main",
+                    "client",
+                    "--server",
+                    f"127.0.0.1:{port}",
+                    "--index",
+                    str(i),
+                    "--reconnect-s",
+                    "90",
+                    "--log-file",
+                    str(tmp_path / f"c{i}.jsonl"),
+                    "--quiet",
+                ],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.STDOUT,
             )

@@ -1,4 +1,5 @@
 """``--link-rate``: a federation over tbf-shaped veth links, and the refusal when shaping is unavailable."""
+
 from __future__ import annotations
 
 import json
@@ -7,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from wafl.cli import netns
 from wafl.cli.main import main
 from wafl.cli.netns import LinkShapingUnavailable
@@ -51,7 +51,9 @@ def test_uploads_over_shaped_links_take_bytes_over_rate(tmp_path: Path) -> None:
     from wafl.cli.launcher import launch
     from wafl.common.config import load_config
 
-    cfg = load_config(None, {"dataset": "digits", "algorithm": "fedavg", "num_clients": 3, "rounds": 2, "local_epochs": 1, "seed": 0})
+    cfg = load_config(
+        None, {"dataset": "digits", "algorithm": "fedavg", "num_clients": 3, "rounds": 2, "local_epochs": 1, "seed": 0}
+    )
     summary = launch(cfg, tmp_path / "run", link_rate=RATE, show_progress=False, timeout_s=600.0)
     assert summary.ok, (tmp_path / "run" / "logs" / "server.log").read_text()[-2000:]
     rows = summary.rows
@@ -70,8 +72,12 @@ def test_uploads_over_shaped_links_take_bytes_over_rate(tmp_path: Path) -> None:
     for start, end, n in clusters:
         expected = n * per_upload * 8 / RATE_BPS
         ratios.append((end - start) / expected)
-        assert end - start >= expected / 2, f"{n} upload(s) of {per_upload:.0f} B took {end - start:.3f}s, faster than {RATE} allows ({expected:.3f}s)"
-    assert 0.5 <= statistics.median(ratios) <= 2.0, f"measured / (bytes / rate) per cluster: {[round(r, 2) for r in ratios]}"
+        assert end - start >= expected / 2, (
+            f"{n} upload(s) of {per_upload:.0f} B took {end - start:.3f}s, faster than {RATE} allows ({expected:.3f}s)"
+        )
+    assert 0.5 <= statistics.median(ratios) <= 2.0, (
+        f"measured / (bytes / rate) per cluster: {[round(r, 2) for r in ratios]}"
+    )
 
 
 def _as_non_root(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -79,21 +85,55 @@ def _as_non_root(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("command", [["run"], ["bench", "protocols"]])
-def test_link_rate_without_root_exits_77_with_a_message(command: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_link_rate_without_root_exits_77_with_a_message(
+    command: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     _as_non_root(monkeypatch)
     out = tmp_path / "out"
-    code = main([*command, "--dataset", "digits", "--clients", "1", "--rounds", "1", "--link-rate", RATE, "--out", str(out), "--quiet"])
+    code = main(
+        [
+            *command,
+            "--dataset",
+            "digits",
+            "--clients",
+            "1",
+            "--rounds",
+            "1",
+            "--link-rate",
+            RATE,
+            "--out",
+            str(out),
+            "--quiet",
+        ]
+    )
     assert code == LinkShapingUnavailable.exit_code == 77
     err = capsys.readouterr().err
     assert "link shaping unavailable" in err and "root" in err and "--link-rate" in err
     assert not list(out.rglob("results.jsonl"))  # nothing was started
 
 
-def test_link_rate_when_tc_is_unusable_exits_77(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_link_rate_when_tc_is_unusable_exits_77(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     def refuse() -> None:
         raise LinkShapingUnavailable("link shaping unavailable: tc tbf does not work (sch_tbf missing?)")
 
     monkeypatch.setattr(netns, "check_permissions", refuse)
-    code = main(["run", "--dataset", "digits", "--clients", "1", "--rounds", "1", "--link-rate", RATE, "--out", str(tmp_path / "out"), "--quiet"])
+    code = main(
+        [
+            "run",
+            "--dataset",
+            "digits",
+            "--clients",
+            "1",
+            "--rounds",
+            "1",
+            "--link-rate",
+            RATE,
+            "--out",
+            str(tmp_path / "out"),
+            "--quiet",
+        ]
+    )
     assert code == 77
     assert "sch_tbf" in capsys.readouterr().err

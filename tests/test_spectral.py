@@ -1,4 +1,5 @@
 """Spectral co-distillation math checked against numpy and slow Python re-computations."""
+
 from __future__ import annotations
 
 import copy
@@ -9,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
-
 from wafl.common.algorithms.spectral import (
     flat_weights,
     layer_weights,
@@ -125,9 +125,17 @@ def test_magnitude_gradient_finite_at_zero():
 @pytest.mark.parametrize(
     "tau,d",
     [
-        ("0.4", 10), ("0.3", 10), ("0.7", 10), ("0.4", 33), ("0.01", 7), ("1.0", 5), ("0.5", 1),
-        ("0.35", 20), ("0.9", 3),
-        ("0.07", 100), ("0.55", 100),  # float products 7.000000000000001 and 55.00000000000001
+        ("0.4", 10),
+        ("0.3", 10),
+        ("0.7", 10),
+        ("0.4", 33),
+        ("0.01", 7),
+        ("1.0", 5),
+        ("0.5", 1),
+        ("0.35", 20),
+        ("0.9", 3),
+        ("0.07", 100),
+        ("0.55", 100),  # float products 7.000000000000001 and 55.00000000000001
     ],
 )
 def test_truncation_length(tau: str, d: int):

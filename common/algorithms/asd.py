@@ -4,11 +4,11 @@
 ``alpha_i`` from the teacher's entropy and the client's label frequencies (``asd_uniform``:
 ``alpha_i = 1/B``). The teacher is a frozen eval-mode copy of the received global model.
 """
+
 from __future__ import annotations
 
 import torch
 from torch import nn
-
 from wafl.common.algorithms.base import Forward, LossTerm, RoundContext
 from wafl.common.algorithms.registry import Param, register_regularizer
 from wafl.common.algorithms.regularizers import asd_term
@@ -21,7 +21,9 @@ class AdaptiveSelfDistillation(LossTerm):
         self.weight, self.temperature, self.uniform = weight, temperature, uniform
 
     def __call__(self, model: nn.Module, out: Forward, ctx: RoundContext) -> torch.Tensor:
-        return self.weight * asd_term(out.logits, out.teacher_logits, out.y, ctx.label_freq, self.temperature, self.uniform)
+        return self.weight * asd_term(
+            out.logits, out.teacher_logits, out.y, ctx.label_freq, self.temperature, self.uniform
+        )
 
 
 def build(p: dict) -> list[LossTerm]:
@@ -30,4 +32,8 @@ def build(p: dict) -> list[LossTerm]:
     return [AdaptiveSelfDistillation(p["asd_lambda"], p["asd_temperature"], p["asd_uniform"])]
 
 
-register_regularizer("asd", {"asd_lambda": Param(2.0, ">= 0"), "asd_temperature": Param(2.0, "> 0"), "asd_uniform": Param(False, "bool")}, build)
+register_regularizer(
+    "asd",
+    {"asd_lambda": Param(2.0, ">= 0"), "asd_temperature": Param(2.0, "> 0"), "asd_uniform": Param(False, "bool")},
+    build,
+)

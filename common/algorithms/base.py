@@ -6,18 +6,19 @@ knowledge the client shares after training; and the server's update. One shared 
 (:mod:`wafl.common.training`) and one client runtime run every algorithm, and composition
 (``fedprox+asd``) is list concatenation.
 """
+
 from __future__ import annotations
 
 import copy
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
 from wafl.common.models.base import SplitModel
 
 if TYPE_CHECKING:
@@ -39,7 +40,7 @@ class RoundContext:
         pm: SplitModel | None,
         label_freq: torch.Tensor,
         client_state: dict[str, Any],
-        knowledge: "Knowledge | None" = None,
+        knowledge: Knowledge | None = None,
         server_state: Mapping[str, Any] | None = None,
     ) -> None:
         self.round = round
@@ -69,7 +70,9 @@ class RoundContext:
 class Forward:
     """One batch's forward pass, shared by every loss term of the phase."""
 
-    def __init__(self, x: torch.Tensor, y: torch.Tensor, h: torch.Tensor, logits: torch.Tensor, ctx: RoundContext) -> None:
+    def __init__(
+        self, x: torch.Tensor, y: torch.Tensor, h: torch.Tensor, logits: torch.Tensor, ctx: RoundContext
+    ) -> None:
         self.x, self.y, self.h, self.logits, self._ctx = x, y, h, logits, ctx
 
     @cached_property
@@ -104,7 +107,9 @@ class ServerUpdate:
     def weight(self, num_samples: int) -> float:
         return float(num_samples)
 
-    def finalize(self, prev: Mapping[str, torch.Tensor], mean: dict[str, torch.Tensor], participants: int) -> dict[str, torch.Tensor]:
+    def finalize(
+        self, prev: Mapping[str, torch.Tensor], mean: dict[str, torch.Tensor], participants: int
+    ) -> dict[str, torch.Tensor]:
         return mean
 
     def state_dict(self) -> dict[str, Any]:
@@ -114,7 +119,9 @@ class ServerUpdate:
         pass
 
 
-KnowledgeExtractor = Callable[[SplitModel, Iterable[tuple[torch.Tensor, torch.Tensor]], RoundContext, torch.Generator], "Knowledge"]
+KnowledgeExtractor = Callable[
+    [SplitModel, Iterable[tuple[torch.Tensor, torch.Tensor]], RoundContext, torch.Generator], "Knowledge"
+]
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """Ditto: the GM trains with plain cross-entropy and is averaged; the PM ``v`` trains with
 ``CE + (mu/2) ||v - w_global||^2`` and never leaves the client."""
+
 from __future__ import annotations
 
 from wafl.common.algorithms.base import Algorithm

@@ -1,4 +1,5 @@
 """FedAvg: plain cross-entropy locally, sample-weighted mean on the server."""
+
 from __future__ import annotations
 
 from wafl.common.algorithms.base import Algorithm

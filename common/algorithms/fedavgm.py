@@ -1,4 +1,5 @@
 """FedAvgM: FedAvg locally, server momentum on the pseudo-gradient."""
+
 from __future__ import annotations
 
 from wafl.common.algorithms.base import Algorithm

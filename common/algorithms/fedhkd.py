@@ -2,14 +2,15 @@
 on the representations) shared with the model; the loss pulls the classifier and the features
 towards the global knowledge. ``gamma = 0`` is FedHKD*. The personalized model is the local
 model right after local training."""
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
-
 from wafl.common.algorithms.base import Algorithm, Forward, LossTerm, RoundContext
 from wafl.common.algorithms.hyperknowledge import Knowledge, extract_knowledge, fedhkd_loss_terms
 from wafl.common.algorithms.registry import Param, register
@@ -29,12 +30,24 @@ class HyperKnowledgeLoss(LossTerm):
 
 
 def build(p: dict[str, Any], run: dict[str, Any]) -> Algorithm:
-    def knowledge(model: SplitModel, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], ctx: RoundContext, gen: torch.Generator) -> Knowledge:
-        return extract_knowledge(model, batches, ctx.label_freq.numel(), p["nu"], p["zeta"], p["sigma"], p["temperature"], gen)
+    def knowledge(
+        model: SplitModel, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], ctx: RoundContext, gen: torch.Generator
+    ) -> Knowledge:
+        return extract_knowledge(
+            model, batches, ctx.label_freq.numel(), p["nu"], p["zeta"], p["sigma"], p["temperature"], gen
+        )
 
     def privacy(releases: int) -> dict[str, Any]:
         if p["sigma"] == 0:
-            return {"sigma": 0.0, "delta": p["delta"], "zeta": p["zeta"], "releases": releases, "epsilon_per_release": None, "epsilon_per_run": None, "composition": "none: sigma = 0 adds no noise, epsilon is unbounded"}
+            return {
+                "sigma": 0.0,
+                "delta": p["delta"],
+                "zeta": p["zeta"],
+                "releases": releases,
+                "epsilon_per_release": None,
+                "epsilon_per_run": None,
+                "composition": "none: sigma = 0 adds no noise, epsilon is unbounded",
+            }
         return dataclasses.asdict(privacy_report(p["sigma"], p["delta"], p["zeta"], releases))
 
     return Algorithm(

@@ -1,9 +1,9 @@
 """FedNTD: cross-entropy plus ``beta * KL`` on the not-true classes, teacher = received global model."""
+
 from __future__ import annotations
 
 import torch
 from torch import nn
-
 from wafl.common.algorithms.base import Algorithm, Forward, LossTerm, RoundContext
 from wafl.common.algorithms.registry import Param, register
 from wafl.common.algorithms.regularizers import ntd_term

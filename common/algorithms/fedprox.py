@@ -1,9 +1,9 @@
 """FedProx: cross-entropy plus ``(mu/2) ||w - w_global||^2``; the term also serves Ditto's PM."""
+
 from __future__ import annotations
 
 import torch
 from torch import nn
-
 from wafl.common.algorithms.base import Algorithm, Forward, LossTerm, RoundContext
 from wafl.common.algorithms.registry import Param, register
 from wafl.common.algorithms.regularizers import proximal_term

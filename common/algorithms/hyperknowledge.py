@@ -6,6 +6,7 @@ at temperature ``T``, and the class count. The server averages these per class w
 the counts, and the clients add two regularisers to their cross-entropy (see
 :func:`fedhkd_loss_terms`). Everything here is a pure function of tensors and modules.
 """
+
 from __future__ import annotations
 
 import math
@@ -79,7 +80,9 @@ def class_sums(
                 if y.numel() == 0:
                     continue
                 if int(y.min()) < 0 or int(y.max()) >= num_classes:
-                    raise ValueError(f"labels must lie in [0, {num_classes - 1}], got range [{int(y.min())}, {int(y.max())}]")
+                    raise ValueError(
+                        f"labels must lie in [0, {num_classes - 1}], got range [{int(y.min())}, {int(y.max())}]"
+                    )
                 h = model.features(x.to(device))
                 h = h.reshape(h.shape[0], -1)
                 logits = model.classifier(h)

@@ -4,18 +4,18 @@ Prototypes travel in the same :data:`Knowledge` message as FedHKD's hyper-knowle
 holds the mean softmax at ``T = 1``) and the server averages them with
 :func:`wafl.common.algorithms.hyperknowledge.aggregate_knowledge`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
 
 from torch import Tensor, nn
-
 from wafl.common.algorithms.hyperknowledge import (
     ClassKnowledge,
     Knowledge,
+    class_sums,
     knowledge_rows,
     stack_knowledge,
-    class_sums,
 )
 
 __all__ = ["extract_prototypes", "fedproto_term"]

@@ -4,12 +4,14 @@ A base algorithm module calls :func:`register`; a regularizer module (``asd``) c
 :func:`register_regularizer`. Each declares its parameters with defaults and a rule, and
 :func:`resolve` validates a user's parameters against the union, naming any bad one.
 """
+
 from __future__ import annotations
 
 import importlib
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from wafl.common.algorithms.base import Algorithm, LossTerm
 
@@ -35,15 +37,18 @@ class Param:
             v = float(value)
         except (TypeError, ValueError):
             raise ValueError(f"params.{name}={value!r} must be a number {r}") from None
-        ok = math.isfinite(v) and {
-            "> 0": v > 0,
-            ">= 0": v >= 0,
-            "(0, 1]": 0 < v <= 1,
-            "[0, 1)": 0 <= v < 1,
-            "(0, 1)": 0 < v < 1,
-            "int >= 0": v >= 0 and v.is_integer(),
-            "int >= 1": v >= 1 and v.is_integer(),
-        }[r]
+        ok = (
+            math.isfinite(v)
+            and {
+                "> 0": v > 0,
+                ">= 0": v >= 0,
+                "(0, 1]": 0 < v <= 1,
+                "[0, 1)": 0 <= v < 1,
+                "(0, 1)": 0 < v < 1,
+                "int >= 0": v >= 0 and v.is_integer(),
+                "int >= 1": v >= 1 and v.is_integer(),
+            }[r]
+        )
         if not ok:
             raise ValueError(f"params.{name}={value!r} must be {r}")
         return int(v) if r.startswith("int") else v

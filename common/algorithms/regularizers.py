@@ -14,6 +14,7 @@ Parameter lists (``anchor``, ``grad_state``) are aligned with the model's traina
 Server updates (:func:`fedavgm_update`, :func:`feddyn_server_update`) work on one tensor at a
 time and return new tensors; apply them to every floating-point tensor of the model.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -71,9 +72,7 @@ def feddyn_client_state_update(
 ) -> list[Tensor]:
     """The client state after local training: ``g_k <- g_k - alpha (w_k - w_g)`` (new tensors)."""
     if not (len(grad_state) == len(local) == len(anchor)):
-        raise ValueError(
-            f"length mismatch: grad_state {len(grad_state)}, local {len(local)}, anchor {len(anchor)}"
-        )
+        raise ValueError(f"length mismatch: grad_state {len(grad_state)}, local {len(local)}, anchor {len(anchor)}")
     return [g - alpha * (w.detach() - a.detach()) for g, w, a in zip(grad_state, local, anchor)]
 
 

@@ -5,11 +5,11 @@ PM, after the GM update: ``CE + lambda_p * D(s(w_p) || s(w_G,i^t))``. The teache
 taken once per phase (frozen); a zero weight drops the term, so ``lambda_g = lambda_p = 0``
 trains the GM exactly as FedAvg does.
 """
+
 from __future__ import annotations
 
 import torch
 from torch import nn
-
 from wafl.common.algorithms.base import Algorithm, Forward, LossTerm, RoundContext
 from wafl.common.algorithms.registry import Param, register
 from wafl.common.algorithms.spectral import scd_term, teacher_spectrum
@@ -41,6 +41,11 @@ def build(p: dict, run: dict) -> Algorithm:
 
 register(
     "scd",
-    {"lambda_g": Param(0.3, ">= 0"), "lambda_p": Param(0.4, ">= 0"), "tau": Param(0.4, "(0, 1]"), "spectrum": Param("model", "model|layer")},
+    {
+        "lambda_g": Param(0.3, ">= 0"),
+        "lambda_p": Param(0.4, ">= 0"),
+        "tau": Param(0.4, "(0, 1]"),
+        "spectrum": Param("model", "model|layer"),
+    },
     build,
 )

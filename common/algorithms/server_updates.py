@@ -1,10 +1,11 @@
 """Server updates with state across rounds (FedAvgM momentum, FedDyn's ``h``), checkpointed."""
+
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
-
 from wafl.common.algorithms.base import ServerUpdate
 from wafl.common.algorithms.regularizers import fedavgm_update, feddyn_server_update
 
@@ -23,7 +24,9 @@ class MomentumUpdate(ServerUpdate):
         self.beta, self.eta = beta, eta
         self.velocity: dict[str, torch.Tensor] = {}
 
-    def finalize(self, prev: Mapping[str, torch.Tensor], mean: dict[str, torch.Tensor], participants: int) -> dict[str, torch.Tensor]:
+    def finalize(
+        self, prev: Mapping[str, torch.Tensor], mean: dict[str, torch.Tensor], participants: int
+    ) -> dict[str, torch.Tensor]:
         out = dict(mean)
         for k, w in prev.items():
             if is_weight(k, w):
@@ -48,12 +51,16 @@ class FedDynUpdate(ServerUpdate):
     def weight(self, num_samples: int) -> float:
         return 1.0
 
-    def finalize(self, prev: Mapping[str, torch.Tensor], mean: dict[str, torch.Tensor], participants: int) -> dict[str, torch.Tensor]:
+    def finalize(
+        self, prev: Mapping[str, torch.Tensor], mean: dict[str, torch.Tensor], participants: int
+    ) -> dict[str, torch.Tensor]:
         out = dict(mean)
         for k, w in prev.items():
             if is_weight(k, w):
                 h = self.h.get(k, torch.zeros_like(w))
-                out[k], self.h[k] = feddyn_server_update(w, mean[k].to(w.dtype) * participants, participants, h, self.alpha, self.num_clients)
+                out[k], self.h[k] = feddyn_server_update(
+                    w, mean[k].to(w.dtype) * participants, participants, h, self.alpha, self.num_clients
+                )
         return out
 
     def state_dict(self) -> dict[str, Any]:

@@ -13,6 +13,7 @@ a KL divergence (a sum over frequencies). Truncation keeps the lowest frequencie
 ``ceil(tau * d)`` entries) and happens *before* normalization, so each truncated spectrum is
 renormalized to a probability vector over the kept entries only.
 """
+
 from __future__ import annotations
 
 import math

@@ -1,7 +1,8 @@
 """Dataset registry. ``digits`` is embedded; the others load from a local folder (``--data-dir``)."""
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from wafl.common.datasets.base import DatasetNotFoundError, FederatedDataset
 from wafl.common.datasets.cifar import load_cifar10, load_cifar100

@@ -1,4 +1,5 @@
 """What a dataset gives the rest of wafl: train/test sets plus their labels for partitioning."""
+
 from __future__ import annotations
 
 import os
@@ -31,7 +32,15 @@ class DatasetNotFoundError(FileNotFoundError):
     """A dataset's files are not in the folder searched; the message names both and the files expected."""
 
 
-def not_found(dataset: str, folder: str, expected: str, how: str, data_dir: str | None, problem: str | None = None, into: str = "root") -> DatasetNotFoundError:
+def not_found(
+    dataset: str,
+    folder: str,
+    expected: str,
+    how: str,
+    data_dir: str | None,
+    problem: str | None = None,
+    into: str = "root",
+) -> DatasetNotFoundError:
     """The error for a dataset whose files are not there: it names the dataset, the folder searched,
     the files expected and how to get them. ``how`` ends with "into" and is completed with the
     data folder (``into="root"``) or its dataset sub-folder (``into="folder"``)."""
@@ -44,4 +53,6 @@ def not_found(dataset: str, folder: str, expected: str, how: str, data_dir: str 
     root = os.path.abspath(data_dir)
     searched = os.path.join(root, folder)
     target = root if into == "root" else searched + "/"
-    return DatasetNotFoundError(f"dataset {dataset!r}: {problem or 'missing files'} in {searched} (expected files: {expected}). To obtain them, {how} {target}.")
+    return DatasetNotFoundError(
+        f"dataset {dataset!r}: {problem or 'missing files'} in {searched} (expected files: {expected}). To obtain them, {how} {target}."
+    )

@@ -9,16 +9,17 @@ Layout under ``data_dir`` (what extracting the official archives gives)::
 The batches are read with :mod:`pickle` directly (no torchvision dataset class, so nothing can
 trigger a download), through an unpickler that only rebuilds numpy arrays.
 """
+
 from __future__ import annotations
 
 import os
 import pickle
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from PIL import Image
 from torch.utils.data import Dataset
-
 from wafl.common.datasets.base import DatasetNotFoundError, FederatedDataset, not_found
 from wafl.common.datasets.transforms import eval_transform, train_transform
 
@@ -82,9 +83,12 @@ def _read_batch(path: str, label_key: str) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(images), labels
 
 
-def _not_found(name: str, archive: str, folder: str, expected: list[str], data_dir: str | None, missing: list[str] | None = None) -> DatasetNotFoundError:
+def _not_found(
+    name: str, archive: str, folder: str, expected: list[str], data_dir: str | None, missing: list[str] | None = None
+) -> DatasetNotFoundError:
     how = f"download {archive} (python version) from {CIFAR_URL} and extract it into"
     return not_found(name, folder, ", ".join(expected), how, data_dir, f"missing {', '.join(missing or expected)}")
+
 
 def _load_cifar(
     name: str,

@@ -1,10 +1,10 @@
 """scikit-learn's bundled 8x8 handwritten digits: the embedded real dataset (no download)."""
+
 from __future__ import annotations
 
 import numpy as np
 import torch
 from torch.utils.data import TensorDataset
-
 from wafl.common.datasets.base import FederatedDataset
 
 TEST_FRACTION = 0.2

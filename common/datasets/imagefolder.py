@@ -11,15 +11,16 @@ loading: each image is opened, converted to RGB and resized when it is fetched, 
 may be far larger than memory. Resizing scales the shorter side to ``image_size`` and keeps
 the central square.
 """
+
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 from PIL import Image
 from torch.utils.data import Dataset
-
 from wafl.common.datasets.base import DatasetNotFoundError, FederatedDataset, not_found
 from wafl.common.datasets.transforms import eval_transform, train_transform
 
@@ -47,7 +48,13 @@ class ImageFileDataset(Dataset):
         return self.transform(rgb), int(self.labels[index])
 
 
-def image_files_dataset(name: str, train: tuple[Sequence[str], np.ndarray], test: tuple[Sequence[str], np.ndarray], num_classes: int, image_size: int) -> FederatedDataset:
+def image_files_dataset(
+    name: str,
+    train: tuple[Sequence[str], np.ndarray],
+    test: tuple[Sequence[str], np.ndarray],
+    num_classes: int,
+    image_size: int,
+) -> FederatedDataset:
     """An RGB image-file dataset (paths and labels per split), resized to ``image_size``."""
     return FederatedDataset(
         name=name,
@@ -86,6 +93,7 @@ def _not_found(data_dir: str | None, problem: str | None = None) -> DatasetNotFo
     )
     return not_found("imagefolder", FOLDER, expected, how, data_dir, problem, into="folder")
 
+
 def load_imagefolder(data_dir: str | None, image_size: int = DEFAULT_IMAGE_SIZE) -> FederatedDataset:
     """Class folders under ``<data_dir>/imagefolder/{train,test}``, images resized to ``image_size``."""
     if data_dir is None:
@@ -123,7 +131,9 @@ def load_imagefolder(data_dir: str | None, image_size: int = DEFAULT_IMAGE_SIZE)
             raise _not_found(data_dir, f"no image files in {split}/<class>/")
         return paths, np.asarray(labels, dtype=np.int64)
 
-    return image_files_dataset("imagefolder", listing(train_dir, "train"), listing(test_dir, "test"), len(classes), image_size)
+    return image_files_dataset(
+        "imagefolder", listing(train_dir, "train"), listing(test_dir, "test"), len(classes), image_size
+    )
 
 
 __all__ = ["IMAGE_EXTENSIONS", "ImageFileDataset", "load_imagefolder"]

@@ -4,12 +4,12 @@ Layout under ``data_dir``: ``svhn/train_32x32.mat`` and ``svhn/test_32x32.mat``.
 ``X`` of shape ``(32, 32, 3, N)`` uint8 and ``y`` of shape ``(N, 1)`` with labels 1..10, where
 10 stands for the digit 0; labels are mapped so that label == digit (10 -> 0).
 """
+
 from __future__ import annotations
 
 import os
 
 import numpy as np
-
 from wafl.common.datasets.base import DatasetNotFoundError, FederatedDataset, not_found
 from wafl.common.datasets.cifar import ArrayImageDataset
 from wafl.common.datasets.transforms import eval_transform, train_transform
@@ -25,7 +25,10 @@ NUM_CLASSES = 10
 def _not_found(data_dir: str | None, missing: list[str] | None = None) -> DatasetNotFoundError:
     expected = [TRAIN_FILE, TEST_FILE]
     how = f"download {', '.join(expected)} (format 2, cropped digits) from {SVHN_URL} into"
-    return not_found("svhn", FOLDER, ", ".join(expected), how, data_dir, f"missing {', '.join(missing or expected)}", into="folder")
+    return not_found(
+        "svhn", FOLDER, ", ".join(expected), how, data_dir, f"missing {', '.join(missing or expected)}", into="folder"
+    )
+
 
 def _read_mat(path: str) -> tuple[np.ndarray, np.ndarray]:
     """``(images (N, 32, 32, 3) uint8, labels (N,) int64 in 0..9)``."""

@@ -3,13 +3,13 @@
 Each class is a fixed random template plus noise, so a model can learn it (accuracy above
 chance means training works) while nothing has to be downloaded. Deterministic from a seed.
 """
+
 from __future__ import annotations
 
 from functools import partial
 
 import numpy as np
 import torch
-
 from wafl.common.datasets.base import FederatedDataset
 from wafl.common.datasets.digits import LabeledTensorDataset
 
@@ -35,7 +35,16 @@ def load_synthetic(name: str, data_dir: str | None = None, seed: int = 0) -> Fed
 
     tx, ty = make(n_train)
     vx, vy = make(n_test)
-    return FederatedDataset(name, LabeledTensorDataset(tx, ty), LabeledTensorDataset(vx, vy), ty.numpy(), vy.numpy(), classes, channels, size)
+    return FederatedDataset(
+        name,
+        LabeledTensorDataset(tx, ty),
+        LabeledTensorDataset(vx, vy),
+        ty.numpy(),
+        vy.numpy(),
+        classes,
+        channels,
+        size,
+    )
 
 
 LOADERS = {name: partial(load_synthetic, name) for name in SHAPES}

@@ -11,12 +11,12 @@ Label = position of the wnid in the sorted wnid list (the order ``ImageFolder`` 
 ``train/``). Images are listed, not decoded, when loading; each is read (and converted to RGB:
 a few are greyscale) when fetched.
 """
+
 from __future__ import annotations
 
 import os
 
 import numpy as np
-
 from wafl.common.datasets.base import DatasetNotFoundError, FederatedDataset, not_found
 from wafl.common.datasets.imagefolder import image_files_dataset
 
@@ -29,12 +29,18 @@ EXPECTED = ["wnids.txt", "train/<wnid>/images/*.JPEG", "val/images/*.JPEG", "val
 def _not_found(data_dir: str | None, missing: list[str] | None = None) -> DatasetNotFoundError:
     shown = missing or EXPECTED
     more = f" (and {len(shown) - 5} more)" if len(shown) > 5 else ""
-    return not_found("tinyimagenet", FOLDER, ", ".join(EXPECTED), f"download {URL} and extract it into", data_dir, f"missing {', '.join(shown[:5])}{more}")
+    return not_found(
+        "tinyimagenet",
+        FOLDER,
+        ", ".join(EXPECTED),
+        f"download {URL} and extract it into",
+        data_dir,
+        f"missing {', '.join(shown[:5])}{more}",
+    )
+
 
 def _jpegs(folder: str) -> list[str]:
-    return sorted(
-        e.name for e in os.scandir(folder) if e.is_file() and e.name.lower().endswith((".jpeg", ".jpg"))
-    )
+    return sorted(e.name for e in os.scandir(folder) if e.is_file() and e.name.lower().endswith((".jpeg", ".jpg")))
 
 
 def load_tinyimagenet(data_dir: str | None) -> FederatedDataset:

@@ -5,6 +5,7 @@ Train transforms add the standard augmentation: a random crop of the same size a
 padding of ``size // 8`` pixels (4 for 32px, 8 for 64px) and, where mirrored images are still
 valid samples, a random horizontal flip (not for SVHN: a mirrored digit is not the same digit).
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

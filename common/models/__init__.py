@@ -1,7 +1,8 @@
 """Model registry: every model is a :class:`SplitModel` (``features`` then ``classifier``)."""
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from wafl.common.models.base import SplitModel
 from wafl.common.models.cnn import digits_cnn

@@ -3,6 +3,7 @@
 FedHKD, FedProto, FedRep and FedRoD need the representation ``h``; every other algorithm only
 calls the model. Keeping the split in one base class lets one trainer serve them all.
 """
+
 from __future__ import annotations
 
 import torch

@@ -1,8 +1,8 @@
 """The small CNN used on the embedded 8x8 digits (and any small single- or three-channel image)."""
+
 from __future__ import annotations
 
 from torch import nn
-
 from wafl.common.models.base import SplitModel
 
 

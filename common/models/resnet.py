@@ -6,12 +6,12 @@ keep their resolution into ``layer1`` and leave ``layer4`` at 4x4. ``fc`` is dro
 ``features`` is stem + ``layer1..4`` + global average pool + flatten + a linear projection to
 ``code_len``, and the :class:`SplitModel` head maps ``code_len`` to the classes.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
 
 from torch import nn
-
 from wafl.common.models.base import SplitModel
 
 

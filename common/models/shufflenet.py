@@ -6,12 +6,12 @@ input to 4x4. ``fc`` is dropped: ``features`` is stem + ``stage2..4`` + ``conv5`
 channels) + global average pool + flatten + a linear projection to ``code_len``, and the
 :class:`SplitModel` head maps ``code_len`` to the classes.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
 
 from torch import nn
-
 from wafl.common.models.base import SplitModel
 from wafl.common.models.resnet import cifar_stem_conv
 
