@@ -33,7 +33,7 @@ async def run_client(
     client_id = f"client-{index}"
     # The first optimizer call imports torch._dynamo (seconds of CPU): do it while joining, not in round 1.
     warm = asyncio.create_task(asyncio.to_thread(_warm_up_torch))
-    probe = Session(address, client_id, index, 0, [], token=token, reconnect_s=reconnect_s, tls=tls)
+    probe = Session(address, client_id, index, 0, token=token, reconnect_s=reconnect_s, tls=tls)
     reply = await probe.join()  # num_samples=0: the configuration, without registering
     await probe.close()
     cfg = RunConfig.from_json(reply.config_json).validate()
@@ -44,7 +44,6 @@ async def run_client(
         client_id,
         index,
         trainer.num_samples,
-        trainer.label_histogram,
         device=dev,
         token=token,
         reconnect_s=reconnect_s,

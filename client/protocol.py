@@ -10,6 +10,13 @@ if selected, train the GM for ``local_epochs`` and
   for the whole download;
 * compute-and-wait: train the PM for ``pm_epochs``, then upload, then idle.
 
+The same code serves both aggregations: under buffered aggregation a client receives a model
+when it is asked to train on it, and uploads its difference to that model. Heterogeneous
+clients (``slowdown``, ``dropout``, see :mod:`wafl.common.heterogeneity`): a slowed-down client
+follows each GM and compute-and-wait PM phase with a ``slowdown`` phase of ``(factor - 1)`` times
+its length (its wait-free PM pauses that long after every step), and a client that drops out
+of a model it was asked to train on spends the time until the next model ``offline``.
+
 Every phase is recorded on the client's timeline; training runs in a worker thread so the
 event loop keeps streaming. The wait-free PM trains in its own thread at nice ``pm_nice``
 (Linux): it is there to fill time the client would otherwise idle, so where clients share
@@ -25,26 +32,56 @@ import functools
 import os
 import sys
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
-from wafl.client.session import ReceivedModel, Session
-from wafl.client.timeline import Timeline
+import torch
+from wafl.client.session import ReceivedModel
+from wafl.client.timeline import PhaseEvent, Timeline
 from wafl.client.trainer import Trainer
+from wafl.common import metrics as M
 from wafl.common.codec import crc32_of
+from wafl.common.heterogeneity import drops_out, slowdowns
+from wafl.common.knowledge import Knowledge
 
 log = structlog.get_logger("client")
 
 
+class Transport(Protocol):
+    """What the protocol needs from its connection to the server: the gRPC
+    :class:`~wafl.client.session.Session` or the in-process :class:`~wafl.client.local.LocalSession`."""
+
+    client_id: str
+
+    def models(self) -> AsyncIterator[ReceivedModel]: ...
+
+    async def upload(
+        self,
+        round: int,
+        state: Mapping[str, torch.Tensor],
+        num_samples: int,
+        metrics: Mapping[str, float],
+        knowledge: Knowledge | None = None,
+    ) -> int: ...
+
+    async def report(
+        self, round: int, metrics: Mapping[str, float], timeline: list[Any] | None = None, start_unix: float = 0.0
+    ) -> None: ...
+
+
 class RoundProtocol:
-    def __init__(self, session: Session, trainer: Trainer, protocol: str) -> None:
+    def __init__(self, session: Transport, trainer: Trainer, protocol: str) -> None:
         if protocol not in ("wait-free", "compute-and-wait"):
             raise ValueError(f"protocol={protocol!r} is not one of ['wait-free', 'compute-and-wait']")
         self.session = session
         self.trainer = trainer
         self.protocol = protocol
+        cfg = trainer.cfg
+        self.slowdown = slowdowns(cfg.slowdown, cfg.num_clients, cfg.seed)[trainer.index]
+        self.deltas = cfg.aggregation == "buffered"  # uploads are differences to the model received
         self.timeline = Timeline()
         self.pm_trained_round: int | None = None
         self.uploads: set[asyncio.Task[Any]] = set()
@@ -54,7 +91,7 @@ class RoundProtocol:
         self.background: ThreadPoolExecutor | None = None
         if protocol == "wait-free" and trainer.algorithm.personalized:
             self.background = ThreadPoolExecutor(
-                1, thread_name_prefix="wafl-pm", initializer=lower_thread_priority, initargs=(trainer.cfg.pm_nice,)
+                1, thread_name_prefix="wafl-pm", initializer=lower_thread_priority, initargs=(cfg.pm_nice,)
             )
 
     async def run(self) -> None:
@@ -66,52 +103,74 @@ class RoundProtocol:
 
     async def _run(self) -> None:
         models = self.session.models()
-        idle_since: float | None = None
+        waiting: tuple[str, int, float] | None = None  # (idle or offline, round, since) until the next model
         async for model in _prefetch(models, self._on_arrival):
-            if idle_since is not None:
-                self.timeline.events.append(_event("idle", model.round - 1, idle_since, self.timeline.now()))
+            if waiting is not None:
+                self.timeline.events.append(PhaseEvent(waiting[0], waiting[1], waiting[2], self.timeline.now()))
             await self._evaluate_pm(model)
             if model.final:
                 await self._drain_uploads()
                 final = {
-                    "final": 1.0,
-                    "bytes_up": float(self.bytes_up),
-                    "global_crc32": float(crc32_of(model.state.values())),
+                    M.FINAL: 1.0,
+                    M.BYTES_UP: float(self.bytes_up),
+                    M.GLOBAL_CRC32: float(crc32_of(model.state.values())),
                 }
                 await self.session.report(model.round - 1, final, self.timeline.events, self.timeline.start_unix)
                 log.info("run.final", round=model.round - 1)
                 return
-            await self._round(model)
-            idle_since = self.timeline.now()
+            online = await self._round(model)
+            waiting = ("idle" if online else "offline", model.round, self.timeline.now())
 
     def _on_arrival(self) -> None:
         self.arrived += 1
 
-    async def _round(self, model: ReceivedModel) -> None:
+    async def _slow_down(self, phase_s: float, round: int) -> None:
+        """A slower device: the phase just measured is stretched to ``slowdown`` times its length."""
+        if self.slowdown > 1.0:
+            with self.timeline.phase("slowdown", round):
+                await asyncio.sleep((self.slowdown - 1.0) * phase_s)
+
+    def _pacer(self) -> Callable[[int], None] | None:
+        """For the wait-free PM of a slowed-down client: each step is followed by its stretch."""
+        if self.slowdown <= 1.0:
+            return None
+        last = [time.perf_counter()]
+
+        def pace(_: int) -> None:
+            time.sleep((self.slowdown - 1.0) * (time.perf_counter() - last[0]))
+            last[0] = time.perf_counter()
+
+        return pace
+
+    async def _round(self, model: ReceivedModel) -> bool:
+        """Trains on one model as asked; returns False when the client went offline instead."""
         t = self.trainer
+        cfg = t.cfg
         r = model.round
         seen = self.arrived
-        await asyncio.to_thread(t.begin_round, r, model.state, model.knowledge, model.server_state)
-        selected = self.session.client_id in model.selected
+        await asyncio.to_thread(t.begin_round, r, model.state, model.knowledge)
+        selected = model.train
+        if selected and drops_out(cfg.seed, t.index, r, cfg.dropout):
+            log.info("offline", round=r)
+            return False
         if selected:
+            start = self.timeline.now()
             with self.timeline.phase("gm_train", r):
                 stats = await asyncio.to_thread(t.train_gm)
                 knowledge = await asyncio.to_thread(t.knowledge)
-                metrics = {"train_loss": stats.mean_loss, "train_steps": float(stats.steps)}
+                metrics = {M.TRAIN_LOSS: stats.mean_loss, M.TRAIN_STEPS: float(stats.steps)}
                 if t.algorithm.knowledge is not None:
-                    metrics["knowledge_received"] = float(len(model.knowledge))
+                    metrics[M.KNOWLEDGE_RECEIVED] = float(len(model.knowledge))
                 if t.algorithm.local_model_is_personal:
                     acc, n = await asyncio.to_thread(t.evaluate_local, t.gm)
-                    metrics.update(pm_accuracy=acc, pm_test_samples=float(n))
-                state = await asyncio.to_thread(t.gm_upload_state)
-        if (
-            t.algorithm.personalized
-            and self.protocol == "compute-and-wait"
-            and selected
-            and self.trainer.cfg.pm_epochs > 0
-        ):
+                    metrics.update({M.PM_ACCURACY: acc, M.PM_TEST_SAMPLES: float(n)})
+                state = await asyncio.to_thread(t.gm_upload_state, model.state if self.deltas else None)
+            await self._slow_down(self.timeline.now() - start, r)
+        if t.algorithm.personalized and self.protocol == "compute-and-wait" and selected and cfg.pm_epochs > 0:
+            start = self.timeline.now()
             with self.timeline.phase("pm_train", r):
-                await asyncio.to_thread(t.train_pm, None, float(t.cfg.pm_epochs))
+                await asyncio.to_thread(t.train_pm, None, float(cfg.pm_epochs))
+            await self._slow_down(self.timeline.now() - start, r)
             self.pm_trained_round = r
         if selected:
             upload = asyncio.create_task(self._upload(r, state, metrics, knowledge))
@@ -124,10 +183,13 @@ class RoundProtocol:
             and self.protocol == "wait-free"
             and (selected or self.pm_trained_round is not None)
         ):
-            train = functools.partial(t.train_pm, lambda: self.arrived > seen, t.cfg.pm_max_epochs, t.cfg.pm_min_steps)
+            train = functools.partial(
+                t.train_pm, lambda: self.arrived > seen, cfg.pm_max_epochs, cfg.pm_min_steps, self._pacer()
+            )
             with self.timeline.phase("pm_train", r):
                 await asyncio.get_running_loop().run_in_executor(self.background, train)
             self.pm_trained_round = r
+        return True
 
     async def _upload(self, r: int, state: Any, metrics: dict[str, float], knowledge: Any) -> None:
         with self.timeline.phase("upload", r):
@@ -142,7 +204,7 @@ class RoundProtocol:
         with self.timeline.phase("evaluate", r):
             acc, n = await asyncio.to_thread(self.trainer.evaluate_local, self.trainer.pm)
         self.pm_trained_round = None
-        report = asyncio.create_task(self.session.report(r, {"pm_accuracy": acc, "pm_test_samples": float(n)}))
+        report = asyncio.create_task(self.session.report(r, {M.PM_ACCURACY: acc, M.PM_TEST_SAMPLES: float(n)}))
         self.reports.add(report)
         report.add_done_callback(self.reports.discard)
 
@@ -159,12 +221,6 @@ def lower_thread_priority(nice: int) -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
     except OSError as e:  # e.g. a seccomp profile that forbids it: the PM runs at normal priority
         log.warning("pm.nice_failed", nice=nice, error=str(e))
-
-
-def _event(phase: str, round: int, start: float, end: float) -> Any:
-    from wafl.client.timeline import PhaseEvent
-
-    return PhaseEvent(phase, round, start, end)
 
 
 async def _prefetch(models: Any, on_arrival: Callable[[], None] | None = None) -> Any:

@@ -18,13 +18,12 @@ from typing import Any
 import grpc
 import structlog
 import torch
-from wafl.common.algorithms.hyperknowledge import ClassKnowledge
-from wafl.common.checksum import crc32
-from wafl.common.codec import ChunkError, Manifest, RawChunk, TensorSpec, TransferChecker, iter_chunks
+from wafl.common.codec import ChunkError, Manifest, TensorSpec, tensor_from_bytes
+from wafl.common.knowledge import Knowledge, from_proto, to_proto
 from wafl.common.proto import federation_pb2 as pb
 from wafl.common.tls import ClientTls
 from wafl.common.tls import channel as tls_channel
-from wafl.common.wire import ChunkBatch, chunks_of, decode_broadcast, encode_upload, group_chunks
+from wafl.common.wire import TransferReader, decode_broadcast, encode_upload, write_transfer
 
 PROTOCOL_VERSION = 1
 RETRYABLE = {
@@ -72,12 +71,11 @@ class Backoff:
 
 @dataclass
 class ReceivedModel:
-    round: int
-    selected: set[str]
+    round: int  # the round it opens (sync) or its version (buffered)
+    train: bool  # this client is asked to train on it
     final: bool
     state: dict[str, torch.Tensor]
-    knowledge: dict[int, ClassKnowledge]
-    server_state: dict[str, Any]
+    knowledge: Knowledge
     nbytes: int = 0
 
 
@@ -87,14 +85,12 @@ class Session:
     client_id: str
     client_index: int
     num_samples: int
-    label_histogram: list[int]
     device: str = "cpu"
     token: str = ""
     reconnect_s: float = 120.0
     run_id: str = ""
     join_reply: pb.JoinReply | None = None
     manifest: Manifest = ()
-    headers_seen: int = 0  # broadcast headers received (a broadcast is in flight when this runs ahead)
     tls: ClientTls | None = None  # None: plaintext
     _channel: grpc.aio.Channel | None = field(default=None, repr=False)
 
@@ -137,7 +133,6 @@ class Session:
             protocol_version=PROTOCOL_VERSION,
             client_index=self.client_index,
             num_samples=self.num_samples,
-            label_histogram=self.label_histogram,
             device=self.device,
         )
         while True:
@@ -163,27 +158,14 @@ class Session:
         while True:
             try:
                 call = self._broadcasts(pb.BroadcastRequest(run_id=self.run_id, client_id=self.client_id))
-                assembler: _Assembler | None = None
+                assembler = ModelAssembler(self.manifest)
                 async for msg in call:
-                    if isinstance(msg, (RawChunk, ChunkBatch)):
-                        if assembler is None:
-                            raise ChunkError("chunk before a broadcast header")
-                        for c in chunks_of(msg):
-                            assembler.add(c)
-                        continue
-                    kind = msg.WhichOneof("kind")
-                    if kind == "header":
-                        self.headers_seen += 1
-                        assembler = _Assembler(self.manifest, msg.header)
-                    elif kind == "knowledge" and assembler is not None:
-                        assembler.knowledge.append(msg.knowledge)
-                    elif kind == "trailer" and assembler is not None:
-                        model = assembler.finish(msg.trailer.crc32)
+                    model = assembler.feed(msg)
+                    if model is not None:
                         backoff.reset()
                         yield model
                         if model.final:
                             return
-                        assembler = None
                 log.warning("broadcasts.ended_early")
                 await backoff.wait("broadcast stream ended")
             except grpc.aio.AioRpcError as e:
@@ -203,14 +185,22 @@ class Session:
         state: Mapping[str, torch.Tensor],
         num_samples: int,
         metrics: Mapping[str, float],
-        knowledge: Mapping[int, ClassKnowledge] | None = None,
+        knowledge: Knowledge | None = None,
     ) -> int:
         """Streams one update; returns the bytes the server acknowledged (0 if it refused it)."""
         key = uuid.uuid4().hex
         backoff = Backoff(deadline_s=self.reconnect_s)
         while True:
             try:
-                reply = await self._upload(self._upload_messages(round, state, num_samples, metrics, knowledge, key))
+                header = pb.UploadHeader(
+                    run_id=self.run_id,
+                    round=round,
+                    client_id=self.client_id,
+                    num_samples=num_samples,
+                    idempotency_key=key,
+                    metrics=dict(metrics),
+                )
+                reply = await self._upload(upload_messages(header, state, knowledge))
                 return int(reply.bytes_received)
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.ALREADY_EXISTS:
@@ -222,53 +212,10 @@ class Session:
                     raise
                 await backoff.wait(f"upload: {e.code().name}")
 
-    async def _upload_messages(
-        self,
-        round: int,
-        state: Mapping[str, torch.Tensor],
-        num_samples: int,
-        metrics: Mapping[str, float],
-        knowledge: Mapping[int, ClassKnowledge] | None,
-        key: str,
-    ) -> AsyncIterator[object]:
-        yield pb.UploadMessage(
-            header=pb.UploadHeader(
-                run_id=self.run_id,
-                round=round,
-                client_id=self.client_id,
-                num_samples=num_samples,
-                idempotency_key=key,
-                metrics=dict(metrics),
-            )
-        )
-        crc = 0
-        n = 0
-        for message in group_chunks(iter_chunks(state.items())):
-            for chunk in chunks_of(message):
-                crc = crc32(chunk.data, crc)
-                n += 1
-            yield message
-        for k in sorted((knowledge or {}).values(), key=lambda k: k.class_id):
-            yield pb.UploadMessage(
-                knowledge=pb.ClassKnowledge(
-                    class_id=k.class_id, count=k.count, representation=k.rep.tolist(), soft_prediction=k.soft.tolist()
-                )
-            )
-        yield pb.UploadMessage(trailer=pb.UploadTrailer(crc32=crc, num_chunks=n))
-
     async def report(
         self, round: int, metrics: Mapping[str, float], timeline: list[Any] | None = None, start_unix: float = 0.0
     ) -> None:
-        req = pb.ReportRequest(
-            run_id=self.run_id,
-            client_id=self.client_id,
-            round=round,
-            metrics=dict(metrics),
-            timeline=[
-                pb.PhaseEvent(phase=e.phase, round=e.round, start_s=e.start_s, end_s=e.end_s) for e in (timeline or [])
-            ],
-            client_start_unix=start_unix,
-        )
+        req = report_request(self.run_id, self.client_id, round, metrics, timeline, start_unix)
         backoff = Backoff(deadline_s=min(30.0, self.reconnect_s))
         while True:
             try:
@@ -285,37 +232,59 @@ class Session:
                     return
 
 
-class _Assembler:
-    """Rebuilds a broadcast model from its chunks, checked against the manifest and the CRC."""
+async def upload_messages(
+    header: pb.UploadHeader, state: Mapping[str, torch.Tensor], knowledge: Knowledge | None
+) -> AsyncIterator[object]:
+    """One upload's messages: the header, then the transfer (:func:`~wafl.common.wire.write_transfer`)."""
+    yield pb.UploadMessage(header=header)
+    for m in write_transfer(pb.UploadMessage, state.items(), to_proto(knowledge or {})):
+        yield m
 
-    def __init__(self, manifest: Manifest, header: pb.BroadcastHeader) -> None:
-        self.header = header
-        self.checker = TransferChecker(manifest, require_finite=False)
-        self.buffers = {s.name: bytearray(s.nbytes) for s in manifest}
-        self.knowledge: list[pb.ClassKnowledge] = []
 
-    def add(self, c: RawChunk) -> None:
-        self.checker.check(c)
-        n = len(c.data)
-        self.buffers[c.name][c.offset : c.offset + n] = c.data
+def report_request(
+    run_id: str,
+    client_id: str,
+    round: int,
+    metrics: Mapping[str, float],
+    timeline: list[Any] | None = None,
+    start_unix: float = 0.0,
+) -> pb.ReportRequest:
+    return pb.ReportRequest(
+        run_id=run_id,
+        client_id=client_id,
+        round=round,
+        metrics=dict(metrics),
+        timeline=[pb.PhaseEvent(phase=e.phase, round=e.round, start_s=e.start_s, end_s=e.end_s) for e in timeline or []],
+        client_start_unix=start_unix,
+    )
 
-    def finish(self, crc: int) -> ReceivedModel:
-        import json
 
-        from wafl.common.codec import tensor_from_bytes
+class ModelAssembler:
+    """Rebuilds the models of a broadcast stream (header, transfer) with the shared
+    :class:`~wafl.common.wire.TransferReader`; :meth:`feed` returns a model once its trailer passed."""
 
-        self.checker.finish(crc)
-        state = {s.name: tensor_from_bytes(self.buffers[s.name], s) for s in self.checker.manifest}
-        know = {
-            k.class_id: ClassKnowledge(
-                k.class_id,
-                k.count,
-                torch.tensor(list(k.representation), dtype=torch.float32),
-                torch.tensor(list(k.soft_prediction), dtype=torch.float32),
-            )
-            for k in self.knowledge
-        }
-        h = self.header
-        return ReceivedModel(
-            h.round, set(h.selected), h.final, state, know, json.loads(h.server_state_json or "{}"), self.checker.bytes
-        )
+    def __init__(self, manifest: Manifest) -> None:
+        self.manifest = manifest
+        self.header: pb.BroadcastHeader | None = None
+        self.reader: TransferReader | None = None
+        self.buffers: dict[str, bytearray] = {}
+
+    def feed(self, msg: object) -> ReceivedModel | None:
+        if isinstance(msg, pb.BroadcastMessage) and msg.WhichOneof("kind") == "header":
+            self.header = msg.header
+            self.reader = TransferReader(self.manifest, max_knowledge=1 << 16)
+            self.buffers = {s.name: bytearray(s.nbytes) for s in self.manifest}
+            return None
+        if self.reader is None or self.header is None:
+            raise ChunkError("broadcast message before a header")
+        for _, c in self.reader.feed(msg):
+            self.buffers[c.name][c.offset : c.offset + len(c.data)] = c.data
+        if self.reader.trailer is None:
+            return None
+        self.reader.finish()
+        state = {s.name: tensor_from_bytes(self.buffers[s.name], s) for s in self.manifest}
+        h, nbytes = self.header, self.reader.bytes
+        knowledge = from_proto(self.reader.knowledge)
+        self.header = self.reader = None
+        self.buffers = {}
+        return ReceivedModel(h.round, h.train, h.final, state, knowledge, nbytes)

@@ -1,4 +1,4 @@
-"""A client's phase timeline (gm_train, upload, pm_train, idle, evaluate) on a monotonic clock."""
+"""A client's phase timeline (gm_train, upload, pm_train, idle, evaluate, slowdown, offline) on a monotonic clock."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-PHASES = ("gm_train", "upload", "pm_train", "idle", "evaluate")
+PHASES = ("gm_train", "upload", "pm_train", "idle", "evaluate", "slowdown", "offline")
 
 
 @dataclass

@@ -65,7 +65,6 @@ class Trainer:
         self.train_idx = shard.train
         self.test_idx = shard.test
         counts = np.bincount(self.data.train_labels[self.train_idx], minlength=self.data.num_classes)
-        self.label_histogram = counts.tolist()
         self.label_freq = torch.as_tensor(counts / counts.sum(), dtype=torch.float32, device=self.device)
         torch.manual_seed(cfg.seed)  # every process starts from the same initial weights
         self.gm = build_model(
@@ -87,21 +86,13 @@ class Trainer:
         return int(len(self.train_idx))
 
     # -------------------------------------------------------------- rounds
-    def begin_round(
-        self,
-        round: int,
-        global_state: Mapping[str, torch.Tensor],
-        knowledge: Any = None,
-        server_state: Mapping[str, Any] | None = None,
-    ) -> RoundContext:
+    def begin_round(self, round: int, global_state: Mapping[str, torch.Tensor], knowledge: Any = None) -> RoundContext:
         state = {k: v.to(self.device) for k, v in global_state.items()}
         self.gm.load_state_dict(state)
         if self.pm is not None and not self.pm_initialized:
             self.pm.load_state_dict(state)  # the PM starts equal to the first global model
             self.pm_initialized = True
-        self.ctx = RoundContext(
-            round, state, self.gm, self.pm, self.label_freq, self.client_state, knowledge, server_state
-        )
+        self.ctx = RoundContext(round, state, self.gm, self.pm, self.label_freq, self.client_state, knowledge)
         return self.ctx
 
     def _optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -119,9 +110,14 @@ class Trainer:
         return stats
 
     def train_pm(
-        self, should_stop: Callable[[], bool] | None = None, num_epochs: float | None = None, min_steps: int = 0
+        self,
+        should_stop: Callable[[], bool] | None = None,
+        num_epochs: float | None = None,
+        min_steps: int = 0,
+        on_step: Callable[[int], None] | None = None,
     ) -> PhaseStats:
-        """Trains the PM for ``num_epochs`` (None: until ``should_stop``), on its own CUDA stream on a GPU."""
+        """Trains the PM for ``num_epochs`` (None: until ``should_stop``), on its own CUDA stream on a GPU;
+        ``on_step`` runs after every step (a slowed-down client's pacing)."""
         assert self.ctx is not None and self.pm is not None and self.algorithm.pm_terms is not None
         data = epochs(self.data.train, self.train_idx, self.cfg.batch_size, self.rng, num_epochs, self.device)
         if self.pm_optimizer is None:
@@ -130,18 +126,23 @@ class Trainer:
             self.pm_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.pm_stream):
                 stats = run_phase(
-                    self.pm, self.algorithm.pm_terms, self.ctx, data, self.pm_optimizer, should_stop, min_steps
+                    self.pm, self.algorithm.pm_terms, self.ctx, data, self.pm_optimizer, should_stop, min_steps, on_step
                 )
             self.pm_stream.synchronize()
         else:
             stats = run_phase(
-                self.pm, self.algorithm.pm_terms, self.ctx, data, self.pm_optimizer, should_stop, min_steps
+                self.pm, self.algorithm.pm_terms, self.ctx, data, self.pm_optimizer, should_stop, min_steps, on_step
             )
         self.save_state()
         return stats
 
-    def gm_upload_state(self) -> OrderedDict[str, torch.Tensor]:
-        return OrderedDict((k, v.detach().to("cpu", copy=True).contiguous()) for k, v in self.gm.state_dict().items())
+    def gm_upload_state(self, base: Mapping[str, torch.Tensor] | None = None) -> OrderedDict[str, torch.Tensor]:
+        """The GM's tensors on the CPU, or their difference to ``base`` (buffered aggregation's delta)."""
+        out: OrderedDict[str, torch.Tensor] = OrderedDict()
+        for k, v in self.gm.state_dict().items():
+            t = v.detach().to("cpu", copy=True)
+            out[k] = (t - base[k].to(t.dtype) if base is not None else t).contiguous()
+        return out
 
     def knowledge(self) -> Any:
         if self.algorithm.knowledge is None or self.ctx is None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from wafl.common.checksum import crc32
+from wafl.common.errors import Code, Refused
 from wafl.common.proto import federation_pb2 as pb
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
@@ -196,12 +197,8 @@ def numpy_view(data: memoryview | bytes, wire: int) -> np.ndarray:
     return np.frombuffer(data, dtype=np_dtype)
 
 
-class ChunkError(ValueError):
-    """A chunk or a transfer violates the manifest; ``code`` names the gRPC status to answer with."""
-
-    def __init__(self, message: str, code: str = "INVALID_ARGUMENT") -> None:
-        super().__init__(message)
-        self.code = code
+class ChunkError(Refused):
+    """A chunk or a transfer violates the manifest (``INVALID_ARGUMENT`` unless ``code`` says otherwise)."""
 
 
 class TransferChecker:
@@ -239,7 +236,7 @@ class TransferChecker:
         if n > self.max_chunk_bytes:
             raise ChunkError(
                 f"chunk of tensor {c.name!r} has {n} bytes, more than the {self.max_chunk_bytes} allowed",
-                "RESOURCE_EXHAUSTED",
+                Code.RESOURCE_EXHAUSTED,
             )
         i = self.by_name[c.name]
         spec = self.manifest[i]
@@ -299,5 +296,5 @@ class TransferChecker:
             raise ChunkError(f"tensor {spec.name!r} is missing or incomplete ({self.offset} of {spec.nbytes} bytes)")
         if trailer_crc != self.crc:
             raise ChunkError(
-                f"transfer CRC-32 {trailer_crc:#010x} does not match the data received ({self.crc:#010x})", "DATA_LOSS"
+                f"transfer CRC-32 {trailer_crc:#010x} does not match the data received ({self.crc:#010x})", Code.DATA_LOSS
             )

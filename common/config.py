@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 PROTOCOLS = ("wait-free", "compute-and-wait")
+AGGREGATIONS = ("sync", "buffered")
+STALENESS = ("sqrt", "constant", "poly", "hinge")
 OPTIMIZERS = ("sgd", "adam")
 
 
@@ -43,6 +45,18 @@ class RunConfig:
     join_timeout_s: float = 300.0
     max_round_retries: int = 3
     seed: int = 0
+    # aggregation: lock-step rounds, or buffered asynchronous (FedBuff)
+    aggregation: str = "sync"
+    concurrency: int | None = None  # buffered: clients training at once (None: every client)
+    buffer_size: int | None = None  # buffered: accepted updates per new version (None: half the concurrency)
+    staleness: str = "sqrt"  # buffered: update weight by age in versions: sqrt 1/sqrt(1+s), poly, hinge, constant
+    staleness_a: float = 0.5  # poly: (1+s)^-a; hinge: 1/(a(s-b)+1) beyond b
+    staleness_b: int = 4  # hinge: the age up to which updates count fully
+    max_staleness: int = 20  # buffered: older updates are refused
+    server_lr: float = 1.0  # buffered: step size of the averaged update
+    # heterogeneous clients (reproducible from the seed)
+    slowdown: str = "none"  # compute slow-down per client: none, "1,2,4,...", lognormal:sigma=S
+    dropout: float = 0.0  # probability that a client asked to train goes offline until the next model
     # model and local training
     model: str = "cnn"
     code_len: int = 32
@@ -93,6 +107,14 @@ class RunConfig:
         _positive("join_timeout_s", self.join_timeout_s)
         _int_at_least("max_round_retries", self.max_round_retries, 0)
         _int_at_least("seed", self.seed, 0)
+        self._validate_aggregation()
+        try:
+            from wafl.common.heterogeneity import slowdowns
+
+            slowdowns(self.slowdown, self.num_clients, self.seed)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        _in_range("dropout", self.dropout, 0.0, 1.0, high_open=True)
         _int_at_least("code_len", self.code_len, 1)
         _positive("lr", self.lr)
         _in_range("momentum", self.momentum, 0.0, 1.0, high_open=True)
@@ -118,6 +140,52 @@ class RunConfig:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         return self
+
+    def _validate_aggregation(self) -> None:
+        _one_of("aggregation", self.aggregation, AGGREGATIONS)
+        _one_of("staleness", self.staleness, STALENESS)
+        if self.concurrency is not None:
+            _int_at_least("concurrency", self.concurrency, 1)
+            if self.concurrency > self.num_clients:
+                raise ConfigError(f"concurrency={self.concurrency} is more than num_clients={self.num_clients}")
+        if self.buffer_size is not None:
+            _int_at_least("buffer_size", self.buffer_size, 1)
+            if self.buffer_size > (self.concurrency or self.num_clients):
+                raise ConfigError(
+                    f"buffer_size={self.buffer_size} is more than the {self.concurrency or self.num_clients} clients "
+                    "that train at once (concurrency): no version could ever be published"
+                )
+        _positive("staleness_a", self.staleness_a)
+        _int_at_least("staleness_b", self.staleness_b, 0)
+        _int_at_least("max_staleness", self.max_staleness, 0)
+        _positive("server_lr", self.server_lr)
+        if self.aggregation != "buffered":
+            return
+        if self.fraction != 1.0 or self.act_prob is not None or self.min_clients is not None:
+            raise ConfigError(
+                "fraction, act_prob and min_clients apply to aggregation='sync'; "
+                "buffered aggregation sets how many clients train at once with concurrency"
+            )
+        from wafl.common.algorithms import registry
+
+        try:
+            algo = registry.resolve(self.algorithm, self.params, dataclasses.asdict(self))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if not algo.server.buffered_ok:
+            raise ConfigError(
+                f"algorithm={self.algorithm!r} does not combine with aggregation='buffered': its server update "
+                f"({type(algo.server).__name__}) keeps state built from one round's full models, while buffered "
+                "aggregation publishes versions from stale, staleness-weighted deltas"
+            )
+
+    @property
+    def buffered_concurrency(self) -> int:
+        return self.concurrency or self.num_clients
+
+    @property
+    def buffered_size(self) -> int:
+        return self.buffer_size or max(1, self.buffered_concurrency // 2)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

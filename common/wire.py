@@ -14,8 +14,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
+import torch
 from google.protobuf.message import DecodeError, Message
-from wafl.common.codec import CHUNK_BYTES, RawChunk
+from wafl.common.checksum import crc32
+from wafl.common.codec import CHUNK_BYTES, ChunkError, Manifest, RawChunk, TensorSpec, TransferChecker, iter_chunks
 from wafl.common.proto import federation_pb2 as pb
 
 CHUNK_FIELD = 2  # field number of `chunk` in UploadMessage and BroadcastMessage
@@ -233,3 +235,79 @@ decode_upload = _decoder(pb.UploadMessage)
 encode_upload = _encoder(pb.UploadMessage)
 decode_broadcast = _decoder(pb.BroadcastMessage)
 encode_broadcast = _encoder(pb.BroadcastMessage)
+
+
+# ----------------------------------------------------------------------------- one transfer, both directions
+TransferMessage = type[pb.UploadMessage] | type[pb.BroadcastMessage]
+
+
+def write_transfer(
+    cls: TransferMessage, tensors: Iterable[tuple[str, torch.Tensor]], knowledge: Iterable[pb.ClassKnowledge] = ()
+) -> Iterator[object]:
+    """The messages of one model transfer after its header, in either direction: the tensors in
+    manifest order as chunks and chunk batches, then the knowledge, then the trailer (CRC-32 of
+    every tensor byte in order, and the number of chunks)."""
+    crc = 0
+    count = 0
+    for message in group_chunks(iter_chunks(tensors)):
+        for c in chunks_of(message):
+            crc = crc32(c.data, crc)
+            count += 1
+        yield message
+    for k in knowledge:
+        yield cls(knowledge=k)
+    trailer = pb.UploadTrailer if cls is pb.UploadMessage else pb.BroadcastTrailer
+    yield cls(trailer=trailer(crc32=crc, num_chunks=count))
+
+
+class TransferReader:
+    """Reads the messages of one transfer after its header, in either direction.
+
+    Tensor messages come first, each chunk checked against the manifest (order, name, dtype,
+    shape, offsets, size), then at most ``max_knowledge`` knowledge messages, then the trailer;
+    nothing may follow it. :meth:`feed` returns the checked chunks of a tensor message;
+    :meth:`finish` checks completeness, the CRC-32 (computed here unless ``compute_crc`` is
+    False and the caller passes its own) and the chunk count. Violations raise ``ChunkError``.
+    """
+
+    def __init__(self, manifest: Manifest, max_knowledge: int, compute_crc: bool = True) -> None:
+        self.checker = TransferChecker(manifest, require_finite=False, compute_crc=compute_crc)
+        self.max_knowledge = max_knowledge
+        self.knowledge: list[pb.ClassKnowledge] = []
+        self.trailer: pb.UploadTrailer | pb.BroadcastTrailer | None = None
+
+    @property
+    def bytes(self) -> int:
+        return self.checker.bytes
+
+    def feed(self, msg: object) -> list[tuple[TensorSpec, RawChunk]]:
+        if self.trailer is not None:
+            raise ChunkError("message after the trailer")
+        if isinstance(msg, (RawChunk, ChunkBatch)):
+            if self.knowledge:
+                raise ChunkError("tensor chunk after knowledge")
+            chunks = chunks_of(msg)
+            if not chunks:
+                raise ChunkError("empty chunk batch")
+            return [(self.checker.check(c), c) for c in chunks]
+        kind = msg.WhichOneof("kind")  # type: ignore[attr-defined]
+        if kind == "knowledge":
+            if len(self.knowledge) >= self.max_knowledge:
+                raise ChunkError(
+                    "this run's algorithm exchanges no knowledge"
+                    if self.max_knowledge == 0
+                    else f"more than {self.max_knowledge} knowledge entries"
+                )
+            self.knowledge.append(msg.knowledge)  # type: ignore[attr-defined]
+        elif kind == "trailer":
+            self.trailer = msg.trailer  # type: ignore[attr-defined]
+        else:
+            raise ChunkError(f"unexpected {kind or 'empty'} message inside a transfer")
+        return []
+
+    def finish(self, crc: int | None = None) -> None:
+        if self.trailer is None:
+            raise ChunkError("the transfer ended without a trailer (stream cut off)")
+        self.checker.finish(self.trailer.crc32, crc)
+        if self.trailer.num_chunks and self.trailer.num_chunks != self.checker.chunks:
+            raise ChunkError(f"trailer counts {self.trailer.num_chunks} chunks, {self.checker.chunks} arrived")

@@ -27,6 +27,7 @@ from wafl.common.codec import (
     numpy_view,
     torch_dtype,
 )
+from wafl.common.errors import Code
 
 
 class SpillPool:
@@ -147,7 +148,7 @@ class UploadFold:
         start = chunk.offset // itemsize(spec.dtype)
         with self.acc.lock:  # the spill write too: a rollback must never interleave with it
             if self.state != "open":
-                raise ChunkError("the round closed while this upload was streaming", "ABORTED")
+                raise ChunkError("the round closed while this upload was streaming", Code.ABORTED)
             self.spill.write(chunk.data)
             target = self.acc.sums[spec.name][start : start + values.size]
             np.add(target, contribution, out=target)
@@ -156,7 +157,7 @@ class UploadFold:
     def commit(self) -> None:
         with self.acc.lock:
             if self.state != "open":
-                raise ChunkError("the round closed while this upload was streaming", "ABORTED")
+                raise ChunkError("the round closed while this upload was streaming", Code.ABORTED)
             self.acc.total_weight += self.weight
             self.acc.count += 1
             self.state = "committed"

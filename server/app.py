@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 
@@ -67,12 +66,7 @@ async def serve(
         tmp.replace(ready_file)
     code = 0
     try:
-        await engine.run()
-        try:
-            await asyncio.wait_for(engine.final_reported.wait(), final_report_timeout_s)
-        except TimeoutError:
-            log.warning("final_reports.missing", got=len(engine.final_reports), clients=len(engine.clients))
-        engine.results.close_before(cfg.rounds + 1)
+        await engine.run_to_end(final_report_timeout_s)
     except Exception as e:  # a run that cannot finish is logged with its reason
         log.error("run.aborted", error=str(e))
         code = 1

@@ -1,11 +1,12 @@
-"""The round engine: join -> (select -> broadcast -> collect -> aggregate -> evaluate ->
-checkpoint)* -> final broadcast.
+"""The engine: drives I/O and time for one run; its strategy (``strategy.py``) makes every decision.
 
-It owns the global model and every piece of run state; the gRPC service (``service.py``)
-only translates messages and statuses. A round closes when every selected client uploaded,
-or when its deadline passed with at least ``min_clients`` uploads; a deadline that passes
-with fewer is extended (``max_round_retries`` times), after which the round closes with
-whatever arrived, so a dead or slow client can never stall the run.
+join -> start -> (collect -> close -> drain -> aggregate -> evaluate -> checkpoint -> publish)* ->
+final model. The engine owns the global model, the clients' mailboxes and the record of the run;
+it waits on events and deadlines, runs heavy work (aggregation, evaluation, encoding, zeroing
+sums) in worker threads, and hands each client what the strategy decided. It knows no transport:
+the gRPC service (``service.py``) and the in-process transport (``wafl.client.local``) both call
+:meth:`RoundEngine.join`, :meth:`RoundEngine.deliveries`, :func:`~wafl.server.upload.receive_upload`
+and :meth:`RoundEngine.report`.
 """
 
 from __future__ import annotations
@@ -15,33 +16,34 @@ import json
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import structlog
 import torch
+from wafl.common import metrics as M
 from wafl.common.algorithms import registry
-from wafl.common.algorithms.hyperknowledge import ClassKnowledge, Knowledge, KnowledgeAccumulator
-from wafl.common.codec import Manifest, crc32_of, iter_chunks, manifest_of
+from wafl.common.codec import Manifest, manifest_of
 from wafl.common.config import RunConfig
 from wafl.common.datasets import load_dataset
+from wafl.common.errors import Code, Refused
+from wafl.common.knowledge import Knowledge, to_proto
 from wafl.common.models import build_model
 from wafl.common.proto import federation_pb2 as pb
 from wafl.common.training import evaluate
-from wafl.common.wire import PreEncoded, encode_tensors, group_chunks
+from wafl.common.wire import PreEncoded, encode_tensors, write_transfer
 from wafl.server.aggregator import Accumulator
 from wafl.server.checkpoint import load_checkpoint, save_checkpoint
 from wafl.server.results import ResultsLog, round_
-from wafl.server.selection import select_clients
+from wafl.server.strategy import Collection, Deliveries, RunAborted, make_strategy
+from wafl.server.upload import Upload
 
 log = structlog.get_logger("server")
 
-
-class RunAborted(RuntimeError):
-    pass
+__all__ = ["ClientInfo", "Publication", "RoundEngine", "RunAborted"]
 
 
 @dataclass
@@ -49,37 +51,25 @@ class ClientInfo:
     client_id: str
     index: int
     num_samples: int
-    label_histogram: list[int]
     device: str
     joined_at: float
 
 
 @dataclass
-class Broadcast:
-    """One global model, encoded once and streamed to every subscriber."""
+class Publication:
+    """One global model, encoded once for every recipient."""
 
-    version: int
-    header: pb.BroadcastHeader
-    chunks: list[PreEncoded]
-    knowledge: list[pb.ClassKnowledge]
-    trailer: pb.BroadcastTrailer
+    round: int  # the round it opens (sync) or its version (buffered); rounds + 1 for the final one
+    final: bool
+    messages: list[object]  # the transfer after the header: chunk messages, knowledge, trailer
     nbytes: int
 
 
 @dataclass
-class RoundState:
-    round: int
-    selected: set[str]
-    accumulator: Accumulator
-    deadline: float
-    uploaded: dict[str, str] = field(default_factory=dict)  # client -> idempotency key
-    in_flight: set[str] = field(default_factory=set)
-    knowledge: KnowledgeAccumulator | None = None
-    metrics: dict[str, dict[str, float]] = field(default_factory=dict)
-    bytes_up: int = 0
-    closed: bool = False
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-    opened_at: float = 0.0
+class Delivery:
+    seq: int
+    publication: Publication
+    train: bool
 
 
 class RoundEngine:
@@ -102,21 +92,22 @@ class RoundEngine:
         self.run_id = uuid.uuid4().hex[:12]
         self.clients: dict[str, ClientInfo] = {}
         self.index_owner: dict[int, str] = {}
-        self.round = 0  # the round in progress; 0 before the first
-        self.current: RoundState | None = None
-        self.broadcast: Broadcast | None = None
-        self.broadcast_changed = asyncio.Condition()
+        self.accumulators: list[Accumulator] = []  # zeroed sums, ready for the next collection
+        self.strategy = make_strategy(cfg, self.algorithm, self.dataset.num_classes, self._accumulator)
+        self.publication: Publication | None = None
+        self.mailbox: dict[str, Delivery] = {}
+        self.mail = asyncio.Condition()
+        self.seq = 0
+        self.changed = asyncio.Event()  # an upload was committed or released: conditions may have changed
         self.all_joined = asyncio.Event()
         self.finished = asyncio.Event()
         self.final_reports: set[str] = set()
         self.final_reported = asyncio.Event()
         self.bytes_down = 0
         self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="wafl-server")
-        self.accumulator = Accumulator(self.manifest)  # one for every round (see Accumulator.reset)
         self.run_start = time.monotonic()
-        self.results = ResultsLog(out_dir, self.run_start)
+        self.results = ResultsLog(out_dir, self.run_start, latest_pm=cfg.aggregation == "buffered")
         self.checkpoint_path = out_dir / "checkpoint.pt"
-        self.start_round = 1
         if resume:
             self._resume()
         (out_dir / "config.json").write_text(json.dumps(json.loads(cfg.to_json()), indent=2))
@@ -131,6 +122,9 @@ class RoundEngine:
                 composition=report["per_run"]["composition"],
             )
 
+    def _accumulator(self) -> Accumulator:
+        return self.accumulators.pop() if self.accumulators else Accumulator(self.manifest)
+
     # ----------------------------------------------------------------- state
     def _resume(self) -> None:
         ck = load_checkpoint(self.checkpoint_path)
@@ -143,14 +137,14 @@ class RoundEngine:
         self.algorithm.server.load_state_dict(ck["server_state"])
         self.global_knowledge = ck.get("knowledge", {})
         self.run_id = ck["run_id"]
-        self.start_round = ck["round"] + 1
+        self.strategy.resume(ck["round"])
         log.info("resume", round=ck["round"], run_id=self.run_id)
 
-    def _checkpoint(self, round: int) -> None:
+    def _checkpoint(self) -> None:
         save_checkpoint(
             self.checkpoint_path,
             {
-                "round": round,
+                "round": self.strategy.aggregations,
                 "run_id": self.run_id,
                 "config": json.loads(self.cfg.to_json()),
                 "global_state": self.global_state,
@@ -163,307 +157,251 @@ class RoundEngine:
         return time.monotonic() - self.run_start
 
     # ----------------------------------------------------------------- joins
-    def join(self, req: pb.JoinRequest) -> ClientInfo | None:
-        """Registers (or re-registers) a client; raises ``PermissionError``/``KeyError``/``ValueError``."""
+    def join(self, req: pb.JoinRequest) -> pb.JoinReply:
+        """Registers (or re-registers) a client and returns the run's configuration; raises :class:`Refused`."""
         if self.token and req.token != self.token:
-            raise PermissionError("bad or missing token")
+            raise Refused("bad or missing token", Code.UNAUTHENTICATED)
         if not req.client_id:
-            raise ValueError("client_id is empty")
+            raise Refused("client_id is empty")
         if not 0 <= req.client_index < self.cfg.num_clients:
-            raise ValueError(f"client_index {req.client_index} is outside 0..{self.cfg.num_clients - 1}")
+            raise Refused(f"client_index {req.client_index} is outside 0..{self.cfg.num_clients - 1}")
         owner = self.index_owner.get(req.client_index)
         if owner is not None and owner != req.client_id:
-            raise FileExistsError(f"client_index {req.client_index} already belongs to {owner!r}")
+            raise Refused(f"client_index {req.client_index} already belongs to {owner!r}", Code.ALREADY_EXISTS)
         if req.num_samples < 0:
-            raise ValueError(f"num_samples {req.num_samples} must be positive (or 0 to ask for the configuration only)")
-        if req.num_samples == 0:
-            return None
-        info = ClientInfo(
-            req.client_id, req.client_index, req.num_samples, list(req.label_histogram), req.device, self.wall()
-        )
-        rejoin = req.client_id in self.clients
-        self.clients[req.client_id] = info
-        self.index_owner[req.client_index] = req.client_id
-        log.info(
-            "client.join",
-            client=req.client_id,
-            index=req.client_index,
-            samples=req.num_samples,
-            device=req.device,
-            rejoin=rejoin,
-            joined=len(self.clients),
-        )
-        if len(self.clients) >= self.cfg.num_clients:
-            self.all_joined.set()
-        return info
-
-    def join_reply(self) -> pb.JoinReply:
+            raise Refused(
+                f"num_samples {req.num_samples} must be positive (or 0 to ask for the configuration only)"
+            )
+        if req.num_samples > 0:
+            rejoin = req.client_id in self.clients
+            self.clients[req.client_id] = ClientInfo(
+                req.client_id, req.client_index, req.num_samples, req.device, self.wall()
+            )
+            self.index_owner[req.client_index] = req.client_id
+            self.strategy.join(req.client_id, req.client_index, req.num_samples)
+            log.info(
+                "client.join",
+                client=req.client_id,
+                index=req.client_index,
+                samples=req.num_samples,
+                device=req.device,
+                rejoin=rejoin,
+                joined=len(self.clients),
+            )
+            if len(self.clients) >= self.cfg.num_clients:
+                self.all_joined.set()
         return pb.JoinReply(
             run_id=self.run_id,
             algorithm=self.cfg.algorithm,
             config_json=self.cfg.to_json(),
             model=self.cfg.model,
             manifest=[s.to_proto() for s in self.manifest],
-            round=self.round,
+            round=self.strategy.version if self.publication is not None else 0,
             num_classes=self.dataset.num_classes,
             code_len=self.cfg.code_len,
         )
 
-    # ----------------------------------------------------------------- rounds
-    def select(self, round: int) -> set[str]:
-        ids = [c.client_id for c in sorted(self.clients.values(), key=lambda c: c.index)]
-        return select_clients(self.cfg.seed, round, ids, self.cfg.fraction, self.cfg.act_prob)
-
+    # ----------------------------------------------------------------- the run
     async def run(self) -> None:
         try:
             await asyncio.wait_for(self.all_joined.wait(), self.cfg.join_timeout_s)
         except TimeoutError:
             raise RunAborted(
-                f"only {len(self.clients)} of num_clients={self.cfg.num_clients} joined within join_timeout_s={self.cfg.join_timeout_s}"
+                f"only {len(self.clients)} of num_clients={self.cfg.num_clients} joined "
+                f"within join_timeout_s={self.cfg.join_timeout_s}"
             ) from None
+        loop = asyncio.get_running_loop()
         log.info(
             "run.start",
             run_id=self.run_id,
             clients=len(self.clients),
             rounds=self.cfg.rounds,
             algorithm=self.cfg.algorithm,
+            aggregation=self.cfg.aggregation,
             model_bytes=self.model_bytes,
         )
-        for r in range(self.start_round, self.cfg.rounds + 1):
-            await self._round(r)
-        await self._publish(self.cfg.rounds + 1, set(), final=True)
+        await self._publish(self.strategy.start(loop.time()))
+        while not self.strategy.done:
+            await self._collect()
+            collection = self.strategy.close(loop.time())
+            await self._drain(collection)
+            await self._finish_version(collection)
+            await self._publish(self.strategy.published(loop.time()))
+        await self._publish({cid: False for cid in self.clients}, final=True)
         self.finished.set()
         log.info("run.done", wall_s=round_(self.wall()))
 
-    async def _round(self, r: int) -> None:
+    async def run_to_end(self, final_report_timeout_s: float = 30.0) -> None:
+        """The run, then the clients' final reports (bounded wait), then the last results lines."""
+        await self.run()
+        try:
+            await asyncio.wait_for(self.final_reported.wait(), final_report_timeout_s)
+        except TimeoutError:
+            log.warning("final_reports.missing", got=len(self.final_reports), clients=len(self.clients))
+        self.results.close_before(self.cfg.rounds + 1)
+
+    async def _collect(self) -> None:
+        """Waits until the strategy wants the current collection closed, handing out work as it asks."""
         loop = asyncio.get_running_loop()
-        selected = self.select(r)
-        await loop.run_in_executor(self.executor, self.accumulator.reset)  # faults its pages in before any upload
-        state = RoundState(
-            r, selected, self.accumulator, deadline=loop.time() + self.cfg.round_deadline_s, opened_at=self.wall()
-        )
-        if self.algorithm.knowledge is not None:
-            state.knowledge = KnowledgeAccumulator(self.dataset.num_classes)
-        self.current = state
-        self.round = r
-        await self._publish(r, selected)
-        min_clients = min(self.cfg.min_clients or 1, len(selected))
-        extensions = 0
         while True:
-            remaining = state.deadline - loop.time()
-            if remaining > 0:
+            self._deliver(self.strategy.tick(loop.time()))
+            if self.strategy.ready():
+                return
+            deadline = self.strategy.next_deadline()
+            self.changed.clear()
+            try:
+                await asyncio.wait_for(self.changed.wait(), None if deadline is None else max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                pass
+
+    async def _drain(self, c: Collection) -> None:
+        loop = asyncio.get_running_loop()
+        if self.strategy.drain == "wait":
+            deadline = loop.time() + self.cfg.round_deadline_s
+            while c.in_flight and loop.time() < deadline:
+                self.changed.clear()
                 try:
-                    await asyncio.wait_for(state.done.wait(), remaining)
+                    await asyncio.wait_for(self.changed.wait(), deadline - loop.time())
                 except TimeoutError:
                     pass
-            if set(state.uploaded) >= selected:
-                break
-            if loop.time() >= state.deadline:
-                if len(state.uploaded) >= min_clients:
-                    log.warning("round.deadline", round=r, uploaded=len(state.uploaded), selected=len(selected))
-                    break
-                if extensions >= self.cfg.max_round_retries:
-                    if not state.uploaded:
-                        raise RunAborted(
-                            f"round {r}: no client uploaded within {extensions + 1} deadlines of {self.cfg.round_deadline_s}s"
-                        )
-                    log.warning("round.closed_short", round=r, uploaded=len(state.uploaded), min_clients=min_clients)
-                    break
-                extensions += 1
-                state.deadline = loop.time() + self.cfg.round_deadline_s
-                log.warning(
-                    "round.extended",
-                    round=r,
-                    uploaded=len(state.uploaded),
-                    min_clients=min_clients,
-                    extension=extensions,
-                )
-        state.closed = True
-        cancelled = await loop.run_in_executor(self.executor, state.accumulator.cancel_open)
+        cancelled = await loop.run_in_executor(self.executor, c.accumulator.cancel_open)
         if cancelled:
-            log.warning("round.cancelled_uploads", round=r, count=cancelled)
-        await loop.run_in_executor(self.executor, self._aggregate, state)
+            log.warning("round.cancelled_uploads", round=c.number, count=cancelled)
+
+    async def _finish_version(self, c: Collection) -> None:
+        """Aggregates a closed collection, evaluates, checkpoints and records its results line."""
+        loop = asyncio.get_running_loop()
+        state, knowledge, fields = await loop.run_in_executor(
+            self.executor, self.strategy.aggregate, self.global_state, c
+        )
+        if state is not None:
+            self.global_state = state
+        if knowledge is not None:
+            self.global_knowledge = knowledge
+        await loop.run_in_executor(self.executor, c.accumulator.reset)
+        self.accumulators.append(c.accumulator)
+        n = self.strategy.aggregations
         every = self.cfg.eval_every
-        if r == self.cfg.rounds or (every and r % every == 0):
+        if n == self.cfg.rounds or (every and n % every == 0):
             acc, _, loss = await loop.run_in_executor(self.executor, self._evaluate)
         else:
             acc = loss = None
         if self.cfg.checkpoint:
-            await loop.run_in_executor(self.executor, self._checkpoint, r)
+            await loop.run_in_executor(self.executor, self._checkpoint)
+        r = c.number
         self.results.close_before(r)
         row = {
             "round": r,
             "gm_accuracy": round_(acc),
             "gm_loss": round_(loss),
             "wall_s": round_(self.wall()),
-            "round_s": round_(self.wall() - state.opened_at),
-            "bytes_up": state.bytes_up,
+            "round_s": round_(loop.time() - c.opened_at),
+            **{k: round_(v) if isinstance(v, float) else v for k, v in fields.items()},
             "bytes_down": self.bytes_down,
-            "clients": state.accumulator.count,
-            "selected": len(selected),
-            "train_loss": round_(_mean([m.get("train_loss") for m in state.metrics.values()])),
         }
         self.bytes_down = 0
         if self.algorithm.knowledge is not None:
-            row["knowledge_classes"] = len(self.global_knowledge)  # broadcast with the next model
-            got = [m["knowledge_received"] for m in state.metrics.values() if "knowledge_received" in m]
-            row["knowledge_received_min"] = min(got) if got else None
+            row["knowledge_classes"] = len(self.global_knowledge)  # travels with the next model
         if self.algorithm.privacy is not None:
-            row["epsilon"] = self.algorithm.privacy(r)[
-                "epsilon_per_run"
-            ]  # a client that took part in every round so far
-        for k in ("local_accuracy",):
-            v = _weighted([(m.get(k), m.get("local_test_samples", 1)) for m in state.metrics.values()])
-            if v is not None:
-                row[k] = round_(v)
-        expected: set[str] = set()
+            row["epsilon"] = self.algorithm.privacy(n)["epsilon_per_run"]  # a client that took part every time
         if self.algorithm.local_model_is_personal:
-            for c, m in state.metrics.items():
-                if "pm_accuracy" in m:
-                    self.results.reports.setdefault(r, {})[c] = (m["pm_accuracy"], int(m.get("pm_test_samples", 1)))
-        elif self.algorithm.personalized:
-            expected = set(state.uploaded)
-        self.results.add_round(row, expected)
+            for cid, m in c.metrics.items():
+                if M.PM_ACCURACY in m:
+                    self.results.add_pm(r, cid, m[M.PM_ACCURACY], int(m.get(M.PM_TEST_SAMPLES, 1)))
+        self.results.add_round(row, self.strategy.expected_reports(c))
         log.info("round.done", round=r, gm_accuracy=row["gm_accuracy"], clients=row["clients"], round_s=row["round_s"])
-
-    def _aggregate(self, state: RoundState) -> None:
-        acc = state.accumulator
-        if acc.count == 0:
-            return
-        mean = acc.mean()
-        new = self.algorithm.server.finalize(self.global_state, mean, acc.count)
-        self.global_state = OrderedDict(
-            (k, new[k].detach().to(self.global_state[k].dtype).contiguous()) for k in self.global_state
-        )
-        if state.knowledge is not None:
-            self.global_knowledge = state.knowledge.result()
 
     def _evaluate(self) -> tuple[float, int, float]:
         self.model.load_state_dict(self.global_state)
         test_idx = np.arange(len(self.dataset.test_labels))
         return evaluate(self.model, self.dataset.test, test_idx, self.cfg.eval_batch_size)
 
-    async def _publish(self, round: int, selected: set[str], final: bool = False) -> None:
+    # ----------------------------------------------------------------- models to clients
+    async def _publish(self, deliveries: Deliveries, final: bool = False) -> None:
+        """Encodes the global model once (worker thread) and delivers it as the strategy decided."""
         loop = asyncio.get_running_loop()
-        bc = await loop.run_in_executor(self.executor, self._encode_broadcast, round, selected, final)
-        async with self.broadcast_changed:
-            self.broadcast = bc
-            self.broadcast_changed.notify_all()
+        r = self.cfg.rounds + 1 if final else self.strategy.version
+        self.publication = await loop.run_in_executor(self.executor, self._encode, r, final)
+        self._deliver(deliveries)
 
-    def _encode_broadcast(self, round: int, selected: set[str], final: bool) -> Broadcast:
-        chunks = [PreEncoded(encode_tensors(m)) for m in group_chunks(iter_chunks(self.global_state.items()))]
-        knowledge = [
-            pb.ClassKnowledge(
-                class_id=k.class_id, count=k.count, representation=k.rep.tolist(), soft_prediction=k.soft.tolist()
-            )
-            for _, k in sorted(self.global_knowledge.items())
+    def _encode(self, round: int, final: bool) -> Publication:
+        messages = [
+            PreEncoded(encode_tensors(m)) if not isinstance(m, pb.BroadcastMessage) else m
+            for m in write_transfer(pb.BroadcastMessage, self.global_state.items(), to_proto(self.global_knowledge))
         ]
-        header = pb.BroadcastHeader(
-            run_id=self.run_id,
-            round=round,
-            selected=sorted(selected),
-            final=final,
-            num_tensors=len(self.manifest),
-            total_bytes=self.model_bytes,
-            server_state_json="{}",
-        )
-        version = (self.broadcast.version + 1) if self.broadcast else 1
-        return Broadcast(
-            version,
-            header,
-            chunks,
-            knowledge,
-            pb.BroadcastTrailer(crc32=crc32_of(self.global_state.values())),
-            self.model_bytes,
-        )
+        return Publication(round, final, messages, self.model_bytes)
 
-    async def next_broadcast(self, after_version: int) -> Broadcast:
-        async with self.broadcast_changed:
-            await self.broadcast_changed.wait_for(
-                lambda: self.broadcast is not None and self.broadcast.version > after_version
+    def _deliver(self, deliveries: Deliveries) -> None:
+        if not deliveries:
+            return
+        assert self.publication is not None
+        for cid, train in deliveries.items():
+            self.seq += 1
+            self.mailbox[cid] = Delivery(self.seq, self.publication, train)
+        asyncio.get_running_loop().create_task(self._notify())
+
+    async def _notify(self) -> None:
+        async with self.mail:
+            self.mail.notify_all()
+
+    async def deliveries(self, client_id: str) -> AsyncIterator[object]:
+        """The broadcast stream of one client: each model it is sent (its latest one first), as
+        messages (header, transfer), until the final model. Raises :class:`Refused` for an unknown client."""
+        if client_id not in self.clients:
+            raise Refused(f"unknown client_id {client_id!r}: call Join first", Code.NOT_FOUND)
+        seq = 0
+        while True:
+            async with self.mail:
+                await self.mail.wait_for(lambda: client_id in self.mailbox and self.mailbox[client_id].seq > seq)
+                d = self.mailbox[client_id]
+            seq = d.seq
+            p = d.publication
+            yield pb.BroadcastMessage(
+                header=pb.BroadcastHeader(
+                    run_id=self.run_id,
+                    round=p.round,
+                    final=p.final,
+                    train=d.train,
+                    num_tensors=len(self.manifest),
+                    total_bytes=self.model_bytes,
+                )
             )
-            assert self.broadcast is not None
-            return self.broadcast
+            for m in p.messages:
+                yield m
+            self.bytes_down += p.nbytes
+            if p.final:
+                return
 
-    # ----------------------------------------------------------------- uploads
-    def check_upload(self, h: pb.UploadHeader) -> RoundState:
-        """Raises ``UploadRefused`` with a status name when the header cannot open an upload."""
+    # ----------------------------------------------------------------- uploads and reports
+    def open_upload(self, h: pb.UploadHeader) -> Upload:
+        """Admits an upload's header (the strategy decides); raises :class:`Refused`."""
         if h.run_id != self.run_id:
-            raise UploadRefused("FAILED_PRECONDITION", f"run_id {h.run_id!r} is not this run ({self.run_id!r})")
-        info = self.clients.get(h.client_id)
-        if info is None:
-            raise UploadRefused("NOT_FOUND", f"unknown client_id {h.client_id!r}: call Join first")
-        state = self.current
-        if state is None or self.finished.is_set():
-            raise UploadRefused("FAILED_PRECONDITION", "no round is open")
-        if h.round < state.round or (h.round == state.round and state.closed):
-            raise UploadRefused("FAILED_PRECONDITION", f"round {h.round} is closed; the current round is {state.round}")
-        if h.round > state.round:
-            raise UploadRefused(
-                "FAILED_PRECONDITION", f"round {h.round} has not opened; the current round is {state.round}"
-            )
-        if h.client_id not in state.selected:
-            raise UploadRefused("FAILED_PRECONDITION", f"client {h.client_id!r} is not selected for round {h.round}")
-        if h.client_id in state.uploaded:
-            if h.idempotency_key and state.uploaded[h.client_id] == h.idempotency_key:
-                raise UploadRefused("OK", "duplicate of an accepted upload (same idempotency key)")
-            raise UploadRefused("ALREADY_EXISTS", f"client {h.client_id!r} already uploaded for round {h.round}")
-        if h.client_id in state.in_flight:
-            raise UploadRefused(
-                "ALREADY_EXISTS", f"an upload from client {h.client_id!r} for round {h.round} is already streaming"
-            )
-        if not 0 < h.num_samples <= info.num_samples:
-            raise UploadRefused(
-                "INVALID_ARGUMENT", f"num_samples {h.num_samples} must lie in 1..{info.num_samples} (declared at Join)"
-            )
-        return state
+            raise Refused(f"run_id {h.run_id!r} is not this run ({self.run_id!r})", Code.FAILED_PRECONDITION)
+        if h.client_id not in self.clients:
+            raise Refused(f"unknown client_id {h.client_id!r}: call Join first", Code.NOT_FOUND)
+        if self.finished.is_set():
+            raise Refused("the run is over", Code.FAILED_PRECONDITION)
+        now = asyncio.get_running_loop().time()
+        ticket = self.strategy.open(h.client_id, h.round, h.num_samples, h.idempotency_key, now)
+        return Upload(self, h, ticket)
 
-    def accept(self, state: RoundState, h: pb.UploadHeader, knowledge: Knowledge | None, nbytes: int) -> None:
-        state.uploaded[h.client_id] = h.idempotency_key
-        state.metrics[h.client_id] = dict(h.metrics)
-        state.bytes_up += nbytes
-        if state.knowledge is not None and knowledge:
-            state.knowledge.add(knowledge)
-        if set(state.uploaded) >= state.selected:
-            state.done.set()
+    def commit(self, upload: Upload, knowledge: Knowledge | None) -> None:
+        h = upload.header
+        now = asyncio.get_running_loop().time()
+        self._deliver(self.strategy.commit(upload.ticket, dict(h.metrics), knowledge, upload.reader.bytes, now))
+        log.info("upload.accepted", client=h.client_id, round=h.round, bytes=upload.reader.bytes)
+        self.changed.set()
+
+    def release(self, upload: Upload) -> None:
+        self.strategy.release(upload.ticket)
+        self.changed.set()
 
     def report(self, req: pb.ReportRequest) -> None:
         if req.client_id not in self.clients:
-            raise UploadRefused("NOT_FOUND", f"unknown client_id {req.client_id!r}: call Join first")
+            raise Refused(f"unknown client_id {req.client_id!r}: call Join first", Code.NOT_FOUND)
         timeline = [{"phase": e.phase, "round": e.round, "start_s": e.start_s, "end_s": e.end_s} for e in req.timeline]
         self.results.add_report(req.client_id, req.round, dict(req.metrics), timeline, req.client_start_unix or None)
-        if req.metrics.get("final", 0.0) == 1.0:
+        if req.metrics.get(M.FINAL, 0.0) == 1.0:
             self.final_reports.add(req.client_id)
             if len(self.final_reports) >= len(self.clients):
                 self.final_reported.set()
-
-
-class UploadRefused(Exception):
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-def _mean(values: list[Any]) -> float | None:
-    vals = [v for v in values if v is not None]
-    return sum(vals) / len(vals) if vals else None
-
-
-def _weighted(pairs: list[tuple[Any, Any]]) -> float | None:
-    pairs = [(v, w) for v, w in pairs if v is not None]
-    total = sum(w for _, w in pairs)
-    return sum(v * w for v, w in pairs) / total if total else None
-
-
-def decode_knowledge(messages: list[pb.ClassKnowledge]) -> Knowledge:
-    out: Knowledge = {}
-    for m in messages:
-        if m.class_id in out:
-            raise ValueError(f"class {m.class_id} appears twice in the knowledge")
-        out[m.class_id] = ClassKnowledge(
-            m.class_id,
-            m.count,
-            torch.tensor(list(m.representation), dtype=torch.float32),
-            torch.tensor(list(m.soft_prediction), dtype=torch.float32),
-        )
-    return out

@@ -2,7 +2,9 @@
 
 A round's line is written once the clients that trained in it have reported their
 personalized-model accuracy for it (they evaluate right after the broadcast that closes the
-round), or when the next round closes, whichever comes first; lines stay in round order.
+round), or when the next round closes, whichever comes first; lines stay in round order. With
+``latest_pm`` (buffered aggregation, where clients train on different versions at once) a line
+does not wait and its ``pm_accuracy`` is the mean of every client's latest report.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 
 
 class ResultsLog:
-    def __init__(self, out_dir: Path, run_start: float) -> None:
+    def __init__(self, out_dir: Path, run_start: float, latest_pm: bool = False) -> None:
         self.out_dir = out_dir
         out_dir.mkdir(parents=True, exist_ok=True)
         self.results_path = out_dir / "results.jsonl"
@@ -22,6 +24,8 @@ class ResultsLog:
         self.run_start = run_start
         self.pending: dict[int, tuple[dict[str, Any], set[str]]] = {}
         self.reports: dict[int, dict[str, tuple[float, int]]] = {}  # round -> client -> (pm_acc, n_test)
+        self.latest_pm = latest_pm
+        self.latest: dict[str, tuple[float, int]] = {}  # client -> its latest (pm_acc, n_test)
         self.timelines: dict[str, Any] = {}
         self.rows: list[dict[str, Any]] = []
 
@@ -60,8 +64,12 @@ class ResultsLog:
             (self.out_dir / "timelines.json").write_text(json.dumps(self.timelines, indent=1))
         self._flush()
 
+    def add_pm(self, round: int, client_id: str, accuracy: float, test_samples: int) -> None:
+        self.reports.setdefault(round, {})[client_id] = (accuracy, test_samples)
+        self.latest[client_id] = (accuracy, test_samples)
+
     def pm_accuracy(self, round: int) -> float | None:
-        got = self.reports.get(round)
+        got = self.latest if self.latest_pm else self.reports.get(round)
         if not got:
             return None
         n = sum(k for _, k in got.values())

@@ -7,15 +7,9 @@ import math
 import pytest
 import torch
 from torch import nn
-from wafl.common.algorithms.hyperknowledge import (
-    ClassKnowledge,
-    KnowledgeAccumulator,
-    aggregate_knowledge,
-    extract_knowledge,
-    fedhkd_loss_terms,
-    validate_knowledge,
-)
+from wafl.common.algorithms.hyperknowledge import extract_knowledge, fedhkd_loss_terms
 from wafl.common.algorithms.prototypes import extract_prototypes, fedproto_term
+from wafl.common.knowledge import ClassKnowledge, KnowledgeAccumulator, aggregate_knowledge, validate_knowledge
 from wafl.common.models.base import SplitModel
 
 C = 3

@@ -22,7 +22,7 @@ from torch import nn
 from wafl.common.models.base import SplitModel
 
 if TYPE_CHECKING:
-    from wafl.common.algorithms.hyperknowledge import Knowledge
+    from wafl.common.knowledge import Knowledge
 
 
 class RoundContext:
@@ -41,7 +41,6 @@ class RoundContext:
         label_freq: torch.Tensor,
         client_state: dict[str, Any],
         knowledge: Knowledge | None = None,
-        server_state: Mapping[str, Any] | None = None,
     ) -> None:
         self.round = round
         self.global_state = global_state
@@ -50,7 +49,6 @@ class RoundContext:
         self.label_freq = label_freq
         self.client_state = client_state
         self.knowledge = knowledge or {}
-        self.server_state = dict(server_state or {})
 
     @cached_property
     def teacher(self) -> SplitModel:
@@ -102,7 +100,11 @@ class ServerUpdate:
 
     The default is FedAvg: weights are sample counts and the new global is the weighted mean.
     State kept across rounds goes through ``state_dict``/``load_state_dict`` into checkpoints.
+    ``buffered_ok`` is False for updates that need one round's full models (their state would
+    be built from stale deltas under buffered aggregation, which refuses them).
     """
+
+    buffered_ok = True
 
     def weight(self, num_samples: int) -> float:
         return float(num_samples)

@@ -12,8 +12,9 @@ from typing import Any
 import torch
 from torch import nn
 from wafl.common.algorithms.base import Algorithm, Forward, LossTerm, RoundContext
-from wafl.common.algorithms.hyperknowledge import Knowledge, extract_knowledge, fedhkd_loss_terms
+from wafl.common.algorithms.hyperknowledge import extract_knowledge, fedhkd_loss_terms
 from wafl.common.algorithms.registry import Param, register
+from wafl.common.knowledge import Knowledge
 from wafl.common.models.base import SplitModel
 from wafl.common.privacy import privacy_report
 

@@ -8,9 +8,9 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 from wafl.common.algorithms.base import Algorithm, Forward, LossTerm, RoundContext
-from wafl.common.algorithms.hyperknowledge import Knowledge
 from wafl.common.algorithms.prototypes import extract_prototypes, fedproto_term
 from wafl.common.algorithms.registry import Param, register
+from wafl.common.knowledge import Knowledge
 from wafl.common.models.base import SplitModel
 
 

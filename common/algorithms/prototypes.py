@@ -2,7 +2,7 @@
 
 Prototypes travel in the same :data:`Knowledge` message as FedHKD's hyper-knowledge (``soft``
 holds the mean softmax at ``T = 1``) and the server averages them with
-:func:`wafl.common.algorithms.hyperknowledge.aggregate_knowledge`.
+:func:`wafl.common.knowledge.aggregate_knowledge`.
 """
 
 from __future__ import annotations
@@ -10,13 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from torch import Tensor, nn
-from wafl.common.algorithms.hyperknowledge import (
-    ClassKnowledge,
-    Knowledge,
-    class_sums,
-    knowledge_rows,
-    stack_knowledge,
-)
+from wafl.common.algorithms.hyperknowledge import class_sums, knowledge_rows, stack_knowledge
+from wafl.common.knowledge import ClassKnowledge, Knowledge
 
 __all__ = ["extract_prototypes", "fedproto_term"]
 

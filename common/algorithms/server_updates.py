@@ -20,6 +20,8 @@ def is_weight(name: str, t: torch.Tensor) -> bool:
 class MomentumUpdate(ServerUpdate):
     """FedAvgM: ``v <- beta v + (w - mean)``, ``w <- w - eta v`` on every trained tensor."""
 
+    buffered_ok = False
+
     def __init__(self, beta: float, eta: float) -> None:
         self.beta, self.eta = beta, eta
         self.velocity: dict[str, torch.Tensor] = {}
@@ -43,6 +45,8 @@ class MomentumUpdate(ServerUpdate):
 
 class FedDynUpdate(ServerUpdate):
     """FedDyn: uniform mean over participants, ``h <- h - alpha/m sum(w_k - w)``, ``w <- mean - h/alpha``."""
+
+    buffered_ok = False
 
     def __init__(self, alpha: float, num_clients: int) -> None:
         self.alpha, self.num_clients = alpha, num_clients

@@ -71,22 +71,20 @@ class ClassKnowledge(_message.Message):
     def __init__(self, class_id: _Optional[int] = ..., count: _Optional[int] = ..., representation: _Optional[_Iterable[float]] = ..., soft_prediction: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("client_id", "token", "protocol_version", "client_index", "num_samples", "label_histogram", "device")
+    __slots__ = ("client_id", "token", "protocol_version", "client_index", "num_samples", "device")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     CLIENT_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
-    LABEL_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     token: str
     protocol_version: int
     client_index: int
     num_samples: int
-    label_histogram: _containers.RepeatedScalarFieldContainer[int]
     device: str
-    def __init__(self, client_id: _Optional[str] = ..., token: _Optional[str] = ..., protocol_version: _Optional[int] = ..., client_index: _Optional[int] = ..., num_samples: _Optional[int] = ..., label_histogram: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ...) -> None: ...
+    def __init__(self, client_id: _Optional[str] = ..., token: _Optional[str] = ..., protocol_version: _Optional[int] = ..., client_index: _Optional[int] = ..., num_samples: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("run_id", "algorithm", "config_json", "model", "manifest", "round", "num_classes", "code_len")
@@ -117,28 +115,28 @@ class BroadcastRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., client_id: _Optional[str] = ...) -> None: ...
 
 class BroadcastHeader(_message.Message):
-    __slots__ = ("run_id", "round", "selected", "final", "num_tensors", "total_bytes", "server_state_json")
+    __slots__ = ("run_id", "round", "final", "num_tensors", "total_bytes", "train")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
-    SELECTED_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
     NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
-    SERVER_STATE_JSON_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     round: int
-    selected: _containers.RepeatedScalarFieldContainer[str]
     final: bool
     num_tensors: int
     total_bytes: int
-    server_state_json: str
-    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., selected: _Optional[_Iterable[str]] = ..., final: _Optional[bool] = ..., num_tensors: _Optional[int] = ..., total_bytes: _Optional[int] = ..., server_state_json: _Optional[str] = ...) -> None: ...
+    train: bool
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., final: _Optional[bool] = ..., num_tensors: _Optional[int] = ..., total_bytes: _Optional[int] = ..., train: _Optional[bool] = ...) -> None: ...
 
 class BroadcastTrailer(_message.Message):
-    __slots__ = ("crc32",)
+    __slots__ = ("crc32", "num_chunks")
     CRC32_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     crc32: int
-    def __init__(self, crc32: _Optional[int] = ...) -> None: ...
+    num_chunks: int
+    def __init__(self, crc32: _Optional[int] = ..., num_chunks: _Optional[int] = ...) -> None: ...
 
 class BroadcastMessage(_message.Message):
     __slots__ = ("header", "chunk", "knowledge", "trailer", "batch")

@@ -1,0 +1,90 @@
+"""An in-process transport: a client talks to a :class:`~wafl.server.engine.RoundEngine` in the
+same event loop, through the very code paths the gRPC service uses.
+
+Joins, reports and the broadcast stream call the engine directly; the broadcast's pre-encoded
+chunk messages are decoded by the same wire decoder a networked client uses, and an upload's
+messages (written by the same :func:`~wafl.client.session.upload_messages`) go through
+:func:`~wafl.server.upload.receive_upload` without being serialized. Only sockets are missing,
+so an in-process run and a networked one of the same seeded configuration build the same models.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import structlog
+import torch
+from wafl.client.session import ModelAssembler, ReceivedModel, report_request, upload_messages
+from wafl.common.errors import AlreadyAccepted, Code, Refused
+from wafl.common.knowledge import Knowledge
+from wafl.common.proto import federation_pb2 as pb
+from wafl.common.wire import PreEncoded, decode_broadcast
+from wafl.server.engine import RoundEngine
+from wafl.server.upload import receive_upload
+
+log = structlog.get_logger("client")
+
+# refusals after which an upload is lost for good (the round moved on, or it was a duplicate)
+LOST = {Code.FAILED_PRECONDITION, Code.ABORTED, Code.ALREADY_EXISTS}
+
+
+class LocalSession:
+    def __init__(self, engine: RoundEngine, client_id: str, client_index: int, num_samples: int) -> None:
+        self.engine = engine
+        self.client_id = client_id
+        self.client_index = client_index
+        self.num_samples = num_samples
+
+    def join(self) -> pb.JoinReply:
+        req = pb.JoinRequest(
+            client_id=self.client_id,
+            protocol_version=1,
+            client_index=self.client_index,
+            num_samples=self.num_samples,
+            device="cpu",
+            token=self.engine.token,
+        )
+        return self.engine.join(req)
+
+    async def models(self) -> AsyncIterator[ReceivedModel]:
+        assembler = ModelAssembler(self.engine.manifest)
+        async for msg in self.engine.deliveries(self.client_id):
+            model = assembler.feed(decode_broadcast(msg.data) if isinstance(msg, PreEncoded) else msg)
+            if model is not None:
+                yield model
+                if model.final:
+                    return
+
+    async def upload(
+        self,
+        round: int,
+        state: Mapping[str, torch.Tensor],
+        num_samples: int,
+        metrics: Mapping[str, float],
+        knowledge: Knowledge | None = None,
+    ) -> int:
+        header = pb.UploadHeader(
+            run_id=self.engine.run_id,
+            round=round,
+            client_id=self.client_id,
+            num_samples=num_samples,
+            idempotency_key=uuid.uuid4().hex,
+            metrics=dict(metrics),
+        )
+        try:
+            _, nbytes = await receive_upload(self.engine, upload_messages(header, state, knowledge))
+        except AlreadyAccepted as e:
+            return e.nbytes
+        except Refused as e:
+            if e.code not in LOST:
+                raise
+            log.warning("upload.refused", round=round, code=e.code.value, details=str(e))
+            return 0
+        return nbytes
+
+    async def report(
+        self, round: int, metrics: Mapping[str, float], timeline: list[Any] | None = None, start_unix: float = 0.0
+    ) -> None:
+        self.engine.report(report_request(self.engine.run_id, self.client_id, round, metrics, timeline, start_unix))

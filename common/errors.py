@@ -1,0 +1,41 @@
+"""The one refusal type: every check on the server raises :class:`Refused` with a status code.
+
+The codes are gRPC's status names; only the gRPC service maps them to ``grpc.StatusCode`` (the
+rest of wafl, the in-process transport included, never imports gRPC to refuse something).
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Code(enum.Enum):
+    """The statuses wafl answers with (gRPC's names and meanings)."""
+
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    NOT_FOUND = "NOT_FOUND"
+    ALREADY_EXISTS = "ALREADY_EXISTS"
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"
+    ABORTED = "ABORTED"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    DATA_LOSS = "DATA_LOSS"
+    UNAUTHENTICATED = "UNAUTHENTICATED"
+    PERMISSION_DENIED = "PERMISSION_DENIED"
+    INTERNAL = "INTERNAL"
+
+
+class Refused(Exception):
+    """A request (or one message of a stream) cannot be accepted; ``code`` says why in gRPC's terms."""
+
+    def __init__(self, message: str, code: Code = Code.INVALID_ARGUMENT) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class AlreadyAccepted(Exception):
+    """A retry of an upload that was already committed (same client, version and idempotency key)."""
+
+    def __init__(self, round: int, nbytes: int) -> None:
+        super().__init__(f"duplicate of the upload accepted for round {round}")
+        self.round = round
+        self.nbytes = nbytes

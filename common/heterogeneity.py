@@ -1,0 +1,103 @@
+"""Heterogeneous clients, reproducible from the seed: compute slow-downs, link rates, dropouts.
+
+A *spread* names one value per client: a single value (every client the same), an explicit
+comma-separated list with one value per client, or ``lognormal:...`` drawn from the run's seed:
+
+* slow-downs (``slowdown``): factors >= 1 by which a client's training phases are stretched.
+  ``none`` (all 1), ``"1,2,4,8"``, or ``lognormal:sigma=S`` = ``max(1, exp(S z))`` with ``z``
+  standard normal, so about half the clients run at full speed and the others are slower;
+* link rates (``--link-rate``): tc rates such as ``20mbit``, ``"10mbit,20mbit,..."``, or
+  ``lognormal:median=20mbit,sigma=S`` = ``median * exp(S z)``;
+* dropouts (``dropout``): the probability that a client asked to train on a model version goes
+  offline instead and comes back for the next one; a pure function of (seed, client, version).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+
+_LOGNORMAL = re.compile(r"^lognormal:(.*)$")
+
+
+def _lognormal_params(spec: str, name: str, allowed: set[str]) -> dict[str, str]:
+    m = _LOGNORMAL.match(spec.strip())
+    assert m is not None
+    out: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in m.group(1).split(","))):
+        key, sep, value = part.partition("=")
+        if not sep or key.strip() not in allowed:
+            raise ValueError(f"{name}={spec!r}: expected lognormal:{','.join(f'{a}=...' for a in sorted(allowed))}")
+        out[key.strip()] = value.strip()
+    missing = allowed - set(out)
+    if missing:
+        raise ValueError(f"{name}={spec!r}: lognormal needs {', '.join(sorted(missing))}")
+    return out
+
+
+def _normals(seed: int, stream: int, n: int) -> np.ndarray:
+    return np.random.default_rng([seed, stream]).standard_normal(n)
+
+
+def _sigma(value: str, name: str, spec: str) -> float:
+    try:
+        s = float(value)
+    except ValueError:
+        s = float("nan")
+    if not (math.isfinite(s) and s >= 0):
+        raise ValueError(f"{name}={spec!r}: sigma must be a number >= 0")
+    return s
+
+
+def _per_client(spec: str, n: int, name: str) -> list[str]:
+    parts = [p.strip() for p in spec.split(",")]
+    if len(parts) == 1:
+        return parts * n
+    if len(parts) != n or not all(parts):
+        raise ValueError(f"{name}={spec!r}: a list needs exactly one value per client ({n}), got {len(parts)}")
+    return parts
+
+
+def slowdowns(spec: str, num_clients: int, seed: int) -> list[float]:
+    """Each client's slow-down factor (>= 1); raises ``ValueError`` naming ``slowdown``."""
+    spec = str(spec).strip()
+    if spec in ("", "none"):
+        return [1.0] * num_clients
+    if _LOGNORMAL.match(spec):
+        sigma = _sigma(_lognormal_params(spec, "slowdown", {"sigma"})["sigma"], "slowdown", spec)
+        return [max(1.0, math.exp(sigma * z)) for z in _normals(seed, 21, num_clients)]
+    out = []
+    for v in _per_client(spec, num_clients, "slowdown"):
+        try:
+            f = float(v)
+        except ValueError:
+            f = float("nan")
+        if not (math.isfinite(f) and f >= 1.0):
+            raise ValueError(f"slowdown={spec!r}: {v!r} is not a factor >= 1")
+        out.append(f)
+    return out
+
+
+def link_rates(spec: str, num_clients: int, seed: int) -> list[str]:
+    """Each client's tc rate (e.g. ``20mbit``); raises ``ValueError`` naming ``link-rate``."""
+    from wafl.cli.netns import parse_rate
+
+    spec = str(spec).strip()
+    if _LOGNORMAL.match(spec):
+        p = _lognormal_params(spec, "link-rate", {"median", "sigma"})
+        sigma = _sigma(p["sigma"], "link-rate", spec)
+        median = parse_rate(p["median"])
+        return [f"{max(8_000, round(median * math.exp(sigma * z)))}bit" for z in _normals(seed, 22, num_clients)]
+    rates = _per_client(spec, num_clients, "link-rate")
+    for r in rates:
+        parse_rate(r)  # raises naming the bad rate
+    return rates
+
+
+def drops_out(seed: int, index: int, version: int, probability: float) -> bool:
+    """Whether client ``index`` goes offline instead of training on ``version``."""
+    if probability <= 0:
+        return False
+    return bool(np.random.default_rng([seed, 23, index, version]).random() < probability)

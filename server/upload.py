@@ -1,0 +1,185 @@
+"""One upload, from its header to its commit or rollback, whatever carries its messages.
+
+:func:`receive_upload` is the whole upload path: the engine admits the header (its strategy
+decides the collection and the weight) and hands back an :class:`Upload`; each tensor message is
+checked against the manifest (:class:`~wafl.common.wire.TransferReader`) and folded by the
+upload's own thread (:class:`FoldPipeline`) while the next one arrives; the trailer's CRC, the
+knowledge and the chunk count are checked; then the engine commits it. Any failure rolls the
+fold back before the refusal propagates, so a refused upload never reaches a model. The gRPC
+service and the in-process transport both call :func:`receive_upload` and only translate its
+outcome (:class:`~wafl.common.errors.Refused`, :class:`~wafl.common.errors.AlreadyAccepted`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from wafl.common.checksum import crc32
+from wafl.common.codec import ChunkError, RawChunk, TensorSpec
+from wafl.common.errors import Code, Refused
+from wafl.common.knowledge import Knowledge, from_proto, validate_knowledge
+from wafl.common.proto import federation_pb2 as pb
+from wafl.common.wire import ChunkBatch, TransferReader
+from wafl.server.aggregator import UploadFold
+
+if TYPE_CHECKING:
+    from wafl.server.engine import RoundEngine
+    from wafl.server.strategy import Ticket
+
+
+async def receive_upload(engine: RoundEngine, messages: AsyncIterator[object]) -> tuple[int, int]:
+    """Receives one upload stream; returns ``(round, bytes)`` once it is committed.
+
+    Raises :class:`Refused` for anything wrong with it (after rolling back what was folded)
+    and :class:`~wafl.common.errors.AlreadyAccepted` for a retry of a committed upload.
+    """
+    it = messages.__aiter__()
+    try:
+        first = await it.__anext__()
+    except StopAsyncIteration:
+        raise Refused("empty upload: the first message must be a header") from None
+    if isinstance(first, (RawChunk, ChunkBatch)) or first.WhichOneof("kind") != "header":  # type: ignore[attr-defined]
+        raise Refused("the first message of an upload must be a header")
+    upload = engine.open_upload(first.header)  # type: ignore[attr-defined]
+    try:
+        async for msg in it:
+            await upload.feed(msg)
+        return await upload.finish()
+    finally:
+        await upload.close()
+
+
+class Upload:
+    """An admitted upload: checks, fold, then :meth:`finish` (commit) or :meth:`close` (rollback)."""
+
+    def __init__(self, engine: RoundEngine, header: pb.UploadHeader, ticket: Ticket) -> None:
+        self.engine = engine
+        self.header = header
+        self.ticket = ticket
+        knowledge_entries = engine.dataset.num_classes if engine.algorithm.knowledge is not None else 0
+        self.reader = TransferReader(engine.manifest, knowledge_entries, compute_crc=False)  # the fold thread keeps the CRC
+        self.fold = ticket.collection.accumulator.begin(ticket.weight)
+        self.pipeline = FoldPipeline(self.fold)
+        self.committed = False
+
+    async def feed(self, msg: object) -> None:
+        items = self.reader.feed(msg)
+        if items:
+            await self.pipeline.put(items)
+
+    async def finish(self) -> tuple[int, int]:
+        await self.pipeline.finish()
+        self.reader.finish(self.pipeline.crc)
+        knowledge = self._knowledge()
+        if self.ticket.collection.closed and self.engine.strategy.drain == "cancel":
+            raise Refused(f"round {self.header.round} closed while the upload was streaming", Code.ABORTED)
+        self.fold.commit()
+        self.engine.commit(self, knowledge)
+        self.committed = True
+        return self.header.round, self.reader.bytes
+
+    def _knowledge(self) -> Knowledge | None:
+        e = self.engine
+        if e.algorithm.knowledge is None:
+            return None
+        try:
+            k = from_proto(self.reader.knowledge)
+            validate_knowledge(k, e.dataset.num_classes, e.cfg.code_len)
+        except ValueError as err:
+            raise ChunkError(f"knowledge: {err}") from None
+        return k
+
+    async def close(self) -> None:
+        """Ends the upload: a fold that was not committed is rolled back (in a worker thread)."""
+        await self.pipeline.stop()
+        if self.fold.state == "open":
+            await asyncio.get_running_loop().run_in_executor(self.engine.executor, self.fold.rollback)
+        if not self.committed:
+            self.engine.release(self)
+
+
+class FoldPipeline:
+    """Folds an upload's chunks in its own thread, in order, while the event loop receives the
+    next ones. At most ``depth`` messages wait, so memory stays bounded and HTTP/2 flow control
+    holds the sender back when folding is the slower side. The loop only hands chunks over
+    (no future, no wake-up per chunk); it is woken when it waits for room or for the end."""
+
+    def __init__(self, fold: UploadFold, depth: int = 4) -> None:
+        self.fold = fold
+        self.depth = depth
+        self.crc = 0  # running CRC-32 of the chunks folded, in order
+        self.loop = asyncio.get_running_loop()
+        self.items: queue.SimpleQueue[list[tuple[TensorSpec, RawChunk]] | None] = queue.SimpleQueue()
+        self.lock = threading.Lock()
+        self.pending = 0
+        self.waiter: asyncio.Future[None] | None = None
+        self.error: BaseException | None = None
+        self.stopping = False
+        self.finished: asyncio.Future[None] = self.loop.create_future()
+        self.thread = threading.Thread(target=self._run, name="wafl-fold", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            while (items := self.items.get()) is not None:
+                for spec, chunk in items:
+                    if self.error is not None or self.stopping:
+                        break
+                    try:
+                        self.crc = crc32(chunk.data, self.crc)
+                        self.fold.add(spec, chunk)
+                    except BaseException as e:  # reported to the handler by put/finish
+                        self.error = e
+                with self.lock:
+                    self.pending -= 1
+                    if self.waiter is not None and (self.pending < self.depth or self.error is not None):
+                        self._wake(self.waiter)
+                        self.waiter = None
+        finally:
+            self._wake(self.finished)
+
+    def _wake(self, f: asyncio.Future[None]) -> None:
+        try:
+            self.loop.call_soon_threadsafe(_resolve, f)
+        except RuntimeError:  # the loop is gone (server shut down mid-upload): nobody waits
+            pass
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    async def put(self, items: list[tuple[TensorSpec, RawChunk]]) -> None:
+        """Hands one message's chunks over; waits only while ``depth`` messages are still
+        queued. Raises the fold's first error (NaN, the round closed)."""
+        self._raise()
+        with self.lock:
+            self.pending += 1
+            self.items.put(items)
+            waiter = None
+            if self.pending >= self.depth and self.error is None:
+                waiter = self.waiter = self.loop.create_future()
+        if waiter is not None:
+            await waiter
+        self._raise()
+
+    async def finish(self) -> None:
+        """Waits until every chunk is folded; raises the first fold error."""
+        self.items.put(None)
+        await asyncio.shield(self.finished)
+        self._raise()
+
+    async def stop(self) -> None:
+        """Drops what is queued and waits for the fold in progress, so that a rollback can follow."""
+        self.stopping = True
+        if not self.finished.done():
+            self.items.put(None)
+        await asyncio.shield(self.finished)
+
+
+def _resolve(f: asyncio.Future[None]) -> None:
+    if not f.done():
+        f.set_result(None)
