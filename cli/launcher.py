@@ -67,10 +67,13 @@ def launch(
     host = "127.0.0.1"
     bind_port = 0
     if link_rate:
-        from wafl.cli.netns import Star, check_permissions
+        from wafl.cli.netns import Star, check_permissions, parse_rate
+
+        from wafl.common.heterogeneity import link_rates
 
         check_permissions()
-        star = Star(cfg.num_clients, link_rate)
+        rates = link_rates(link_rate, cfg.num_clients, cfg.seed)
+        star = Star(cfg.num_clients, max(rates, key=parse_rate), client_rates=rates)  # the server: the fastest link
         host = star.server_address
         bind_port = port
     procs: list[subprocess.Popen[bytes]] = []

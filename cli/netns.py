@@ -193,8 +193,9 @@ atexit.register(_close_all)
 class Star:
     """Server and ``num_clients`` clients in their own namespaces around a bridge namespace.
 
-    Every host link is shaped to ``rate`` in both directions: the host-side tbf
-    limits what the host sends, the bridge-side tbf what it receives.  The
+    Every host link is shaped to ``rate`` in both directions (client ``i``'s to
+    ``client_rates[i]`` when given): the host-side tbf limits what the host sends,
+    the bridge-side tbf what it receives.  The
     server gets the first address of ``subnet`` (.1), client i the (i+2)-th.
     """
 
@@ -207,6 +208,7 @@ class Star:
         *,
         burst_bytes: int | None = None,
         latency_ms: int = 50,
+        client_rates: Sequence[str | int] | None = None,
     ) -> None:
         if isinstance(num_clients, bool) or not isinstance(num_clients, int) or num_clients < 0:
             raise ValueError(f"num_clients must be a non-negative integer, got {num_clients!r}")
@@ -219,6 +221,11 @@ class Star:
             raise ValueError(f"subnet {subnet} has too few addresses for a server and {num_clients} clients")
         self.num_clients = num_clients
         self.rate_bps = _coerce_rate(rate)
+        if client_rates is not None and len(client_rates) != num_clients:
+            raise ValueError(f"client_rates has {len(client_rates)} rates for {num_clients} clients")
+        self.rates_bps = {"server": self.rate_bps}
+        for i in range(num_clients):
+            self.rates_bps[f"client{i}"] = _coerce_rate(client_rates[i]) if client_rates is not None else self.rate_bps
         self.burst_bytes = burst_bytes
         self.latency_ms = latency_ms
         self.subnet = network
@@ -254,15 +261,16 @@ class Star:
         _run(["ip", "-n", br, "link", "add", "br0", "type", "bridge"])
         _run(["ip", "-n", br, "link", "set", "br0", "up"])
         plen = self.subnet.prefixlen
-        for ns, addr, port in self._hosts.values():
+        for host, (ns, addr, port) in self._hosts.items():
+            rate = self.rates_bps[host]
             self._add_namespace(ns)
             # Create both veth ends directly in their namespaces: no names in the root namespace.
             _run(["ip", "link", "add", "eth0", "netns", ns, "type", "veth", "peer", "name", port, "netns", br])
             _run(["ip", "-n", br, "link", "set", port, "master", "br0"])
             _run(["ip", "-n", ns, "addr", "add", f"{addr}/{plen}", "dev", "eth0"])
-            tbf = tbf_command("eth0", self.rate_bps, self.burst_bytes, self.latency_ms)
+            tbf = tbf_command("eth0", rate, self.burst_bytes, self.latency_ms)
             _run(["ip", "netns", "exec", ns, *tbf])  # host upload
-            tbf = tbf_command(port, self.rate_bps, self.burst_bytes, self.latency_ms)
+            tbf = tbf_command(port, rate, self.burst_bytes, self.latency_ms)
             _run(["ip", "netns", "exec", br, *tbf])  # host download
             _run(["ip", "-n", br, "link", "set", port, "up"])
             _run(["ip", "-n", ns, "link", "set", "eth0", "up"])

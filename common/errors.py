@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 
 
-class Code(enum.Enum):
+class Code(enum.StrEnum):
     """The statuses wafl answers with (gRPC's names and meanings)."""
 
     INVALID_ARGUMENT = "INVALID_ARGUMENT"

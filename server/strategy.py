@@ -136,14 +136,14 @@ class Strategy(ABC):
     def open(self, client_id: str, round: int, num_samples: int, key: str, now: float) -> Ticket:
         """Admits an upload's header or raises :class:`Refused` (:class:`AlreadyAccepted` for a retry)."""
         done = self.accepted.get((client_id, round))
+        if done is not None and key and done[0] == key:
+            raise AlreadyAccepted(round, done[1])
+        collection, staleness = self._admit(client_id, round, now)
         if done is not None:
-            if key and done[0] == key:
-                raise AlreadyAccepted(round, done[1])
             raise Refused(f"client {client_id!r} already uploaded for round {round}", Code.ALREADY_EXISTS)
         slot = self.clients[client_id]
         if not 0 < num_samples <= slot.num_samples:
             raise Refused(f"num_samples {num_samples} must lie in 1..{slot.num_samples} (declared at Join)")
-        collection, staleness = self._admit(client_id, round, now)
         for c in (collection, *self._open_collections()):
             if client_id in c.in_flight:
                 raise Refused(

@@ -190,7 +190,7 @@ class Model:
     """One broadcast global model, reassembled from its chunks."""
 
     round: int
-    selected: list[str]
+    train: bool  # this client is asked to train on it
     final: bool
     tensors: dict[str, np.ndarray]
     trailer_crc: int
@@ -248,7 +248,7 @@ class BroadcastListener:
                         )
                     model = Model(
                         header.round,
-                        list(header.selected),
+                        header.train,
                         header.final,
                         tensors,
                         msg.trailer.crc32,
@@ -376,7 +376,6 @@ class IndependentClient:
             protocol_version=1,
             client_index=self.index,
             num_samples=self.num_samples,
-            label_histogram=[self.num_samples],
         )
         req.update(fields)
         return self.stub.Join(self.pb.JoinRequest(**req), timeout=timeout)

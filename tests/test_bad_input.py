@@ -121,7 +121,7 @@ class Federation:
         assert self.server.alive(), self.server.log_tail()
         model = self.a.listener.latest()
         assert not model.final, "the run ended: raise CONFIG['rounds']"
-        assert sorted(model.selected) == sorted(c.client_id for c in self.clients)
+        assert model.train and all(c.listener.latest().train for c in self.clients)
         return model.round, model
 
     def _resync(self) -> None:

@@ -248,7 +248,10 @@ def test_wait_free_pm_thread_runs_at_pm_nice_and_others_do_not() -> None:
     from wafl.client.protocol import RoundProtocol
 
     base = _own_nice()
-    trainer = SimpleNamespace(algorithm=SimpleNamespace(personalized=True), cfg=SimpleNamespace(pm_nice=max(base, 15)))
+    cfg = SimpleNamespace(
+        pm_nice=max(base, 15), slowdown="none", num_clients=1, seed=0, aggregation="sync", dropout=0.0
+    )
+    trainer = SimpleNamespace(algorithm=SimpleNamespace(personalized=True), cfg=cfg, index=0)
     wf = RoundProtocol(None, trainer, "wait-free")  # type: ignore[arg-type]
     caw = RoundProtocol(None, trainer, "compute-and-wait")  # type: ignore[arg-type]
     try:
