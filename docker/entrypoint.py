@@ -9,18 +9,31 @@ Usage:  wafl-entrypoint [wafl] COMMAND [ARGS...]      e.g. ``server --clients 4`
 The arguments are the wafl CLI's, unchanged; the process finally exec'd is
 ``python -m wafl.cli.main ARGS`` (what the ``wafl`` script and ``wafl run`` start). Before that:
 
-1. ``client`` without ``--index`` and without ``WAFL_CLIENT_INDEX``: the index is derived from the
-   container's replica number, the trailing number of its name (``wafl-client-3`` or
-   ``wafl_client_3`` -> replica 3 -> index 2, plus ``WAFL_CLIENT_INDEX_OFFSET``). The name is
-   taken from ``WAFL_CLIENT_NAME``, else from the hostname, else from a reverse DNS (PTR) query
-   for the container's own address sent to the resolver in /etc/resolv.conf (Docker's embedded
-   DNS answers ``<container name>.<network>``; /etc/hosts, which only knows the hostname, is not
-   consulted). The index goes to the CLI as ``WAFL_CLIENT_INDEX``. No index: exit 2.
+1. ``client`` without ``--index`` and without ``WAFL_CLIENT_INDEX``: the index comes from
+   ``WAFL_CLIENT_INDEX_FROM``:
+
+   * ``claim`` (what docker-compose.yml sets; its containers share the host's network): the
+     lowest free index from ``WAFL_CLIENT_INDEX_OFFSET`` on, claimed by binding the abstract
+     Unix socket ``@wafl-client-index/<server>/<index>`` in the network namespace the clients
+     share. The client process holds the socket for its lifetime (it is inherited across exec),
+     so the kernel releases the index when the client exits, however it exits, and a restarted
+     client takes a free one again; two clients can never hold the same index.
+   * ``name`` (the default; containers on a user-defined network): the container's replica
+     number, the trailing number of its name (``wafl-client-3`` or ``wafl_client_3`` -> replica 3
+     -> index 2, plus ``WAFL_CLIENT_INDEX_OFFSET``). The name is taken from ``WAFL_CLIENT_NAME``,
+     else from the hostname, else from a reverse DNS (PTR) query for the container's own address
+     sent to the resolver in /etc/resolv.conf (Docker's embedded DNS answers
+     ``<container name>.<network>``; /etc/hosts, which only knows the hostname, is not consulted).
+
+   The index goes to the CLI as ``WAFL_CLIENT_INDEX``. No index: exit 2. A client without
+   ``--server`` and ``WAFL_SERVER`` dials ``127.0.0.1:$WAFL_PORT`` (default 50051).
 2. ``WAFL_LINK_RATE`` (e.g. ``20mbit``): ``server`` and ``client`` limit the egress of
    ``WAFL_LINK_DEV`` (default eth0) with ``python -m wafl.cli.netns shape`` (tc tbf). That needs
-   CAP_NET_ADMIN, i.e. a container started as root with ``cap_add: [NET_ADMIN]``; without it
-   the entrypoint exits 77 with a message, or, when ``WAFL_LINK_OPTIONAL=1``, warns and goes on
-   unshaped. ``bench`` and ``run`` get ``--link-rate`` instead (their own namespaces; root).
+   a network namespace of the container's own (not ``WAFL_HOST_NETWORK=1``, which says the
+   container shares the host's: its eth0 is the host's interface) and CAP_NET_ADMIN, i.e. a
+   container started as root with ``cap_add: [NET_ADMIN]``; without either the entrypoint exits
+   77 with a message, or, when ``WAFL_LINK_OPTIONAL=1``, warns and goes on unshaped. ``bench`` and
+   ``run`` get ``--link-rate`` instead (network namespaces of their own; root).
 3. ``WAFL_ARGS``: extra arguments appended to the command (split like a shell would).
 4. Started as root: drops to the user ``WAFL_RUN_AS`` (default ``wafl``) unless that is empty or
    ``root``, or the command needs root (``bench``/``run`` with a link rate).
@@ -30,8 +43,11 @@ The arguments are the wafl CLI's, unchanged; the process finally exec'd is
 
 Only the standard library is used, so the script can be tested outside a container.
 """
+
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import pwd
@@ -42,7 +58,7 @@ import socket
 import struct
 import subprocess
 import sys
-from typing import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 PROG = "wafl-entrypoint"
 NET_ADMIN_BIT = 12  # CAP_NET_ADMIN, linux/capability.h
@@ -52,6 +68,9 @@ DEFAULT_PORT = 50051
 ROLE_FILE = "/tmp/wafl-role.json"
 _TRUE = ("1", "true", "yes", "on")
 _REPLICA_RE = re.compile(r"[-_](\d+)$")
+CLAIM_LIMIT = 4096  # indices tried from the offset on
+INDEX_SOURCES = ("name", "claim")
+_held_claims: list[socket.socket] = []  # claimed indices stay bound until this process (after exec: the CLI) exits
 
 
 class EntrypointError(Exception):
@@ -204,8 +223,53 @@ def candidate_names(env: Mapping[str, str]) -> Iterator[tuple[str, str | None]]:
         yield f"reverse DNS of {', '.join(addresses) or 'no own address'} via {where}", None
 
 
-def derive_index(env: Mapping[str, str], names: Callable[[Mapping[str, str]], Iterator[tuple[str, str | None]]] = candidate_names) -> tuple[int, str]:
-    """The client index and where it came from; raises :class:`EntrypointError` when there is none."""
+def server_address(args: Sequence[str], env: Mapping[str, str]) -> str:
+    """The server a client dials: ``--server``, else ``WAFL_SERVER``, else 127.0.0.1 at ``WAFL_PORT``."""
+    return (
+        option(args, "--server")
+        or env.get("WAFL_SERVER", "").strip()
+        or f"127.0.0.1:{env.get('WAFL_PORT') or DEFAULT_PORT}"
+    )
+
+
+def claim_name(server: str, index: int) -> bytes:
+    """The abstract socket name (leading NUL) that stands for ``index`` among the clients of ``server``."""
+    key = server if len(server) <= 64 else hashlib.sha256(server.encode()).hexdigest()[:32]
+    return f"\0wafl-client-index/{key}/{index}".encode()
+
+
+def claim_index(server: str, offset: int, limit: int = CLAIM_LIMIT) -> tuple[int, socket.socket]:
+    """Binds the first free claim socket from ``offset`` on; returns the index and the bound socket.
+
+    The socket is inheritable: kept open across exec, it is released by the kernel when the
+    process that holds it exits. Clients in one network namespace (containers on the host's
+    network, processes on one machine) see each other's claims; others do not.
+    """
+    for index in range(offset, offset + limit):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(claim_name(server, index))
+        except OSError as e:
+            sock.close()
+            if e.errno == errno.EADDRINUSE:
+                continue
+            raise EntrypointError(f"cannot claim a client index (abstract Unix socket): {e}", EXIT_NO_INDEX) from None
+        sock.set_inheritable(True)
+        return index, sock
+    raise EntrypointError(
+        f"no free client index among {offset}..{offset + limit - 1} for server {server}", EXIT_NO_INDEX
+    )
+
+
+def derive_index(
+    env: Mapping[str, str],
+    names: Callable[[Mapping[str, str]], Iterator[tuple[str, str | None]]] = candidate_names,
+    server: str | None = None,
+) -> tuple[int, str]:
+    """The client index and where it came from; raises :class:`EntrypointError` when there is none.
+
+    A claimed index (``WAFL_CLIENT_INDEX_FROM=claim``) stays claimed while this process lives.
+    """
     explicit = env.get("WAFL_CLIENT_INDEX", "").strip()
     if explicit:
         if not explicit.isdigit():
@@ -214,6 +278,14 @@ def derive_index(env: Mapping[str, str], names: Callable[[Mapping[str, str]], It
     offset_text = env.get("WAFL_CLIENT_INDEX_OFFSET", "").strip() or "0"
     if not offset_text.isdigit():
         raise EntrypointError(f"WAFL_CLIENT_INDEX_OFFSET={offset_text!r} is not a non-negative integer", EXIT_NO_INDEX)
+    source = env.get("WAFL_CLIENT_INDEX_FROM", "").strip().lower() or "name"
+    if source not in INDEX_SOURCES:
+        raise EntrypointError(f"WAFL_CLIENT_INDEX_FROM={source!r} is neither 'name' nor 'claim'", EXIT_NO_INDEX)
+    if source == "claim":
+        server = server or server_address((), env)
+        index, sock = claim_index(server, int(offset_text))
+        _held_claims.append(sock)
+        return index, f"a claim among the clients of {server} on this network"
     tried: list[str] = []
     for source, name in names(env):
         replica = None if name is None else replica_number(name)
@@ -268,7 +340,7 @@ def health_target(command: str | None, args: Sequence[str], env: Mapping[str, st
             host = "127.0.0.1"
         return f"{host}:{port}"
     if command == "client":
-        return option(args, "--server") or env.get("WAFL_SERVER") or f"localhost:{DEFAULT_PORT}"
+        return server_address(args, env)
     return None
 
 
@@ -290,15 +362,21 @@ def health_argv(env: Mapping[str, str]) -> list[str] | None:
 # ---------------------------------------------------------------------------- plan and run
 
 
-def plan(argv: Sequence[str], env: Mapping[str, str], names: Callable[[Mapping[str, str]], Iterator[tuple[str, str | None]]] = candidate_names) -> dict:
+def plan(
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    names: Callable[[Mapping[str, str]], Iterator[tuple[str, str | None]]] = candidate_names,
+) -> dict:
     """Everything the entrypoint will do for ``argv``, computed without side effects."""
     command, args = split_command(argv)
     args += shlex.split(env.get("WAFL_ARGS", ""))
     new_env: dict[str, str] = {}
     notes: list[str] = []
     index = None
+    if command == "client" and option(args, "--server") is None and not env.get("WAFL_SERVER", "").strip():
+        new_env["WAFL_SERVER"] = server_address(args, env)
     if command == "client" and option(args, "--index") is None:
-        index, source = derive_index(env, names)
+        index, source = derive_index(env, names, server_address(args, {**env, **new_env}))
         new_env["WAFL_CLIENT_INDEX"] = str(index)
         notes.append(f"client index {index} from {source}")
     rate = env.get("WAFL_LINK_RATE", "").strip()
@@ -324,6 +402,7 @@ def plan(argv: Sequence[str], env: Mapping[str, str], names: Callable[[Mapping[s
         "index": index,
         "shape": shape,
         "link_optional": env.get("WAFL_LINK_OPTIONAL", "").strip().lower() in _TRUE,
+        "host_network": env.get("WAFL_HOST_NETWORK", "").strip().lower() in _TRUE,
         "run_as": run_as,
         "health": health_target(command, args, {**env, **new_env}),
         "notes": notes,
@@ -336,7 +415,14 @@ def apply_shaping(p: dict, net_admin: bool, run: Callable[[list[str]], int]) -> 
         return
     rate, dev, cmd = p["shape"]["rate"], p["shape"]["dev"], p["shape"]["cmd"]
     problem = None
-    if not net_admin:
+    if p.get("host_network"):
+        problem = (
+            f"WAFL_LINK_RATE={rate}: this container shares the host's network (WAFL_HOST_NETWORK=1, "
+            f"network_mode: host), so {dev} here is the host's own interface and is left alone; shaped links "
+            "run in network namespaces of their own: the bench service with docker/compose.shaped.yml, or "
+            "`wafl run --link-rate` in a privileged container"
+        )
+    elif not net_admin:
         problem = (
             f"WAFL_LINK_RATE={rate} needs CAP_NET_ADMIN to shape {dev}, and this container has not got it: "
             "start it as root with `cap_add: [NET_ADMIN]` (docker/compose.shaped.yml; docker run --user 0 "
@@ -351,7 +437,11 @@ def apply_shaping(p: dict, net_admin: bool, run: Callable[[list[str]], int]) -> 
     if problem is None:
         return
     if p["link_optional"]:
-        print(f"{PROG}: warning: {problem}; WAFL_LINK_OPTIONAL is set, continuing with an unshaped link", file=sys.stderr, flush=True)
+        print(
+            f"{PROG}: warning: {problem}; WAFL_LINK_OPTIONAL is set, continuing with an unshaped link",
+            file=sys.stderr,
+            flush=True,
+        )
         return
     raise EntrypointError(f"{problem} (set WAFL_LINK_OPTIONAL=1 to run unshaped instead)", EXIT_LINK_UNAVAILABLE)
 
@@ -407,7 +497,7 @@ def main(
                 raise EntrypointError(f"cannot start {shlex.join(cmd)}: {e}", 127) from None
             return 0
         if argv[:1] == ["--print-index"]:
-            index, source = derive_index(env)
+            index, source = derive_index(env)  # a claim is released when this process exits
             print(index)
             print(f"{PROG}: client index {index} from {source}", file=sys.stderr)
             return 0
@@ -418,9 +508,13 @@ def main(
         if dry_run:
             out = dict(p, net_admin=net_admin(), euid=os.geteuid())
             if p["shape"]:  # the tc command the CLI builds, printed by the CLI itself
-                shown = subprocess.run(shape_command(p["shape"]["rate"], p["shape"]["dev"], dry_run=True), capture_output=True, text=True)
+                shown = subprocess.run(
+                    shape_command(p["shape"]["rate"], p["shape"]["dev"], dry_run=True), capture_output=True, text=True
+                )
                 if shown.returncode != 0:
-                    raise EntrypointError(f"WAFL_LINK_RATE={p['shape']['rate']!r} rejected: {shown.stderr.strip()}", shown.returncode)
+                    raise EntrypointError(
+                        f"WAFL_LINK_RATE={p['shape']['rate']!r} rejected: {shown.stderr.strip()}", shown.returncode
+                    )
                 out["shape"] = dict(p["shape"], tc=shown.stdout.strip())
             print(json.dumps(out, indent=2))
             return 0

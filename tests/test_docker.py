@@ -1,16 +1,20 @@
 """Container deployment (docker/): what can be checked without a Docker engine.
 
+(tests/test_docker_engine.py builds the image and runs the compose files on a real engine.)
+
 * the compose files validate (``docker-compose config``; without it, a PyYAML structural check;
   without either, those tests skip and say why) and their commands parse with the wafl CLI;
-* the Dockerfile's structure and its dependency split;
-* the entrypoint, run outside a container: client index derivation (environment, names,
-  reverse DNS against a local fake DNS server), the shaping command built for WAFL_LINK_RATE,
-  the path without CAP_NET_ADMIN, privilege dropping, the health probe against a real server
-  and a closed port;
-* the compose file's server and client, translated to processes on localhost (service name
-  ``server`` -> 127.0.0.1, volumes -> temporary folders, container names -> WAFL_CLIENT_NAME)
-  and started through the entrypoint, run one round of a two-client federation.
+* the Dockerfile's structure, its dependency split, pip settings only as build secrets;
+* docker/pip-settings.py: the machine's pip settings rewritten for a build, served on loopback;
+* the entrypoint, run outside a container: client index derivation (environment, claims on a
+  shared network, names, reverse DNS against a local fake DNS server), the shaping command built
+  for WAFL_LINK_RATE, the refusals on the host's network and without CAP_NET_ADMIN, privilege
+  dropping, the health probe against a real server and a closed port;
+* the compose file's server and client, translated to processes on localhost (volumes ->
+  temporary folders, the port -> a free one) and started through the entrypoint, run one round
+  of a two-client federation, the clients claiming their indices as in the containers.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -29,8 +33,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -66,7 +71,9 @@ def _clean_env(**extra: str) -> dict[str, str]:
 
 
 def _entrypoint(*args: str, env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(ENTRYPOINT), *args], env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(ENTRYPOINT), *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def _free_port() -> int:
@@ -81,7 +88,7 @@ def _free_port() -> int:
 _YAML_TO_JSON = "import json, sys, yaml; json.dump(yaml.safe_load(sys.stdin), sys.stdout)"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compose_cli() -> tuple[tuple[str, ...], int] | None:
     """The compose command and its major version (1: Python docker-compose, 2: the Go one)."""
     candidates = []
@@ -127,12 +134,14 @@ def _interpolate(value: Any, env: dict[str, str]) -> Any:
     return value
 
 
-def compose_config(files: list[Path], env: dict[str, str] | None = None, profiles: tuple[str, ...] = ()) -> dict[str, Any]:
+def compose_config(
+    files: list[Path], env: dict[str, str] | None = None, profiles: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """The resolved compose configuration of ``files``, as docker-compose sees it."""
     return json.loads(_compose_config(tuple(files), tuple(sorted((env or {}).items())), profiles))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compose_config(files: tuple[Path, ...], env_items: tuple[tuple[str, str], ...], profiles: tuple[str, ...]) -> str:
     env = {**_clean_env(), **dict(env_items)}
     found = _compose_cli()
@@ -140,7 +149,10 @@ def _compose_config(files: tuple[Path, ...], env_items: tuple[tuple[str, str], .
         try:
             import yaml
         except ImportError:
-            pytest.skip("neither docker-compose (Debian package docker-compose) nor PyYAML is available to read the compose files")
+            pytest.skip(
+                "neither docker-compose (Debian package docker-compose) nor PyYAML is available "
+                "to read the compose files"
+            )
         if len(files) != 1:
             pytest.skip("merging compose override files needs docker-compose")
         raw = yaml.safe_load(files[0].read_text())
@@ -204,24 +216,54 @@ def test_compose_file_validates() -> None:
     # the health check is the gRPC health probe of the entrypoint, clients wait for it
     assert server["healthcheck"]["test"][-2:] == ["wafl-entrypoint", "--health"]
     assert client["depends_on"]["server"]["condition"] == "service_healthy"
-    # scaled replicas must not share a fixed name: they derive their index from it
+    # scaled replicas must not share a fixed name; on the host's network they claim their index
     assert "container_name" not in client and "hostname" not in client
     assert _environment(client)["WAFL_CLIENT_INDEX"] == ""
-    assert _environment(client)["WAFL_SERVER"] == "server:50051"
+    assert _environment(client)["WAFL_CLIENT_INDEX_FROM"] == "claim"
+    # the host's network: the server on loopback, the clients dial it there (empty: 127.0.0.1:WAFL_PORT)
+    assert _environment(server)["WAFL_HOST"] == "127.0.0.1"
+    assert _environment(server)["WAFL_PORT"] == _environment(client)["WAFL_PORT"] == "50051"
+    assert _environment(client)["WAFL_SERVER"] == ""
     assert _replicas(client) == 4
+    for service in services.values():
+        assert service["network_mode"] == "host"
+        assert "ports" not in service  # nothing to publish on the host's network
+        assert service["build"]["network"] == "host"
+        assert service["build"]["args"] == {"BASE_IMAGE": "python:3.11-slim-bookworm", "TORCH_VARIANT": "cpu"}
     for service in (server, client):
         assert "WAFL_LINK_RATE" in _environment(service)
+        assert _environment(service)["WAFL_HOST_NETWORK"] == "1"  # the entrypoint never shapes the host's eth0
 
 
 def test_compose_environment_switches() -> None:
-    env = {"WAFL_PROTOCOL": "compute-and-wait", "WAFL_ALGORITHM": "fedprox", "WAFL_CLIENTS": "7", "WAFL_ROUNDS": "3", "WAFL_RUN": "cw", "WAFL_DATASET": "cifar10", "WAFL_LINK_RATE": "5mbit"}
+    env = {
+        "WAFL_PROTOCOL": "compute-and-wait",
+        "WAFL_ALGORITHM": "fedprox",
+        "WAFL_CLIENTS": "7",
+        "WAFL_ROUNDS": "3",
+        "WAFL_RUN": "cw",
+        "WAFL_DATASET": "cifar10",
+        "WAFL_LINK_RATE": "5mbit",
+    }
     cfg = compose_config([COMPOSE], env)
     server, client = cfg["services"]["server"], cfg["services"]["client"]
     cmd = server["command"]
-    for flag, value in (("--protocol", "compute-and-wait"), ("--algorithm", "fedprox"), ("--clients", "7"), ("--rounds", "3"), ("--dataset", "cifar10"), ("--out", "/results/cw")):
+    for flag, value in (
+        ("--protocol", "compute-and-wait"),
+        ("--algorithm", "fedprox"),
+        ("--clients", "7"),
+        ("--rounds", "3"),
+        ("--dataset", "cifar10"),
+        ("--out", "/results/cw"),
+    ):
         assert cmd[cmd.index(flag) + 1] == value
     assert _replicas(client) == 7
     assert _environment(client)["WAFL_STATE_DIR"] == "/results/cw/clients"
+    ports = compose_config([COMPOSE], {"WAFL_PORT": "50123", "WAFL_HOST": "0.0.0.0"})["services"]
+    assert _environment(ports["server"])["WAFL_PORT"] == _environment(ports["client"])["WAFL_PORT"] == "50123"
+    assert _environment(ports["server"])["WAFL_HOST"] == "0.0.0.0"
+    built = compose_config([COMPOSE], {"WAFL_BASE_IMAGE": "wafl-base:bookworm", "WAFL_TORCH_VARIANT": "pypi"})
+    assert built["services"]["server"]["build"]["args"] == {"BASE_IMAGE": "wafl-base:bookworm", "TORCH_VARIANT": "pypi"}
     assert _environment(server)["WAFL_LINK_RATE"] == _environment(client)["WAFL_LINK_RATE"] == "5mbit"
 
 
@@ -257,12 +299,16 @@ def test_compose_commands_parse_with_the_cli() -> None:
 
 def test_compose_overrides_validate() -> None:
     shaped = compose_config([COMPOSE, SHAPED], profiles=("bench",))["services"]
-    for name in ("server", "client"):
-        assert "NET_ADMIN" in shaped[name]["cap_add"]
-        assert str(shaped[name]["user"]).startswith("0")
-    assert shaped["bench"]["privileged"] is True
+    # the network-namespace path: a privileged root container on a network of its own
+    assert shaped["bench"]["privileged"] is True and str(shaped["bench"]["user"]).startswith("0")
+    assert shaped["bench"]["network_mode"] == "none"
+    for name in ("server", "client"):  # on the host's network: no capability to touch its interfaces
+        assert "cap_add" not in shaped[name] and "privileged" not in shaped[name]
+        assert shaped[name]["network_mode"] == "host"
     gpu = compose_config([COMPOSE, GPU], profiles=("bench",))["services"]
     assert gpu["client"]["build"]["args"]["TORCH_VARIANT"] == "cu128"
+    assert gpu["client"]["build"]["args"]["BASE_IMAGE"] == "python:3.11-slim-bookworm"
+    assert gpu["client"]["build"]["network"] == "host" and gpu["client"]["network_mode"] == "host"
     devices = gpu["client"]["deploy"]["resources"]["reservations"]["devices"]
     assert devices[0]["capabilities"] == ["gpu"]
     assert _environment(gpu["client"])["WAFL_DEVICE"] == "cuda"
@@ -294,20 +340,54 @@ def _instructions() -> list[tuple[str, str]]:
 
 def test_dockerfile_structure() -> None:
     ins = _instructions()
-    runtime = ins[max(i for i, (w, r) in enumerate(ins) if w == "FROM"):]
+    runtime = ins[max(i for i, (w, r) in enumerate(ins) if w == "FROM") :]
     users = [r for w, r in runtime if w == "USER"]
     assert users and users[-1] not in ("root", "0", "0:0")
     entry = json.loads(next(r for w, r in runtime if w == "ENTRYPOINT"))
     assert entry[-1] == "wafl-entrypoint"
     health = next(r for w, r in runtime if w == "HEALTHCHECK")
-    assert json.loads(health[health.index("CMD") + 3:].strip()) == ["wafl-entrypoint", "--health"]
-    assert any(w == "COPY" and r.split()[-2:] == ["docker/entrypoint.py", "/usr/local/bin/wafl-entrypoint"] for w, r in runtime)
+    assert json.loads(health[health.index("CMD") + 3 :].strip()) == ["wafl-entrypoint", "--health"]
+    assert any(
+        w == "COPY" and r.split()[-2:] == ["docker/entrypoint.py", "/usr/local/bin/wafl-entrypoint"] for w, r in runtime
+    )
     assert any(w == "ARG" and r == "TORCH_VARIANT=cpu" for w, r in ins)
     assert "https://download.pytorch.org/whl/${TORCH_VARIANT}" in DOCKERFILE.read_text()
     # dependencies are installed before the package source is copied (cache layering)
-    deps_install = next(i for i, (w, r) in enumerate(ins) if w == "RUN" and "requirements.txt" in r and "pip install" in r)
-    first_source = next(i for i, (w, r) in enumerate(ins) if w == "COPY" and r.split()[0] in ("common", "server", "client", "cli"))
+    deps_install = next(
+        i for i, (w, r) in enumerate(ins) if w == "RUN" and "requirements.txt" in r and "pip install" in r
+    )
+    first_source = next(
+        i for i, (w, r) in enumerate(ins) if w == "COPY" and r.split()[0] in ("common", "server", "client", "cli")
+    )
     assert deps_install < first_source
+
+
+def test_dockerfile_base_image_and_pip_settings() -> None:
+    """The base is a build argument; the machine's pip settings enter as build secrets, never a layer."""
+    ins = _instructions()
+    first_from = next(i for i, (w, _) in enumerate(ins) if w == "FROM")
+    assert ("ARG", "BASE_IMAGE=python:3.11-slim-bookworm") in ins[:first_from]
+    stages = set()
+    for word, rest in ins:
+        if word == "FROM":
+            image, _, stage = rest.partition(" AS ")
+            assert image == "${BASE_IMAGE}" or image in stages, rest
+            stages.add(stage.strip())
+    assert {"requirements", "deps", "wheel", "runtime"} <= stages
+    installs = [r for w, r in ins if w == "RUN" and "pip install" in r]
+    assert installs
+    for run in installs:
+        offline = "--no-deps" in run and "--mount=type=secret" not in run  # the wafl wheel, built in the image
+        secrets = "--mount=type=secret,id=pip.conf" in run and "--mount=type=secret,id=pip-cert" in run
+        assert offline or secrets, run
+        if secrets:
+            assert "PIP_CONFIG_FILE=/run/secrets/pip.conf" in run and "PIP_CERT=/run/secrets/pip-cert" in run
+    for word, rest in ins:  # no layer, environment or argument of the image carries pip's settings
+        if word in ("ENV", "ARG", "LABEL", "COPY", "ADD"):
+            assert "PIP_" not in rest and "pip.conf" not in rest and "pip-cert" not in rest, rest
+    runtime = ins[max(i for i, (w, r) in enumerate(ins) if w == "FROM") :]
+    assert runtime[0] == ("FROM", "deps AS runtime")  # the dependencies' layers, not a copy of the venv
+    assert not any(w == "COPY" and "/opt/venv" in r for w, r in ins)
 
 
 def test_dockerfile_sources_are_in_the_build_context() -> None:
@@ -326,10 +406,9 @@ def test_dockerfile_sources_are_in_the_build_context() -> None:
 
 def test_dockerfile_dependency_split(tmp_path: Path) -> None:
     """The requirements stage's script puts torch/torchvision apart from the other dependencies."""
-    run = next(r for w, r in _instructions() if w == "RUN" and "tomllib" in r)
-    code = shlex.split(run)[2]
-    code = code.replace("/src/pyproject.toml", str(REPO / "pyproject.toml"))
-    code = code.replace("/torch.txt", str(tmp_path / "torch.txt")).replace("/requirements.txt", str(tmp_path / "requirements.txt"))
+    run = shlex.split(next(r for w, r in _instructions() if w == "RUN" and "tomllib" in r))
+    code = run[run.index("-c") + 1]
+    code = code.replace("/src/pyproject.toml", str(REPO / "pyproject.toml")).replace("/requirements/", f"{tmp_path}/")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
     import tomllib
 
@@ -338,6 +417,123 @@ def test_dockerfile_dependency_split(tmp_path: Path) -> None:
     rest = (tmp_path / "requirements.txt").read_text().split()
     assert sorted(d.split("==")[0] for d in torch) == ["torch", "torchvision"]
     assert sorted(torch + rest) == sorted(deps)
+
+
+# --------------------------------------------------------------------------- pip settings for a build
+
+PIP_SETTINGS = DOCKER / "pip-settings.py"
+
+
+def _load_pip_settings() -> Any:
+    spec = importlib.util.spec_from_file_location("wafl_docker_pip_settings", PIP_SETTINGS)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+pip_settings = _load_pip_settings()
+
+
+def test_pip_settings_as_pip_reads_them(tmp_path: Path) -> None:
+    """Files in pip's order (global, user, PIP_CONFIG_FILE), then PIP_* variables over all of them."""
+    (tmp_path / "xdg" / "pip").mkdir(parents=True)
+    (tmp_path / "xdg" / "pip" / "pip.conf").write_text("[global]\ntimeout = 10\nindex-url = https://a/simple\n")
+    (tmp_path / "home" / ".config" / "pip").mkdir(parents=True)
+    (tmp_path / "home" / ".config" / "pip" / "pip.conf").write_text(
+        "[global]\ntimeout = 20\n[install]\nfind-links = /x\nno_binary = :none:\n"
+    )
+    env = {"XDG_CONFIG_DIRS": str(tmp_path / "xdg"), "PIP_FIND_LINKS": "/y", "PIP_DEFAULT_TIMEOUT": "5"}
+    files = pip_settings.config_files(env, tmp_path / "home")
+    assert files[0] == tmp_path / "xdg" / "pip" / "pip.conf" and files[-1].is_relative_to(tmp_path / "home")
+    settings = pip_settings.load_settings(env, [f for f in files if f.is_relative_to(tmp_path)])
+    assert settings == {
+        "global": {"timeout": "20", "index-url": "https://a/simple", "find-links": "/y", "default-timeout": "5"},
+        "install": {"no-binary": ":none:"},
+    }
+    assert pip_settings.config_files({**env, "PIP_CONFIG_FILE": os.devnull}, tmp_path) == []
+    assert pip_settings.config_files({**env, "PIP_CONFIG_FILE": "/z.conf"}, tmp_path)[-1] == Path("/z.conf")
+
+
+def test_pip_settings_rewritten_for_a_build(tmp_path: Path) -> None:
+    """Local folders and files become loopback URLs, the CA bundle the secret's path; the rest stays or goes."""
+    (tmp_path / "index" / "simple").mkdir(parents=True)
+    (tmp_path / "wheels").mkdir()
+    (tmp_path / "constraints.txt").write_text("torch<=9\n")
+    (tmp_path / "ca.pem").write_text("CA\n")
+    settings = {
+        "global": {
+            "index-url": "https://pypi.example/simple",
+            "extra-index-url": f"file://{tmp_path}/index/simple {tmp_path}/missing",
+            "find-links": f"{tmp_path}/wheels https://wheels.example/",
+            "constraint": str(tmp_path / "constraints.txt"),
+            "cert": str(tmp_path / "ca.pem"),
+            "cache-dir": "/var/cache/pip",
+            "user": "true",
+            "timeout": "60",
+        }
+    }
+    rewriter = pip_settings.Rewriter("http://127.0.0.1:8080", tmp_path)
+    out = rewriter.rewrite(settings)["global"]
+    assert out == {
+        "index-url": "https://pypi.example/simple",
+        "extra-index-url": "http://127.0.0.1:8080/0/simple/",  # the index's parent: its pages link ../../files
+        "find-links": "http://127.0.0.1:8080/1/ https://wheels.example/",
+        "constraint": "http://127.0.0.1:8080/2/constraints.txt",
+        "cert": "/run/secrets/pip-cert",
+        "timeout": "60",
+    }
+    assert rewriter.served == {"0": tmp_path / "index", "1": tmp_path / "wheels", "2": tmp_path / "constraints.txt"}
+    assert rewriter.cert == tmp_path / "ca.pem"
+    assert any("missing does not exist" in n for n in rewriter.notes) and any("cache-dir" in n for n in rewriter.notes)
+
+
+def test_pip_settings_served_on_loopback(tmp_path: Path) -> None:
+    """`serve`: pip.conf and the CA bundle written, the folders served read-only, nothing outside them."""
+    import urllib.error
+    import urllib.request
+
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "demo-1.0-py3-none-any.whl").write_bytes(b"wheel bytes")
+    (tmp_path / "secret.txt").write_text("not served\n")
+    (tmp_path / "ca.pem").write_text("CA\n")
+    out = tmp_path / "out"
+    env = _clean_env(
+        HOME=str(tmp_path),
+        XDG_CONFIG_DIRS=str(tmp_path / "none"),
+        PIP_FIND_LINKS=str(wheels),
+        PIP_CERT=str(tmp_path / "ca.pem"),
+    )
+    env = {k: v for k, v in env.items() if not k.startswith("PIP_") or k in ("PIP_FIND_LINKS", "PIP_CERT")}
+    server = subprocess.Popen([sys.executable, str(PIP_SETTINGS), "serve", str(out)], env=env, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while not (out / "ready").exists():
+            assert server.poll() is None and time.monotonic() < deadline, server.stderr and server.stderr.read()
+            time.sleep(0.05)
+        port = int((out / "ready").read_text())
+        conf = (out / "pip.conf").read_text()
+        assert f"find-links = http://127.0.0.1:{port}/" in conf and "cert = /run/secrets/pip-cert" in conf
+        assert (out / "pip-cert").read_text() == "CA\n"
+        url = re.search(r"find-links = (\S+)", conf)
+        assert url
+        listing = urllib.request.urlopen(url.group(1), timeout=10).read().decode()
+        assert "demo-1.0-py3-none-any.whl" in listing
+        assert urllib.request.urlopen(url.group(1) + "demo-1.0-py3-none-any.whl", timeout=10).read() == b"wheel bytes"
+        for outside in (
+            url.group(1) + "../secret.txt",
+            url.group(1) + "%2e%2e/secret.txt",
+            f"http://127.0.0.1:{port}/9/",
+        ):
+            with pytest.raises(urllib.error.HTTPError) as info:
+                urllib.request.urlopen(outside, timeout=10)
+            assert info.value.code == 404
+        with pytest.raises(urllib.error.HTTPError):  # read-only
+            urllib.request.urlopen(urllib.request.Request(url.group(1), data=b"x", method="PUT"), timeout=10)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=30) == 0
 
 
 # --------------------------------------------------------------------------- entrypoint: index
@@ -365,7 +561,9 @@ def test_index_from_replica_name(name: str, offset: str, expected: int) -> None:
 
 
 def test_index_from_environment_wins() -> None:
-    assert ep.derive_index({"WAFL_CLIENT_INDEX": "5", "WAFL_CLIENT_INDEX_OFFSET": "9"}, _names(("hostname", "x-client-2"))) == (5, "WAFL_CLIENT_INDEX")
+    assert ep.derive_index(
+        {"WAFL_CLIENT_INDEX": "5", "WAFL_CLIENT_INDEX_OFFSET": "9"}, _names(("hostname", "x-client-2"))
+    ) == (5, "WAFL_CLIENT_INDEX")
     with pytest.raises(ep.EntrypointError, match="WAFL_CLIENT_INDEX='one'"):
         ep.derive_index({"WAFL_CLIENT_INDEX": "one"}, _names())
 
@@ -465,6 +663,85 @@ def test_print_index_script() -> None:
     assert "cannot derive the client index" in bad.stderr and "WAFL_CLIENT_INDEX" in bad.stderr
 
 
+def test_claimed_indices_are_distinct_and_released() -> None:
+    """Claims: the lowest free index from the offset on, per server, free again once closed."""
+    server = f"127.0.0.1:{_free_port()}"  # a key of this test's own
+    held = []
+    try:
+        for expected in (0, 1, 2):
+            index, sock = ep.claim_index(server, 0)
+            held.append(sock)
+            assert index == expected and sock.get_inheritable()  # kept across exec, by the CLI
+        held[1].close()
+        index, sock = ep.claim_index(server, 0)
+        held.append(sock)
+        assert index == 1  # the released one
+        index, sock = ep.claim_index(server, 4)
+        held.append(sock)
+        assert index == 4  # WAFL_CLIENT_INDEX_OFFSET on another host
+        index, sock = ep.claim_index(server + "0", 0)
+        held.append(sock)
+        assert index == 0  # another server, other claims
+        with pytest.raises(ep.EntrypointError, match="no free client index among 0..1"):
+            ep.claim_index(server, 0, limit=2)
+    finally:
+        for sock in held:
+            sock.close()
+    assert ep.claim_name("h" * 200, 3).startswith(b"\0wafl-client-index/") and len(ep.claim_name("h" * 200, 3)) < 108
+
+
+def test_index_from_claim_and_bad_source() -> None:
+    server = f"127.0.0.1:{_free_port()}"
+    try:
+        index, source = ep.derive_index({"WAFL_CLIENT_INDEX_FROM": "claim", "WAFL_SERVER": server})
+        assert (index, source) == (0, f"a claim among the clients of {server} on this network")
+        index, _ = ep.derive_index({"WAFL_CLIENT_INDEX_FROM": "claim", "WAFL_CLIENT_INDEX_OFFSET": "0"}, server=server)
+        assert index == 1
+        # an explicit index wins over a claim
+        assert ep.derive_index({"WAFL_CLIENT_INDEX_FROM": "claim", "WAFL_CLIENT_INDEX": "7"}) == (
+            7,
+            "WAFL_CLIENT_INDEX",
+        )
+    finally:
+        while ep._held_claims:
+            ep._held_claims.pop().close()
+    with pytest.raises(ep.EntrypointError, match="WAFL_CLIENT_INDEX_FROM='dns' is neither"):
+        ep.derive_index({"WAFL_CLIENT_INDEX_FROM": "dns"})
+
+
+@pytest.mark.slow
+def test_claim_is_held_by_the_client_process(tmp_path: Path) -> None:
+    """The entrypoint's claim survives its exec into the CLI and ends with the client process."""
+    port = _free_port()  # nothing listens there: the client keeps reconnecting, holding its index
+    env = _clean_env(
+        WAFL_CLIENT_INDEX_FROM="claim",
+        WAFL_PORT=str(port),
+        WAFL_ROLE_FILE=str(tmp_path / "role.json"),
+        WAFL_ARGS="--reconnect-s 60",
+        WAFL_RUN_AS="",
+    )
+    log = tmp_path / "client.log"
+    with open(log, "wb") as f:
+        client = subprocess.Popen(
+            [sys.executable, str(ENTRYPOINT), "client"], env=env, stdout=f, stderr=subprocess.STDOUT
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while "client index" not in log.read_text():
+            assert client.poll() is None, log.read_text()[-2000:]
+            assert time.monotonic() < deadline, "the client never claimed an index"
+            time.sleep(0.1)
+        assert f"client index 0 from a claim among the clients of 127.0.0.1:{port}" in log.read_text()
+        time.sleep(1.0)  # well past the exec into the CLI
+        assert client.poll() is None, log.read_text()[-2000:]
+        probe = _entrypoint("--print-index", env=env)
+        assert probe.returncode == 0 and probe.stdout.strip() == "1", probe.stderr  # 0 is held by the CLI
+        assert json.loads((tmp_path / "role.json").read_text())["health"] == f"127.0.0.1:{port}"
+    finally:
+        _stop([client])
+    assert _entrypoint("--print-index", env=env).stdout.strip() == "0"  # released with the process
+
+
 # --------------------------------------------------------------------------- entrypoint: plan, shaping
 
 
@@ -475,9 +752,29 @@ def _dry_run(*args: str, **env: str) -> dict[str, Any]:
 
 
 def test_dry_run_server_shaping_command() -> None:
-    p = _dry_run("server", "--clients", "2", "--port", "50099", WAFL_LINK_RATE="20mbit", WAFL_LINK_DEV="eth1", WAFL_ARGS="--set lr=0.01")
+    p = _dry_run(
+        "server",
+        "--clients",
+        "2",
+        "--port",
+        "50099",
+        WAFL_LINK_RATE="20mbit",
+        WAFL_LINK_DEV="eth1",
+        WAFL_ARGS="--set lr=0.01",
+    )
     assert p["command"] == "server"
-    assert p["argv"] == [sys.executable, "-m", "wafl.cli.main", "server", "--clients", "2", "--port", "50099", "--set", "lr=0.01"]
+    assert p["argv"] == [
+        sys.executable,
+        "-m",
+        "wafl.cli.main",
+        "server",
+        "--clients",
+        "2",
+        "--port",
+        "50099",
+        "--set",
+        "lr=0.01",
+    ]
     assert p["shape"]["cmd"] == [sys.executable, "-m", "wafl.cli.netns", "shape", "--dev", "eth1", "--rate", "20mbit"]
     assert p["shape"]["tc"] == EXPECTED_TC.format(dev="eth1")
     assert p["health"] == "127.0.0.1:50099"
@@ -485,13 +782,23 @@ def test_dry_run_server_shaping_command() -> None:
 
 
 def test_dry_run_client_and_wafl_prefix() -> None:
-    p = _dry_run("wafl", "client", WAFL_CLIENT_NAME="wafl-client-2", WAFL_SERVER="10.0.0.1:50051", WAFL_LINK_RATE="20mbit")
+    p = _dry_run(
+        "wafl", "client", WAFL_CLIENT_NAME="wafl-client-2", WAFL_SERVER="10.0.0.1:50051", WAFL_LINK_RATE="20mbit"
+    )
     assert p["argv"][3:] == ["client"]
     assert p["env"] == {"WAFL_CLIENT_INDEX": "1"} and p["index"] == 1
     assert p["shape"]["tc"] == EXPECTED_TC.format(dev="eth0")
     assert p["health"] == "10.0.0.1:50051"
     explicit = _dry_run("client", "--index", "4", "--server", "h:1")
     assert explicit["env"] == {} and explicit["index"] is None and explicit["health"] == "h:1"
+
+
+def test_dry_run_client_dials_loopback_by_default() -> None:
+    p = _dry_run("client", WAFL_CLIENT_INDEX="0", WAFL_PORT="50123", WAFL_SERVER="")
+    assert p["env"] == {"WAFL_SERVER": "127.0.0.1:50123", "WAFL_CLIENT_INDEX": "0"}
+    assert p["health"] == "127.0.0.1:50123"
+    given = _dry_run("client", WAFL_CLIENT_INDEX="0", WAFL_PORT="50123", WAFL_SERVER="h:2")
+    assert given["env"] == {"WAFL_CLIENT_INDEX": "0"} and given["health"] == "h:2"
 
 
 def test_dry_run_bench_gets_link_rate_and_keeps_root() -> None:
@@ -515,7 +822,9 @@ def test_has_net_admin() -> None:
     assert ep.has_net_admin("CapEff:\t0000000000000fff\n") is False
 
 
-def _main(argv: list[str], env: dict[str, str], net_admin: bool, run_code: int = 0) -> tuple[int, list[list[str]], list[list[str]], str]:
+def _main(
+    argv: list[str], env: dict[str, str], net_admin: bool, run_code: int = 0
+) -> tuple[int, list[list[str]], list[list[str]], str]:
     execs: list[list[str]] = []
     runs: list[list[str]] = []
 
@@ -525,7 +834,9 @@ def _main(argv: list[str], env: dict[str, str], net_admin: bool, run_code: int =
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
-        code = ep.main(argv, env, execve=lambda path, args, e: execs.append(args), run=fake_run, net_admin=lambda: net_admin)
+        code = ep.main(
+            argv, env, execve=lambda path, args, e: execs.append(args), run=fake_run, net_admin=lambda: net_admin
+        )
     return code, execs, runs, err.getvalue()
 
 
@@ -553,6 +864,25 @@ def test_without_net_admin_exits_77_or_warns(tmp_path: Path) -> None:
     assert "warning" in err and "unshaped" in err
 
 
+def test_host_network_is_never_shaped(tmp_path: Path) -> None:
+    """On the host's network (docker-compose.yml) eth0 is the host's: no tc, exit 77 or a warning."""
+    env = {
+        "WAFL_LINK_RATE": "20mbit",
+        "WAFL_HOST_NETWORK": "1",
+        "WAFL_ROLE_FILE": str(tmp_path / "role.json"),
+        "WAFL_RUN_AS": "",
+    }
+    code, execs, runs, err = _main(["server"], env, net_admin=True)
+    assert code == 77 and execs == [] and runs == []
+    assert "host's own interface" in err and "compose.shaped.yml" in err and "WAFL_LINK_OPTIONAL" in err
+    code, execs, runs, err = _main(["client", "--index", "0"], {**env, "WAFL_LINK_OPTIONAL": "1"}, net_admin=True)
+    assert code == 0 and runs == [] and execs == [[sys.executable, "-m", "wafl.cli.main", "client", "--index", "0"]]
+    assert "unshaped" in err
+    # the benchmark builds namespaces of its own: it still gets --link-rate
+    p = _dry_run("bench", "protocols", WAFL_LINK_RATE="20mbit", WAFL_HOST_NETWORK="1")
+    assert p["argv"][-2:] == ["--link-rate", "20mbit"]
+
+
 def test_without_net_admin_script(tmp_path: Path) -> None:
     """The script itself, in a process that really lacks CAP_NET_ADMIN: exit 77, nothing started."""
     prefix: list[str] = []
@@ -561,7 +891,13 @@ def test_without_net_admin_script(tmp_path: Path) -> None:
             pytest.skip("cannot start a process without CAP_NET_ADMIN here (needs setpriv as root)")
         prefix = ["setpriv", "--inh-caps=-net_admin", "--bounding-set=-net_admin"]
     env = _clean_env(WAFL_LINK_RATE="1mbit", WAFL_LINK_DEV="wafltest0", WAFL_ROLE_FILE=str(tmp_path / "role.json"))
-    proc = subprocess.run([*prefix, sys.executable, str(ENTRYPOINT), "server", "--port", "1"], env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [*prefix, sys.executable, str(ENTRYPOINT), "server", "--port", "1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 77, proc.stderr
     assert "needs CAP_NET_ADMIN" in proc.stderr and "wafltest0" in proc.stderr
     assert not (tmp_path / "role.json").exists()
@@ -606,7 +942,10 @@ def test_health_probe_closed_port(tmp_path: Path) -> None:
     assert proc.returncode != 0
     assert f"127.0.0.1:{port}" in proc.stderr and "UNAVAILABLE" in proc.stderr
     # no role file yet: the server default, WAFL_PORT
-    proc = _entrypoint("--health", env=_clean_env(WAFL_ROLE_FILE=str(tmp_path / "missing.json"), WAFL_PORT=str(port), WAFL_HEALTH_TIMEOUT="2"))
+    proc = _entrypoint(
+        "--health",
+        env=_clean_env(WAFL_ROLE_FILE=str(tmp_path / "missing.json"), WAFL_PORT=str(port), WAFL_HEALTH_TIMEOUT="2"),
+    )
     assert proc.returncode != 0 and f"127.0.0.1:{port}" in proc.stderr
 
 
@@ -617,7 +956,9 @@ def test_health_probe_nothing_to_probe(tmp_path: Path) -> None:
     assert proc.returncode == 0 and "nothing to probe" in proc.stdout
 
 
-def _wait_healthy(health: list[str], env: dict[str, str], server: subprocess.Popen[bytes], port: int, log: Path, timeout: float = 180) -> str:
+def _wait_healthy(
+    health: list[str], env: dict[str, str], server: subprocess.Popen[bytes], port: int, log: Path, timeout: float = 180
+) -> str:
     """Runs the health check until it passes (as Docker does), once the port accepts connections."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -658,10 +999,25 @@ def _image_entrypoint() -> list[str]:
 
 @pytest.mark.slow
 def test_compose_federation_as_processes(tmp_path: Path) -> None:
-    """The compose file's server and two client replicas, as local processes, run one round."""
-    cfg = compose_config([COMPOSE], {"WAFL_CLIENTS": "2", "WAFL_ROUNDS": "1", "WAFL_DATASET": "digits", "WAFL_RUN": "compose-test", "WAFL_SERVER_ARGS": "--set local_epochs=1 --seed 3"})
-    server_svc, client_svc = cfg["services"]["server"], cfg["services"]["client"]
+    """The compose file's server and two client replicas, as local processes, run one round.
+
+    The containers share the host's network, so processes on this machine are what they are,
+    less the file system: the port is a free one (WAFL_PORT, as a user would set it), the
+    clients dial 127.0.0.1 there and claim their indices among themselves.
+    """
     port = _free_port()
+    cfg = compose_config(
+        [COMPOSE],
+        {
+            "WAFL_CLIENTS": "2",
+            "WAFL_ROUNDS": "1",
+            "WAFL_DATASET": "digits",
+            "WAFL_RUN": "compose-test",
+            "WAFL_PORT": str(port),
+            "WAFL_SERVER_ARGS": "--set local_epochs=1 --seed 3",
+        },
+    )
+    server_svc, client_svc = cfg["services"]["server"], cfg["services"]["client"]
     # volumes -> folders: the named results volume and the data folder -> empty temporary folders
     # (digits needs no files), other bind mounts (configs) -> their host folders
     folders: dict[str, Path] = {}
@@ -672,13 +1028,11 @@ def test_compose_federation_as_processes(tmp_path: Path) -> None:
         else:
             folders[target] = Path(source)
     assert {"/results", "/data"} <= set(folders)
-    container_port = str(server_svc["ports"][0]["target"] if isinstance(server_svc["ports"][0], dict) else server_svc["ports"][0].split(":")[-1])
 
     def translate(value: str) -> str:
-        value = value.replace(f"server:{container_port}", f"127.0.0.1:{port}")
         for target, path in folders.items():
             if value == target or value.startswith(target + "/"):
-                value = str(path) + value[len(target):]
+                value = str(path) + value[len(target) :]
         return value
 
     def service_env(service: dict[str, Any], name: str) -> dict[str, str]:
@@ -688,8 +1042,7 @@ def test_compose_federation_as_processes(tmp_path: Path) -> None:
 
     entry = _image_entrypoint()
     server_env = service_env(server_svc, "server")
-    assert server_env["WAFL_PORT"] == container_port
-    server_env.update(WAFL_PORT=str(port), WAFL_HOST="127.0.0.1")  # the container's port -> a free one on localhost
+    assert (server_env["WAFL_HOST"], server_env["WAFL_PORT"]) == ("127.0.0.1", str(port))
     server_cmd = [*entry, *(translate(a) for a in server_svc["command"])]
     health = [*entry, *server_svc["healthcheck"]["test"][2:]]  # ["CMD", "wafl-entrypoint", "--health"]
     logs = tmp_path / "logs"
@@ -697,22 +1050,38 @@ def test_compose_federation_as_processes(tmp_path: Path) -> None:
     procs: list[subprocess.Popen[bytes]] = []
     try:
         with open(logs / "server.log", "wb") as f:
-            server = subprocess.Popen(server_cmd, env=server_env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+            server = subprocess.Popen(
+                server_cmd, env=server_env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+            )
         procs.append(server)
         # depends_on: condition: service_healthy
-        assert _wait_healthy(health, server_env, server, port, logs / "server.log").strip() == f"127.0.0.1:{port}: SERVING"
-        assert json.loads((tmp_path / "server.role.json").read_text()) == {"command": "server", "health": f"127.0.0.1:{port}"}
+        assert (
+            _wait_healthy(health, server_env, server, port, logs / "server.log").strip() == f"127.0.0.1:{port}: SERVING"
+        )
+        assert json.loads((tmp_path / "server.role.json").read_text()) == {
+            "command": "server",
+            "health": f"127.0.0.1:{port}",
+        }
         replicas = _replicas(client_svc)
         assert replicas == 2
         for replica in range(1, replicas + 1):
             env = service_env(client_svc, f"client-{replica}")
-            env["WAFL_CLIENT_NAME"] = f"wafl-client-{replica}"  # the name compose gives replica N
             with open(logs / f"client-{replica}.log", "wb") as f:
-                procs.append(subprocess.Popen([*entry, *client_svc["command"]], env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True))
+                procs.append(
+                    subprocess.Popen(
+                        [*entry, *client_svc["command"]],
+                        env=env,
+                        stdout=f,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
         try:
             server.wait(timeout=180)
         except subprocess.TimeoutExpired:
-            raise AssertionError("the federation did not finish:\n" + "\n".join(p.read_text()[-2000:] for p in sorted(logs.iterdir()))) from None
+            raise AssertionError(
+                "the federation did not finish:\n" + "\n".join(p.read_text()[-2000:] for p in sorted(logs.iterdir()))
+            ) from None
         codes = []
         for p in procs[1:]:
             codes.append(p.wait(timeout=60))
@@ -721,8 +1090,15 @@ def test_compose_federation_as_processes(tmp_path: Path) -> None:
     server_log = (logs / "server.log").read_text()
     assert server.returncode == 0, server_log[-3000:]
     assert codes == [0, 0], [(logs / f"client-{i}.log").read_text()[-2000:] for i in (1, 2)]
+    claimed = []
     for replica in (1, 2):
-        assert f"client index {replica - 1} from WAFL_CLIENT_NAME 'wafl-client-{replica}'" in (logs / f"client-{replica}.log").read_text()
+        m = re.search(
+            r"client index (\d+) from a claim among the clients of 127\.0\.0\.1:(\d+)",
+            (logs / f"client-{replica}.log").read_text(),
+        )
+        assert m and m.group(2) == str(port), (logs / f"client-{replica}.log").read_text()[-2000:]
+        claimed.append(int(m.group(1)))
+    assert sorted(claimed) == [0, 1]  # distinct, whichever started first
     out = tmp_path / "results" / "compose-test"
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert len(rows) == 1
@@ -730,7 +1106,13 @@ def test_compose_federation_as_processes(tmp_path: Path) -> None:
     assert rows[0]["clients"] == 2
     run_config = json.loads((out / "config.json").read_text())  # what the server resolved and sent to the clients
     assert (run_config["protocol"], run_config["algorithm"], run_config["num_clients"]) == ("wait-free", "fedavg", 2)
-    assert (run_config["local_epochs"], run_config["seed"], run_config["data_dir"]) == (1, 3, str(tmp_path / "data"))  # WAFL_SERVER_ARGS, the /data mount
+    assert (run_config["local_epochs"], run_config["seed"], run_config["data_dir"]) == (
+        1,
+        3,
+        str(tmp_path / "data"),
+    )  # WAFL_SERVER_ARGS, the /data mount
     # the run is over, the server is gone: the health check now fails
-    after = subprocess.run(health, env={**server_env, "WAFL_HEALTH_TIMEOUT": "2"}, capture_output=True, text=True, timeout=60)
+    after = subprocess.run(
+        health, env={**server_env, "WAFL_HEALTH_TIMEOUT": "2"}, capture_output=True, text=True, timeout=60
+    )
     assert after.returncode != 0
