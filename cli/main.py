@@ -40,6 +40,11 @@ def _config_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--act-prob", dest="act_prob", type=float, help="independent per-client activation probability")
     g.add_argument("--algorithm", help="e.g. fedavg, scd, ditto, fedhkd, fedproto, fedprox+asd")
     g.add_argument("--protocol", choices=["wait-free", "compute-and-wait"])
+    g.add_argument("--aggregation", choices=["sync", "buffered"], help="lock-step rounds or buffered asynchronous")
+    g.add_argument("--concurrency", type=int, help="buffered: clients training at once (default: all)")
+    g.add_argument("--buffer-size", dest="buffer_size", type=int, help="buffered: updates per new version")
+    g.add_argument("--slowdown", help="per-client compute slow-down: none, a list '1,2,4,...' or lognormal:sigma=S")
+    g.add_argument("--dropout", type=float, help="probability that a client asked to train goes offline instead")
     g.add_argument("--model")
     g.add_argument("--seed", type=int)
     g.add_argument("--device", help="auto, cpu, cuda or cuda:N")
@@ -75,6 +80,11 @@ def _resolve_config(a: argparse.Namespace) -> RunConfig:
         "act_prob",
         "algorithm",
         "protocol",
+        "aggregation",
+        "concurrency",
+        "buffer_size",
+        "slowdown",
+        "dropout",
         "model",
         "seed",
         "device",
@@ -98,10 +108,21 @@ def cmd_run(a: argparse.Namespace) -> int:
 
     cfg = _resolve_config(a)
     resolve_device(cfg.device)  # every client runs here: a missing GPU is an error now, not at join
+    _check_link_rate(a.link_rate, cfg)
     summary = launch(
         cfg, Path(a.out) if a.out else None, link_rate=a.link_rate, show_progress=not a.quiet, timeout_s=a.timeout
     )
     return 0 if summary.ok else 1
+
+
+def _check_link_rate(spec: str | None, cfg: RunConfig) -> None:
+    if spec:
+        from wafl.common.heterogeneity import link_rates
+
+        try:
+            link_rates(spec, cfg.num_clients, cfg.seed)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 def cmd_server(a: argparse.Namespace) -> int:
@@ -177,7 +198,22 @@ def cmd_bench(a: argparse.Namespace) -> int:
     from wafl.cli.bench import bench_protocols
 
     cfg = _resolve_config(a)
+    _check_link_rate(a.link_rate, cfg)
     return bench_protocols(cfg, Path(a.out), link_rate=a.link_rate, target=a.target, show_progress=not a.quiet)
+
+
+ASYNC_DEFAULTS = {"algorithm": "ditto", "num_clients": 8, "slowdown": "lognormal:sigma=1", "rounds": 12}
+
+
+def cmd_bench_async(a: argparse.Namespace) -> int:
+    from wafl.cli.bench_async import bench_async
+
+    for k, v in ASYNC_DEFAULTS.items():
+        if getattr(a, k, None) is None and k not in dict(a.set):
+            setattr(a, k, v)
+    cfg = _resolve_config(a)
+    _check_link_rate(a.link_rate, cfg)
+    return bench_async(cfg, Path(a.out), link_rate=a.link_rate, target=a.target, show_progress=not a.quiet)
 
 
 def _threads(n: int | None) -> None:
@@ -208,7 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--out", help="output folder (default runs/<time>-<algorithm>)")
     r.add_argument(
         "--link-rate",
-        help="run each process in its own network namespace with links shaped to RATE (e.g. 20mbit; root only)",
+        help="run each process in its own network namespace with links shaped to RATE (root only): one rate "
+        "(20mbit), one per client (10mbit,20mbit,...) or lognormal:median=20mbit,sigma=S",
     )
     r.add_argument("--timeout", type=float, default=None, help="seconds before the run is stopped (default: no limit)")
     r.add_argument("--quiet", action="store_true")
@@ -265,6 +302,19 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--target", type=float, default=0.9, help="PM accuracy for zeta_total_s")
     bp.add_argument("--quiet", action="store_true")
     bp.set_defaults(fn=cmd_bench)
+    ba = bsub.add_parser(
+        "async",
+        help="sync vs buffered aggregation with heterogeneous clients, each under wait-free and compute-and-wait",
+    )
+    _config_args(ba)
+    ba.add_argument("--out", default="runs/bench-async")
+    ba.add_argument("--link-rate", help="shape links (root only): a rate, a list or lognormal:median=RATE,sigma=S")
+    ba.add_argument("--target", type=float, default=0.9, help="GM accuracy whose time to reach is compared")
+    ba.add_argument("--quiet", action="store_true")
+    ba.set_defaults(
+        fn=cmd_bench_async,
+        **{k: None for k in ASYNC_DEFAULTS},
+    )
 
     h = sub.add_parser("health", help="gRPC health check of a server (exit 0 when SERVING)")
     h.add_argument("--server", default=os.environ.get("WAFL_SERVER", "localhost:50051"))

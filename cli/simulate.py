@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from wafl.client.app import warm_up_torch
 from wafl.client.local import LocalSession
 from wafl.client.protocol import RoundProtocol
 from wafl.client.trainer import Trainer
@@ -37,6 +38,7 @@ def simulate(cfg: RunConfig, out_dir: Path | None = None) -> list[dict[str, Any]
 
 async def _simulate(cfg: RunConfig, out_dir: Path) -> list[dict[str, Any]]:
     out_dir.mkdir(parents=True, exist_ok=True)
+    warm_up_torch()  # as a client process does while it joins: not inside the first training phase
     engine = RoundEngine(cfg, out_dir)
     clients = []
     for i in range(cfg.num_clients):

@@ -32,7 +32,7 @@ async def run_client(
         torch.set_num_threads(threads)
     client_id = f"client-{index}"
     # The first optimizer call imports torch._dynamo (seconds of CPU): do it while joining, not in round 1.
-    warm = asyncio.create_task(asyncio.to_thread(_warm_up_torch))
+    warm = asyncio.create_task(asyncio.to_thread(warm_up_torch))
     probe = Session(address, client_id, index, 0, token=token, reconnect_s=reconnect_s, tls=tls)
     reply = await probe.join()  # num_samples=0: the configuration, without registering
     await probe.close()
@@ -70,7 +70,7 @@ async def _to_thread(fn, *args):  # type: ignore[no-untyped-def]
     return await asyncio.to_thread(fn, *args)
 
 
-def _warm_up_torch() -> None:
+def warm_up_torch() -> None:
     """One optimizer step on a scalar: pays torch's lazy imports before the run starts."""
     p = torch.nn.Parameter(torch.zeros(()))
     opt = torch.optim.SGD([p], lr=0.0)

@@ -96,6 +96,7 @@ class RoundEngine:
         self.strategy = make_strategy(cfg, self.algorithm, self.dataset.num_classes, self._accumulator)
         self.publication: Publication | None = None
         self.mailbox: dict[str, Delivery] = {}
+        self.waiting: Deliveries = {}  # decided for the version being published
         self.mail = asyncio.Condition()
         self.seq = 0
         self.changed = asyncio.Event()  # an upload was committed or released: conditions may have changed
@@ -332,12 +333,16 @@ class RoundEngine:
         return Publication(round, final, messages, self.model_bytes)
 
     def _deliver(self, deliveries: Deliveries) -> None:
-        if not deliveries:
+        """Sends the current publication as decided; work handed out for a version still being
+        published waits for it."""
+        self.waiting.update(deliveries)
+        p = self.publication
+        if not self.waiting or p is None or (p.round != self.strategy.version and not p.final):
             return
-        assert self.publication is not None
+        deliveries, self.waiting = self.waiting, {}
         for cid, train in deliveries.items():
             self.seq += 1
-            self.mailbox[cid] = Delivery(self.seq, self.publication, train)
+            self.mailbox[cid] = Delivery(self.seq, p, train)
         asyncio.get_running_loop().create_task(self._notify())
 
     async def _notify(self) -> None:

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from wafl.common import metrics as M
+
 
 class ResultsLog:
     def __init__(self, out_dir: Path, run_start: float, latest_pm: bool = False) -> None:
@@ -54,11 +56,8 @@ class ResultsLog:
                 )
                 + "\n"
             )
-        if "pm_accuracy" in metrics:
-            self.reports.setdefault(round, {})[client_id] = (
-                metrics["pm_accuracy"],
-                int(metrics.get("pm_test_samples", 1)),
-            )
+        if M.PM_ACCURACY in metrics:
+            self.add_pm(round, client_id, metrics[M.PM_ACCURACY], int(metrics.get(M.PM_TEST_SAMPLES, 1)))
         if timeline:
             self.timelines[client_id] = {"client_start_unix": client_start_unix, "events": timeline}
             (self.out_dir / "timelines.json").write_text(json.dumps(self.timelines, indent=1))

@@ -347,18 +347,28 @@ class BufferedStrategy(Strategy):
         self.current: Collection | None = None
         self.closing: list[Collection] = []
         self.assigned: dict[str, tuple[int, float]] = {}  # client -> (version it trains on, when asked)
+        self.trained: dict[str, int] = {}  # client -> the version it was last asked to train on
         self.draws = 0
 
     def _assign(self, now: float) -> Deliveries:
-        """Hands free slots to idle clients (random, reproducible), with the newest version."""
+        """Hands free slots to idle clients (random, reproducible), with the newest version; a client
+        never trains twice on one version (a slot it frees waits for the next one instead)."""
         out: Deliveries = {}
         if self.done:
             return out
-        idle = sorted((c for c in self.clients.values() if c.client_id not in self.assigned), key=lambda c: c.index)
+        idle = sorted(
+            (
+                c
+                for c in self.clients.values()
+                if c.client_id not in self.assigned and self.trained.get(c.client_id) != self.version
+            ),
+            key=lambda c: c.index,
+        )
         while idle and len(self.assigned) < self.concurrency:
             self.draws += 1
             pick = idle.pop(int(np.random.default_rng([self.cfg.seed, 7, self.draws]).integers(len(idle))))
             self.assigned[pick.client_id] = (self.version, now)
+            self.trained[pick.client_id] = self.version
             out[pick.client_id] = True
         return out
 

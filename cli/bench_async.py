@@ -1,0 +1,194 @@
+"""``wafl bench async``: synchronous against buffered aggregation on heterogeneous clients.
+
+The same federation (``wafl.cli.launch``: a server and N client processes, optionally behind
+shaped links) runs four times, into ``OUT/<aggregation>-<protocol>``: sync and buffered
+aggregation, each with wait-free and with compute-and-wait clients. Buffered runs publish
+``rounds * N / buffer_size`` versions, so both aggregations process the same number of client
+updates. ``OUT/async.json`` holds per run:
+
+* ``time_to_target_s``: seconds from the first model's publication (every client joined) until
+  the global model's test accuracy first reaches ``target`` (``null`` if it never does);
+* ``final_gm_accuracy``, ``best_gm_accuracy``, ``total_s`` (first publication to last version),
+  ``versions`` and, for buffered runs, the mean and maximum staleness of the updates;
+* ``idle_fraction`` (clients' ``idle`` time / their wall time, as in ``wafl bench protocols``),
+  ``slowdown_fraction`` and ``offline_fraction`` (the same for those phases);
+
+and at the top level, per protocol, ``speedup_to_target`` = sync's time to target / buffered's,
+and ``final_difference`` = buffered's final accuracy - sync's (in accuracy units).
+``OUT/accuracy.png`` draws GM accuracy against wall-clock for the four runs, ``OUT/timelines.png``
+every client's phases. Model files are deleted afterwards; records and logs stay.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from wafl.cli.bench import _share_of_wall, idle_fraction, plot_timelines, read_jsonl, read_timelines, training_start
+from wafl.common.config import RunConfig
+
+AGGREGATIONS = ("sync", "buffered")
+PROTOCOLS = ("compute-and-wait", "wait-free")
+
+
+def _phase_fraction(timelines: Mapping[str, Any], phase: str) -> float | None:
+    return _share_of_wall(
+        timelines, lambda ev: sum(float(e["end_s"]) - float(e["start_s"]) for e in ev if e["phase"] == phase)
+    )
+
+
+def accuracy_curve(rows: Sequence[Mapping[str, Any]]) -> list[tuple[float, float]]:
+    """``[(seconds since the first publication, gm_accuracy)]``, one point per evaluated version."""
+    t0 = training_start(rows)
+    return [(float(r["wall_s"]) - t0, float(r["gm_accuracy"])) for r in rows if r.get("gm_accuracy") is not None]
+
+
+def time_to(curve: Sequence[tuple[float, float]], target: float) -> float | None:
+    return next((t for t, a in curve if a >= target - 1e-12), None)
+
+
+def _r(v: float | None, digits: int = 4) -> float | None:
+    return None if v is None or not math.isfinite(v) else round(float(v), digits)
+
+
+def summarize(run_dir: Path, target: float) -> dict[str, Any]:
+    rows = read_jsonl(run_dir / "results.jsonl")
+    timelines = read_timelines(run_dir / "timelines.json")
+    curve = accuracy_curve(rows)
+    stale = [r["staleness_mean"] for r in rows if r.get("staleness_mean") is not None]
+    return {
+        "versions": len(rows),
+        "total_s": _r(curve[-1][0] if curve else None, 3),
+        "time_to_target_s": _r(time_to(curve, target), 3),
+        "final_gm_accuracy": _r(curve[-1][1] if curve else None),
+        "best_gm_accuracy": _r(max((a for _, a in curve), default=None)),
+        "idle_fraction": _r(idle_fraction(timelines)),
+        "slowdown_fraction": _r(_phase_fraction(timelines, "slowdown")),
+        "offline_fraction": _r(_phase_fraction(timelines, "offline")),
+        "staleness_mean": _r(sum(stale) / len(stale) if stale else None),
+        "staleness_max": max((r["staleness_max"] for r in rows if r.get("staleness_max") is not None), default=None),
+        "curve": [(_r(t, 3), _r(a)) for t, a in curve],
+    }
+
+
+def compare(runs: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for p in PROTOCOLS:
+        s, b = runs.get(f"sync-{p}"), runs.get(f"buffered-{p}")
+        if s is None or b is None:
+            continue
+        ts, tb = s["time_to_target_s"], b["time_to_target_s"]
+        fs, fb = s["final_gm_accuracy"], b["final_gm_accuracy"]
+        out[p] = {
+            "speedup_to_target": _r(ts / tb) if ts is not None and tb else None,
+            "final_difference": _r(fb - fs) if fs is not None and fb is not None else None,
+        }
+    return out
+
+
+def git_commit() -> str | None:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=Path(__file__).parent
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def plot_accuracy(curves: Mapping[str, Sequence[tuple[float, float]]], path: Path, target: float, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    styles = {"sync": "-", "buffered": "--"}
+    for name, curve in curves.items():
+        if curve:
+            ax.plot(*zip(*curve), styles[name.split("-")[0]], marker="o", ms=2.5, label=name)
+    ax.axhline(target, color="grey", lw=0.8, ls=":")
+    ax.set_xlabel("wall-clock (s since the first model was published)")
+    ax.set_ylabel("GM accuracy (global test set)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def bench_async(
+    cfg: RunConfig,
+    out: Path,
+    link_rate: str | None = None,
+    target: float = 0.9,
+    show_progress: bool = True,
+    timeout_s: float = 3600.0,
+) -> int:
+    """Runs the four federations; writes ``async.json`` and the PNGs; 0 when every run finished."""
+    from wafl.cli.launcher import launch
+
+    out.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, dict[str, Any]] = {}
+    timelines: dict[str, Any] = {}
+    ok = True
+    plan = [(a, p) for a in AGGREGATIONS for p in PROTOCOLS]
+    for i, (aggregation, protocol) in enumerate(plan, 1):
+        name = f"{aggregation}-{protocol}"
+        rounds = cfg.rounds
+        if aggregation == "buffered":
+            probe = dataclasses.replace(cfg, aggregation="buffered", params=dict(cfg.params)).validate()
+            rounds = math.ceil(cfg.rounds * cfg.num_clients / probe.buffered_size)
+        run_cfg = dataclasses.replace(
+            cfg, aggregation=aggregation, protocol=protocol, rounds=rounds, params=dict(cfg.params)
+        ).validate()
+        run_dir = out / name
+        if show_progress:
+            print(f"[{i}/{len(plan)}] {name}: {cfg.algorithm}, {cfg.num_clients} clients, {rounds} versions", file=sys.stderr)
+        summary = launch(run_cfg, run_dir, link_rate=link_rate, show_progress=show_progress, timeout_s=timeout_s)
+        ok = ok and summary.ok
+        (run_dir / "checkpoint.pt").unlink(missing_ok=True)
+        shutil.rmtree(run_dir / "clients", ignore_errors=True)
+        runs[name] = {"ok": summary.ok, "rounds_configured": rounds, **summarize(run_dir, target)}
+        timelines[name] = read_timelines(run_dir / "timelines.json")
+    doc = {
+        "commit": git_commit(),
+        "config": {
+            **{k: v for k, v in json.loads(cfg.to_json()).items() if k not in ("aggregation", "protocol", "rounds")},
+            "sync_rounds": cfg.rounds,
+            "link_rate": link_rate,
+            "target": target,
+        },
+        "runs": runs,
+        "comparison": compare(runs),
+    }
+    (out / "async.json").write_text(json.dumps(doc, indent=1) + "\n")
+    title = f"{cfg.algorithm}, {cfg.dataset}, {cfg.num_clients} clients, slowdown {cfg.slowdown}"
+    plot_accuracy({n: r["curve"] for n, r in runs.items()}, out / "accuracy.png", target, title)
+    plot_timelines(timelines, out / "timelines.png", title)
+    if show_progress:
+        print(format_table(doc), file=sys.stderr)
+    return 0 if ok else 1
+
+
+def format_table(doc: Mapping[str, Any]) -> str:
+    keys = ("versions", "total_s", "time_to_target_s", "final_gm_accuracy", "idle_fraction", "staleness_mean")
+    names = list(doc["runs"])
+    lines = [f"{'':<20}" + "".join(f"{n:>28}" for n in names)]
+    for k in keys:
+        lines.append(f"{k:<20}" + "".join(f"{_fmt(doc['runs'][n].get(k)):>28}" for n in names))
+    for p, c in doc["comparison"].items():
+        lines.append(f"{p}: buffered reaches the target {_fmt(c['speedup_to_target'])}x sooner; "
+                     f"final accuracy difference {_fmt(c['final_difference'])}")
+    return "\n".join(lines)
+
+
+def _fmt(v: Any) -> str:
+    return "-" if v is None else (f"{v:.4f}" if isinstance(v, float) else str(v))
