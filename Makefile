@@ -10,7 +10,9 @@ endif
 run:  ## a whole federation on the embedded digits data (server + 10 client processes)
 	$(VENV)/bin/wafl run $(ARGS)
 
-test:  ## the whole test suite
+test:  ## style (ruff check, ruff format --check), then the whole test suite
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/python -m pytest -q $(ARGS)
 
 protos:  ## regenerate common/proto from protos/

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 from _machine import cpu_name
+from wafl.cli.bench import git_commit
 from wafl.cli.simulate import run_many, summarize
 from wafl.common.config import RunConfig, load_config
 
@@ -41,7 +42,8 @@ def log(msg: str) -> None:
 def parse_args(
     name: str, description: str, default_rounds: int, add: Callable[[argparse.ArgumentParser], None] | None = None
 ) -> argparse.Namespace:
-    """``--seeds`` (default 0 1 2), ``--rounds``, ``--out`` (default ``benchmarks/results/<name>.json``), plus ``add``'s."""
+    """``--seeds`` (default 0 1 2), ``--rounds``, ``--out`` (default ``benchmarks/results/<name>.json``), plus
+    ``add``'s."""
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument(
         "--seeds",
@@ -219,6 +221,7 @@ class Report:
         self.reuse = previous_runs(self.out) if getattr(args, "resume", False) else None
         self.data: dict[str, Any] = {
             "benchmark": name,
+            "commit": git_commit(),
             "description": description,
             "command": " ".join([Path(sys.executable).name, *sys.argv]),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

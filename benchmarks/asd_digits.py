@@ -107,11 +107,13 @@ def main() -> None:
     per_run = sum(r["wall_s"] for r in res.values()) / sum(len(r["runs"]) for r in res.values())
     settings = (
         f"Final GM accuracy (%) on the global test split: mean ± std over seeds (min–max). Δ: difference to the base "
-        f"method on the same seed (same split, initial model and client selection), in points: mean (min to max). Digits, 20 equal-size clients, class prior Dir(delta = {BASE['delta']}), "
+        "method on the same seed (same split, initial model and client selection), in points: mean (min to "
+        f"max). Digits, 20 equal-size clients, class prior Dir(delta = {BASE['delta']}), "
         f"{int(100 * BASE['fraction'])}% of the clients per round, {args.rounds} rounds, seeds "
-        f"{', '.join(map(str, args.seeds))}; {BASE['optimizer'].capitalize()} lr {BASE['lr']}, batch {BASE['batch_size']}, "
-        f"{BASE['local_epochs']} local epochs for every method; ASD lambda = {ASD['asd_lambda']}, T = {ASD['asd_temperature']}; "
-        f"FedProx mu = 0.01, FedDyn alpha = 0.01, FedNTD beta = 1, T = 1. {per_run:.0f} s per run."
+        f"{', '.join(map(str, args.seeds))}; {BASE['optimizer'].capitalize()} lr {BASE['lr']}, batch "
+        f"{BASE['batch_size']}, {BASE['local_epochs']} local epochs for every method; ASD lambda = "
+        f"{ASD['asd_lambda']}, T = {ASD['asd_temperature']}; FedProx mu = 0.01, FedDyn alpha = 0.01, FedNTD beta = 1, "
+        f"T = 1. {per_run:.0f} s per run."
     )
     rep.write(f"{table}\n\n{settings}\n")
 

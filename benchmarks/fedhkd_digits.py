@@ -132,8 +132,9 @@ def main() -> None:
                 clip["zeta"] = c.params["zeta"]
                 results[name]["clipping"] = clip
                 L.log(
-                    f"  {name}: {100 * clip['mean_fraction']:.1f}% of representation elements clipped to ±{clip['zeta']} "
-                    f"(last round {100 * clip['last_round_mean_fraction']:.1f}%, max |h| {clip['max_abs']:.1f})"
+                    f"  {name}: {100 * clip['mean_fraction']:.1f}% of representation elements clipped to "
+                    f"±{clip['zeta']} (last round {100 * clip['last_round_mean_fraction']:.1f}%, max |h| "
+                    f"{clip['max_abs']:.1f})"
                 )
     rep["results"] = results
 

@@ -288,9 +288,13 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 def report(r: dict[str, Any]) -> str:
     lines = [
         f"device: {r['device']} ({r['device_name']}), torch {r['torch']}, CUDA {r['cuda']}",
-        f"round: {r['algorithm']} wait-free, {r['model']} ({r['num_params'] / 1e6:.2f}M parameters), {r['dataset']}, batch {r['batch_size']}; set-up {r['setup_s']:.1f} s",
-        f"GM: {r['gm']['steps']} steps; first {r['gm']['first_ms']:.1f} ms (warm-up), then {_fmt(r['gm']['after_first'])}",
-        f"PM: {r['pm']['steps']} steps completed (broadcast after {r['pm']['steps_at_broadcast']}, stopped early: {r['pm']['stopped_early']}); set-up {r['pm']['setup_ms']:.1f} ms; steps {_fmt(r['pm']['host'])}",
+        f"round: {r['algorithm']} wait-free, {r['model']} ({r['num_params'] / 1e6:.2f}M parameters), "
+        f"{r['dataset']}, batch {r['batch_size']}; set-up {r['setup_s']:.1f} s",
+        f"GM: {r['gm']['steps']} steps; first {r['gm']['first_ms']:.1f} ms (warm-up), then "
+        f"{_fmt(r['gm']['after_first'])}",
+        f"PM: {r['pm']['steps']} steps completed (broadcast after {r['pm']['steps_at_broadcast']}, stopped "
+        f"early: {r['pm']['stopped_early']}); set-up {r['pm']['setup_ms']:.1f} ms; steps "
+        f"{_fmt(r['pm']['host'])}",
     ]
     if r["pm"]["gpu_events"]["n"]:
         lines.append(f"PM steps from CUDA events on the PM stream: {_fmt(r['pm']['gpu_events'])}")
@@ -301,15 +305,19 @@ def report(r: dict[str, Any]) -> str:
         )
     u = r["upload"]
     lines.append(
-        f"upload (GM state to CPU + {u['chunks']} wire chunks, {u['bytes'] / 1e6:.1f} MB): {u['ms']:.1f} ms, t = {u['start_s']:.3f}..{u['end_s']:.3f} s"
+        f"upload (GM state to CPU + {u['chunks']} wire chunks, {u['bytes'] / 1e6:.1f} MB): {u['ms']:.1f} ms, t "
+        f"= {u['start_s']:.3f}..{u['end_s']:.3f} s"
     )
     tl = r["timeline_s"]
     lines.append(
-        f"PM phase: t = {tl['pm_start']:.3f}..{tl['pm_end']:.3f} s (first step starts {tl['pm_first_step']:.3f} s, broadcast {tl['broadcast']:.3f} s)"
+        f"PM phase: t = {tl['pm_start']:.3f}..{tl['pm_end']:.3f} s (first step starts "
+        f"{tl['pm_first_step']:.3f} s, broadcast {tl['broadcast']:.3f} s)"
     )
     o = r["overlap"]
     lines.append(
-        f"overlap: PM ran concurrently with the upload: {'yes' if o['overlapped'] else 'NO'} ({o['pm_work_during_upload_ms']:.1f} ms of PM work incl. its set-up; {o['pm_steps_during_upload']} PM steps overlapped the upload)"
+        f"overlap: PM ran concurrently with the upload: {'yes' if o['overlapped'] else 'NO'} "
+        f"({o['pm_work_during_upload_ms']:.1f} ms of PM work incl. its set-up; {o['pm_steps_during_upload']} "
+        "PM steps overlapped the upload)"
     )
     for name, ok in r["checks"].items():
         lines.append(f"check {name}: {'ok' if ok else 'FAILED'}")

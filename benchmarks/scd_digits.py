@@ -107,7 +107,10 @@ def sweep(args: argparse.Namespace, reuse: dict[str, Any] | None) -> tuple[dict[
     record = {
         "seed": args.sweep_seed,
         "rounds": args.sweep_rounds,
-        "rule": "optimizer: max FedAvg GM + Ditto(mu 0.1) PM; then Ditto mu and SCD (lambda_g, lambda_p): max PM; final-round accuracy, ties to the earlier (default) entry",
+        "rule": (
+            "optimizer: max FedAvg GM + Ditto(mu 0.1) PM; then Ditto mu and SCD (lambda_g, lambda_p): max "
+            "PM; final-round accuracy, ties to the earlier (default) entry"
+        ),
         "optimizer_scores": score,
         "chosen": chosen,
         "runs": runs,
@@ -211,18 +214,22 @@ def main() -> None:
         f"{', '.join(map(str, args.seeds))}; batch {BASE['batch_size']}, E_G = {BASE['local_epochs']}, "
         f"E_P = {BASE['pm_epochs']} (compute-and-wait), {chosen['optimizer']} for every method; SCD tau = "
         f"{SCD_FIXED['tau']}, spectrum = {SCD_FIXED['spectrum']}. Final-round accuracy in %: mean ± std over seeds "
-        f"(min–max). GM: global test split; PM: local test sets weighted by size. s / run: wall time per run at nice 19 "
-        f"on a 2-core machine shared with other jobs, so it varies with their load (the extra rows ran later, under lighter load)."
+        "(min–max). GM: global test split; PM: local test sets weighted by size. s / run: wall time per run "
+        "at nice 19 on a 2-core machine shared with other jobs, so it varies with their load (the extra rows "
+        "ran later, under lighter load)."
     )
     if any(n in res for n in EXTRA):
         verdict += (
             " Extra rows: with lambda_p = 0.4 the spectral term's gradient on this CNN is ~0.008 against a CE gradient "
-            "of 1-3, so the PM trains almost as with lambda_p = 0; the extra rows raise lambda_p to 40 (and lambda_g to 30) "
-            f"(meeting the target: {', '.join(target['extra_rows_meeting_it']) or 'none'})."
+            "of 1-3, so the PM trains almost as with lambda_p = 0; the extra rows raise lambda_p to 40 (and "
+            f"lambda_g to 30) (meeting the target: {', '.join(target['extra_rows_meeting_it']) or 'none'})."
         )
     md = f"{table}\n\n{settings}\n\n{verdict}\n"
     if record is not None:
-        md += f"\nSettings chosen by a sweep on seed {record['seed']} ({record['rounds']} rounds), {record['rule']}:\n\n{sweep_table(record)}\n"
+        md += (
+            f"\nSettings chosen by a sweep on seed {record['seed']} ({record['rounds']} rounds), {record['rule']}:"
+            f"\n\n{sweep_table(record)}\n"
+        )
     rep.write(md)
 
 

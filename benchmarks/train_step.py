@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 from _machine import cpu_name
+from wafl.cli.bench import git_commit
 from wafl.common.algorithms import registry
 from wafl.common.algorithms.base import RoundContext
 from wafl.common.models import build_model
@@ -134,11 +135,13 @@ def markdown(res: dict[str, Any]) -> str:
         rows.setdefault(r["model"], {})[r["kind"]] = r
     m = res["machine"]
     lines = [
-        f"Training throughput on the CPU ({m['cpu']}, {res['threads']} threads, torch {m['torch']}), batch {res['batch_size']}, "
-        f"samples/s (median step in ms); load average {m['loadavg_before'][0]:.1f} before and {m['loadavg_after'][0]:.1f} after on {m['cpus']} CPUs. "
+        f"Training throughput on the CPU ({m['cpu']}, {res['threads']} threads, torch {m['torch']}), batch "
+        f"{res['batch_size']}, samples/s (median step in ms); load average {m['loadavg_before'][0]:.1f} before "
+        f"and {m['loadavg_after'][0]:.1f} after on {m['cpus']} CPUs. "
         "Written by `python benchmarks/train_step.py`.",
         "",
-        "| model | input | parameters | GM step (FedAvg CE) | PM step, SCD spectral term | PM step, Ditto proximal term | CPU utilization |",
+        "| model | input | parameters | GM step (FedAvg CE) | PM step, SCD spectral term | PM step, Ditto "
+        "proximal term | CPU utilization |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     low = []
@@ -185,11 +188,13 @@ def main(argv: list[str] | None = None) -> int:
             r = measure(name, kind, a.batch_size, a.warmup, a.min_steps, a.max_steps, a.min_time)
             results.append(r)
             print(
-                f"{name:<13} {kind:<9} {r['samples_per_s']:9.1f} samples/s  (median {r['median_step_ms']:.1f} ms over {r['timed_steps']} steps, CPU utilization {r['cpu_utilization']:.2f})",
+                f"{name:<13} {kind:<9} {r['samples_per_s']:9.1f} samples/s  (median {r['median_step_ms']:.1f} "
+                f"ms over {r['timed_steps']} steps, CPU utilization {r['cpu_utilization']:.2f})",
                 flush=True,
             )
     res = {
         "benchmark": "train_step",
+        "commit": git_commit(),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": {
             "cpu": cpu_name(),

@@ -29,8 +29,8 @@ Everything runs in one go on this machine, each server and client in its own pro
   from the clients' side (first receipt of its broadcast header to the last client holding the
   next broadcast) and by the server's own ``round_s`` in ``results.jsonl``;
 * what limits the figures: the server's CPU time per thread during the uploads; a cProfile of
-  one client upload; the same tensor messages (159 chunks grouped into 50 messages) through a bare ``grpc.aio`` stream (plain, and
-  with an awaited thread-pool hand-off per message, the cost one thread hop per message would add;
+  one client upload; the same tensor messages (159 chunks grouped into 50 messages) through a bare ``grpc.aio``
+  stream (plain, and with an awaited thread-pool hand-off per message, the cost one thread hop per message would add;
   wafl's handler instead queues chunks to a fold thread without awaiting); the cost of each step
   of the chunk path measured in-process; and diagnostic runs against a server changed at
   start-up by a ``sitecustomize`` module (product files untouched): ``bdp-probe`` (gRPC's
@@ -76,17 +76,27 @@ NOOP_CLIENTS = 5
 DIAGNOSTICS: dict[str, dict[str, Any]] = {
     "bdp-probe": {
         "kind": "concurrent",
-        "what": "server GRPC_OPTIONS with ('grpc.http2.bdp_probe', 1) instead of 0: gRPC grows each stream's HTTP/2 receive window from its bandwidth-delay estimate (its default)",
+        "what": (
+            "server GRPC_OPTIONS with ('grpc.http2.bdp_probe', 1) instead of 0: gRPC grows each stream's "
+            "HTTP/2 receive window from its bandwidth-delay estimate (its default)"
+        ),
         "env": {"WAFL_BENCH_GRPC_OPTIONS": json.dumps([["grpc.http2.bdp_probe", 1]])},
     },
     "server-stage-times": {
         "kind": "single",
-        "what": "single-client uploads against a server whose UploadFold.add, TransferChecker.check, decode_upload, Accumulator.mean and RoundEngine._encode_broadcast are wrapped in time.perf_counter accumulators",
+        "what": (
+            "single-client uploads against a server whose UploadFold.add, TransferChecker.check, "
+            "decode_upload, Accumulator.mean and RoundEngine._encode_broadcast are wrapped in "
+            "time.perf_counter accumulators"
+        ),
         "env": {"WAFL_BENCH_STAGE_TIMES": "{dir}/stage_times.json"},
     },
     "malloc-fixed-mmap-threshold": {
         "kind": "concurrent",
-        "what": "server run with MALLOC_MMAP_THRESHOLD_=131072: glibc keeps a fixed mmap threshold, so freed buffers of 128 KiB and more go back to the OS at once (tells allocator retention from live memory)",
+        "what": (
+            "server run with MALLOC_MMAP_THRESHOLD_=131072: glibc keeps a fixed mmap threshold, so freed "
+            "buffers of 128 KiB and more go back to the OS at once (tells allocator retention from live memory)"
+        ),
         "env": {"MALLOC_MMAP_THRESHOLD_": "131072"},
     },
 }
@@ -489,9 +499,7 @@ async def _client(task: dict[str, Any], msg_q: Any, gates: dict[str, Any]) -> No
 
     phase, index, server_pid = task["phase"], task["index"], task["server_pid"]
     configure_logging(f"bench-client-{index}", task["log_file"], level="WARNING", console=False)
-    session = Session(
-        task["address"], f"client-{index}", index, NUM_SAMPLES, [NUM_SAMPLES // 10] * 10, reconnect_s=60.0
-    )
+    session = Session(task["address"], f"client-{index}", index, NUM_SAMPLES, reconnect_s=60.0)
     await session.join()
     model_bytes = sum(s.nbytes for s in session.manifest)
     params = sum(s.numel for s in session.manifest)
@@ -530,7 +538,7 @@ async def _client(task: dict[str, Any], msg_q: Any, gates: dict[str, Any]) -> No
                 break
             if model.round > task["last_round"]:
                 break
-            if session.client_id not in model.selected:
+            if not model.train:
                 continue
             gate_name = task["gates"].get(model.round)
             if gate_name is not None:
@@ -600,7 +608,7 @@ def _profile_top(prof: Any, n: int) -> list[dict[str, Any]]:
     st = pstats.Stats(prof)
     total = st.total_tt or 1e-9  # type: ignore[attr-defined]
     rows = []
-    for (file, line, fn), (cc, nc, tt, ct, _) in st.stats.items():  # type: ignore[attr-defined]
+    for (file, line, fn), (_cc, nc, tt, ct, _) in st.stats.items():  # type: ignore[attr-defined]
         rows.append(
             {
                 "function": f"{Path(file).name}:{line}({fn})",
@@ -643,9 +651,9 @@ class Pool:
             except queue.Empty:
                 dead = [p.name for p in self.procs if p.exitcode is not None]
                 if dead:
-                    raise RuntimeError(f"client worker(s) died while importing: {dead}")
+                    raise RuntimeError(f"client worker(s) died while importing: {dead}") from None
                 if time.monotonic() > end:
-                    raise TimeoutError("client workers did not start")
+                    raise TimeoutError("client workers did not start") from None
                 continue
             if msg[0] == "imported":
                 pending.discard(msg[1])
@@ -810,12 +818,12 @@ class Phase:
                 if self.server.proc.poll() is not None:
                     raise RuntimeError(
                         f"{self.name}: server exited with {self.server.proc.returncode}:\n{self.server.console_text()}"
-                    )
+                    ) from None
                 dead = [p.name for p in self.pool.procs if p.exitcode is not None]
                 if dead:
-                    raise RuntimeError(f"{self.name}: client process(es) died: {dead}")
+                    raise RuntimeError(f"{self.name}: client process(es) died: {dead}") from None
                 if time.monotonic() > end:
-                    raise TimeoutError(f"{self.name}: no message from clients for {timeout:.0f}s")
+                    raise TimeoutError(f"{self.name}: no message from clients for {timeout:.0f}s") from None
                 continue
             if msg[0] != self.name:
                 continue  # a late message of an earlier phase
@@ -986,7 +994,13 @@ def phase_stage_times(pool: Pool, server: Server, uploads: int, stats_path: Path
     return {
         "uploads": rows,
         "per_round_costs": per_round,
-        "note": "stages: time inside each wrapped function during one upload (the upload's wall time is from the client's call to Session.upload to its return); the event loop runs decode_upload and TransferChecker.check, then awaits UploadFold.add in the executor before it reads the next message, so these times add up rather than overlap; unaccounted = wall - stages (gRPC receive, asyncio and thread hand-offs, the client)",
+        "note": (
+            "stages: time inside each wrapped function during one upload (the upload's wall time is from "
+            "the client's call to Session.upload to its return); the event loop runs decode_upload and "
+            "TransferChecker.check, then awaits UploadFold.add in the executor before it reads the next "
+            "message, so these times add up rather than overlap; unaccounted = wall - stages (gRPC receive, "
+            "asyncio and thread hand-offs, the client)"
+        ),
     }
 
 
@@ -1076,7 +1090,9 @@ def phase_concurrent(pool: Pool, server: Server, n: int, rounds: int) -> dict[st
         "server": ph.name,
         "server_config": ph.server.cfg,
         "clients_uploading": n,
-        "holdout_client": f"client-{holdout} (joined and selected; uploads after the peak was read so that the round stays open)",
+        "holdout_client": (
+            f"client-{holdout} (joined and selected; uploads after the peak was read so that the round stays open)"
+        ),
         "rounds": per_round,
         "per_client_median_MBps": round(statistics.median(per_client_all), 1),
         "per_client_min_MBps": round(min(per_client_all), 1),
@@ -1169,7 +1185,12 @@ def phase_noop(pool: Pool, server: Server, timed_round: int) -> dict[str, Any]:
         "rounds": out_rounds,
         "server_round_s": timed["server_round_s"],
         "client_observed_s": timed["first_header_to_last_next_broadcast_s"],
-        "definition": "client_observed_s: from the first client's receipt of the round's broadcast header to the moment the last client holds the next broadcast complete (broadcast download + 5 uploads + aggregation + next broadcast download); server_round_s: results.jsonl round_s (round opened, broadcast encoded, uploads, aggregation)",
+        "definition": (
+            "client_observed_s: from the first client's receipt of the round's broadcast header to "
+            "the moment the last client holds the next broadcast complete (broadcast download + 5 uploads + "
+            "aggregation + next broadcast download); server_round_s: results.jsonl round_s (round opened, "
+            "broadcast encoded, uploads, aggregation)"
+        ),
         "server_rounds": list(rows.values()),
     }
 
@@ -1179,9 +1200,9 @@ def stage_costs(repeat: int = 3) -> dict[str, Any]:
     """Per-MB cost of each step of the chunk path, on the benchmark's own model, in this process."""
     import numpy as np
     import torch
-    from wafl.client.session import _Assembler
+    from wafl.client.session import ModelAssembler
     from wafl.common.checksum import IMPLEMENTATION, crc32
-    from wafl.common.codec import TransferChecker, crc32_of, iter_chunks, manifest_of, numpy_view
+    from wafl.common.codec import TransferChecker, iter_chunks, manifest_of, numpy_view
     from wafl.common.models import build_model
     from wafl.common.proto import federation_pb2 as pb
     from wafl.common.wire import (
@@ -1192,6 +1213,7 @@ def stage_costs(repeat: int = 3) -> dict[str, Any]:
         encode_tensors,
         encode_upload,
         group_chunks,
+        write_transfer,
     )
     from wafl.server.aggregator import Accumulator
 
@@ -1274,26 +1296,29 @@ def stage_costs(repeat: int = 3) -> dict[str, Any]:
 
     warm.total_weight, warm.count = float(NUM_SAMPLES), 1
 
-    def encode_broadcast() -> None:  # RoundEngine._encode_broadcast, tensor part
-        [PreEncoded(encode_tensors(m)) for m in group_chunks(iter_chunks(state.items()))]
-        crc32_of(state.values())
+    def encode_broadcast() -> None:  # RoundEngine._encode: write_transfer, chunk messages encoded once
+        [
+            m if isinstance(m, pb.BroadcastMessage) else PreEncoded(encode_tensors(m))
+            for m in write_transfer(pb.BroadcastMessage, state.items())
+        ]
 
-    bc_encoded = [encode_tensors(m) for m in group_chunks(iter_chunks(state.items()))]
-    bc_crc = crc32_of(state.values())
-    header = pb.BroadcastHeader(round=1, num_tensors=len(manifest), total_bytes=nbytes)
+    bc_encoded = [
+        m.SerializeToString() if isinstance(m, pb.BroadcastMessage) else encode_tensors(m)
+        for m in write_transfer(pb.BroadcastMessage, state.items())
+    ]
+    header = pb.BroadcastMessage(header=pb.BroadcastHeader(round=1, num_tensors=len(manifest), total_bytes=nbytes))
 
     def assemble() -> None:  # what Session.models() does with one broadcast
-        asm = _Assembler(manifest, header)
+        asm = ModelAssembler(manifest)
+        asm.feed(header)
         for e in bc_encoded:
-            for c in chunks_of(decode_broadcast(e)):
-                asm.add(c)
-        asm.finish(bc_crc)
+            asm.feed(decode_broadcast(e))
 
     per_upload = {
         "client: group_chunks + encode_upload (protobuf prefixes + data, one join copy per message)": lambda: [
             encode_upload(m) for m in group_chunks(chunks)
         ],
-        f"client: CRC-32 ({IMPLEMENTATION}) of the chunk data (Session._upload_messages)": crc,
+        f"client: CRC-32 ({IMPLEMENTATION}) of the chunk data (wire.write_transfer)": crc,
         "server: decode_upload (zero-copy views)": lambda: [decode_upload(e) for e in encoded],
         "server: TransferChecker.check": check,
         f"server: CRC-32 ({IMPLEMENTATION}) in the fold thread (FoldPipeline)": crc,
@@ -1307,15 +1332,18 @@ def stage_costs(repeat: int = 3) -> dict[str, Any]:
     }
     per_round = {
         "server: Accumulator.mean": warm.mean,
-        "server: encode the broadcast (group_chunks + encode_tensors + crc32_of, RoundEngine._encode_broadcast)": encode_broadcast,
-        "client: receive one broadcast (decode + _Assembler.add/finish: check, CRC, copy, tensors)": assemble,
+        "server: encode the broadcast (write_transfer + encode_tensors, RoundEngine._encode)": encode_broadcast,
+        "client: receive one broadcast (decode + ModelAssembler.feed: check, CRC, copy, tensors)": assemble,
     }
     out: dict[str, Any] = {
         "model_bytes": nbytes,
         "chunks": len(chunks),
         "messages": len(messages),
         "repeat": repeat,
-        "note": "best of `repeat`, one thread, in the benchmark's parent process after the other phases; MBps = model bytes / seconds",
+        "note": (
+            "best of `repeat`, one thread, in the benchmark's parent process after the other phases; MBps "
+            "= model bytes / seconds"
+        ),
         "per_upload": {},
         "per_round": {},
     }
@@ -1335,7 +1363,8 @@ def stage_costs(repeat: int = 3) -> dict[str, Any]:
     out["client_seconds_per_upload"] = round(cli, 4)
     out["client_ceiling_MBps"] = round(nbytes / cli / MB, 1)
     out["ceiling_note"] = (
-        "the Python-side work one upload costs (decode + check + CRC + warm fold on the server; grouping, encoding + CRC on the client), gRPC's own work excluded"
+        "the Python-side work one upload costs (decode + check + CRC + warm fold on the server; grouping, "
+        "encoding + CRC on the client), gRPC's own work excluded"
     )
     return out
 
@@ -1406,7 +1435,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--diagnostics",
         default=DEFAULT_DIAGNOSTICS,
-        help=f"comma-separated extra runs against a server modified at start-up (product files untouched), from {sorted(DIAGNOSTICS)}, or 'none' (default: {DEFAULT_DIAGNOSTICS})",
+        help=(
+            "comma-separated extra runs against a server modified at start-up (product files untouched), "
+            f"from {sorted(DIAGNOSTICS)}, or 'none' (default: {DEFAULT_DIAGNOSTICS})"
+        ),
     )
     a = ap.parse_args(argv)
 
@@ -1430,9 +1462,14 @@ def main(argv: list[str] | None = None) -> int:
     }
     try:
         result["machine"] = machine_info()
+        from wafl.cli.bench import git_commit
+
+        result["commit"] = git_commit()
         result["loadavg"] = {"start": loadavg()}
         log(
-            f"machine: {result['machine']['nproc']} CPUs, load {result['loadavg']['start']}, python {result['machine']['python']}, grpc {result['machine']['grpc']}, torch {result['machine']['torch']}"
+            f"machine: {result['machine']['nproc']} CPUs, load {result['loadavg']['start']}, python "
+            f"{result['machine']['python']}, grpc {result['machine']['grpc']}, torch "
+            f"{result['machine']['torch']}"
         )
 
         size = max(a.concurrent + 1, NOOP_CLIENTS)
@@ -1485,22 +1522,27 @@ def main(argv: list[str] | None = None) -> int:
         log(f"  {[t['MBps'] for t in tcp_before]} MB/s")
 
         log(
-            f"single client: {a.single_uploads} uploads (+1 under cProfile), each right after a {a.tcp_paired_bytes / MB:.0f} MB raw TCP trial"
+            f"single client: {a.single_uploads} uploads (+1 under cProfile), each right after a "
+            f"{a.tcp_paired_bytes / MB:.0f} MB raw TCP trial"
         )
         result["loadavg"]["before_single"] = loadavg()
         single = phase_single(pool, servers[0], a.single_uploads, tcp, a.tcp_paired_bytes)
         log(
-            f"  {[u['MBps'] for u in single['uploads']]} MB/s (paired raw TCP {[t['MBps'] for t in single['paired_raw_tcp']]}); model {single['model']['model_bytes']} bytes, {single['model']['params']} parameters"
+            f"  {[u['MBps'] for u in single['uploads']]} MB/s (paired raw TCP "
+            f"{[t['MBps'] for t in single['paired_raw_tcp']]}); model {single['model']['model_bytes']} bytes, "
+            f"{single['model']['params']} parameters"
         )
 
         sizes = upload_message_sizes()
         log(
-            f"gRPC alone: the {len(sizes)} chunk messages of one upload through a bare grpc.aio stream ({a.single_uploads} times)"
+            f"gRPC alone: the {len(sizes)} chunk messages of one upload through a bare grpc.aio stream "
+            f"({a.single_uploads} times)"
         )
         result["loadavg"]["before_grpc_alone"] = loadavg()
         galone = grpc_alone(ctx, sizes, a.single_uploads)
         log(
-            f"  plain {galone['plain']['MBps']} MB/s; with an executor hop per message {galone['executor_hop_per_message']['MBps']} MB/s"
+            f"  plain {galone['plain']['MBps']} MB/s; with an executor hop per message "
+            f"{galone['executor_hop_per_message']['MBps']} MB/s"
         )
 
         conc_runs = []
@@ -1508,14 +1550,18 @@ def main(argv: list[str] | None = None) -> int:
             if not srv.name.startswith("concurrent"):
                 continue
             log(
-                f"{a.concurrent} concurrent clients (+1 holdout), fresh server {srv.name}, {a.concurrent_rounds} round(s)"
+                f"{a.concurrent} concurrent clients (+1 holdout), fresh server {srv.name}, "
+                f"{a.concurrent_rounds} round(s)"
             )
             result["loadavg"][f"before_{srv.name}"] = loadavg()
             conc_runs.append(phase_concurrent(pool, srv, a.concurrent, a.concurrent_rounds))
         conc = merge_concurrent(conc_runs)
         for pr in conc["rounds"]:
             log(
-                f"  {pr['server']} round {pr['round']}: per-client median {pr['per_client_median_MBps']} min {pr['per_client_min_MBps']} aggregate {pr['aggregate_MBps']} MB/s; RSS idle {pr['rss']['idle_VmRSS'] / MB:.0f} MB peak {pr['rss']['peak_VmHWM'] / MB:.0f} MB (+{pr['rss']['peak_minus_idle_model_multiples']} x model)"
+                f"  {pr['server']} round {pr['round']}: per-client median {pr['per_client_median_MBps']} min "
+                f"{pr['per_client_min_MBps']} aggregate {pr['aggregate_MBps']} MB/s; RSS idle "
+                f"{pr['rss']['idle_VmRSS'] / MB:.0f} MB peak {pr['rss']['peak_VmHWM'] / MB:.0f} MB "
+                f"(+{pr['rss']['peak_minus_idle_model_multiples']} x model)"
             )
 
         log(f"no-op round: {NOOP_CLIENTS} clients, round {NOOP_TIMED_ROUND} timed")
@@ -1523,7 +1569,8 @@ def main(argv: list[str] | None = None) -> int:
         noop = phase_noop(pool, servers[1], NOOP_TIMED_ROUND)
         for r in noop["rounds"]:
             log(
-                f"  round {r['round']}: server round_s {r['server_round_s']}, client-observed {r['first_header_to_last_next_broadcast_s']} s"
+                f"  round {r['round']}: server round_s {r['server_round_s']}, client-observed "
+                f"{r['first_header_to_last_next_broadcast_s']} s"
             )
 
         diag_results: dict[str, Any] = {}
@@ -1558,7 +1605,9 @@ def main(argv: list[str] | None = None) -> int:
                 "all_bytes_acknowledged": res["all_bytes_acknowledged"],
             }
             log(
-                f"  aggregate {pr['aggregate_MBps']} MB/s; RSS idle {pr['rss']['idle_VmRSS'] / MB:.0f} MB peak {pr['rss']['peak_VmHWM'] / MB:.0f} MB (+{pr['rss']['peak_minus_idle_model_multiples']} x model)"
+                f"  aggregate {pr['aggregate_MBps']} MB/s; RSS idle {pr['rss']['idle_VmRSS'] / MB:.0f} MB peak "
+                f"{pr['rss']['peak_VmHWM'] / MB:.0f} MB (+{pr['rss']['peak_minus_idle_model_multiples']} x "
+                "model)"
             )
 
         log("raw TCP loopback again")
@@ -1573,7 +1622,10 @@ def main(argv: list[str] | None = None) -> int:
         tcp_all = [t["MBps"] for t in tcp_before + single["paired_raw_tcp"] + tcp_after]
         tcp_median = statistics.median(tcp_all)
         result["raw_tcp"] = {
-            "method": "one sender and one receiver process, one connection over 127.0.0.1, 1 MiB sendall / recv_into, timed from the first send to the receiver's ack of the last byte",
+            "method": (
+                "one sender and one receiver process, one connection over 127.0.0.1, 1 MiB sendall / "
+                "recv_into, timed from the first send to the receiver's ack of the last byte"
+            ),
             "io_size": 1 << 20,
             "before": tcp_before,
             "paired_with_single_uploads": single["paired_raw_tcp"],
@@ -1634,7 +1686,9 @@ def main(argv: list[str] | None = None) -> int:
         result["wall_s"] = round(time.monotonic() - t_start, 1)
         one_min = [v[0] for k, v in result["loadavg"].items() if k.startswith("before_") or k == "end"]
         result["load_note"] = (
-            f"1-minute load average {min(one_min):.1f}..{max(one_min):.1f} during the measurements on {result['machine']['nproc']} CPUs: other processes competed for the CPUs, so the figures, raw TCP included, vary from run to run"
+            f"1-minute load average {min(one_min):.1f}..{max(one_min):.1f} during the measurements on "
+            f"{result['machine']['nproc']} CPUs: other processes competed for the CPUs, so the figures, raw "
+            "TCP included, vary from run to run"
             if max(one_min) > (result["machine"]["nproc"] or 1)
             else "the load average stayed within the CPU count"
         )
@@ -1666,41 +1720,58 @@ def print_summary(r: dict[str, Any]) -> None:
     ch = r["checks"]
     print()
     print(
-        f"model: {m['params']:,} parameters ({m['float32_params']:,} float32), {m['model_bytes'] / MB:.1f} MB in {m['tensors']} tensors"
+        f"model: {m['params']:,} parameters ({m['float32_params']:,} float32), {m['model_bytes'] / MB:.1f} MB "
+        f"in {m['tensors']} tensors"
     )
     print(
-        f"machine: {r['machine']['nproc']} CPUs ({r['machine']['cpu']}), load average {r['loadavg']['start']} -> {r['loadavg']['end']}"
+        f"machine: {r['machine']['nproc']} CPUs ({r['machine']['cpu']}), load average {r['loadavg']['start']} "
+        f"-> {r['loadavg']['end']}"
     )
     print(f"note: {r['load_note']}")
     print(
-        f"raw TCP loopback:            {t['median_MBps']:8.1f} MB/s  median, {t['worst_MBps']:.0f}..{t['best_MBps']:.0f} over {len(t['before'] + t['paired_with_single_uploads'] + t['after'])} trials"
+        f"raw TCP loopback:            {t['median_MBps']:8.1f} MB/s  median, "
+        f"{t['worst_MBps']:.0f}..{t['best_MBps']:.0f} over "
+        f"{len(t['before'] + t['paired_with_single_uploads'] + t['after'])} trials"
     )
     print(f"1 client upload:             {s['median_MBps']:8.1f} MB/s  median of {[u['MBps'] for u in s['uploads']]}")
     print(
-        f"  upload / raw TCP:          {s['median_ratio_to_paired_raw_tcp'] * 100:8.1f} %     median of per-upload ratios to the TCP trial just before {[round(u['ratio_to_paired_raw_tcp'] * 100, 1) for u in s['uploads']]}  [{ok(ch['single_upload_at_least_20pct_of_raw_tcp']['pass'])} >= 20%]"
+        f"  upload / raw TCP:          {s['median_ratio_to_paired_raw_tcp'] * 100:8.1f} %     median of "
+        "per-upload ratios to the TCP trial just before "
+        f"{[round(u['ratio_to_paired_raw_tcp'] * 100, 1) for u in s['uploads']]}  "
+        f"[{ok(ch['single_upload_at_least_20pct_of_raw_tcp']['pass'])} >= 20%]"
     )
     print(
-        f"                             {s['ratio_to_raw_tcp_median'] * 100:8.1f} %     median upload / median TCP; best / best {s['ratio_best_to_best_raw_tcp'] * 100:.1f}%"
+        f"                             {s['ratio_to_raw_tcp_median'] * 100:8.1f} %     median upload / median "
+        f"TCP; best / best {s['ratio_best_to_best_raw_tcp'] * 100:.1f}%"
     )
     g = r["grpc_alone"]
     print(
-        f"same {g['messages']} messages, bare grpc.aio: {g['plain']['median_MBps']:8.1f} MB/s  ({g['plain']['ratio_to_raw_tcp_median'] * 100:.1f}% of raw TCP); with an executor hop per message {g['executor_hop_per_message']['median_MBps']:.1f} MB/s"
+        f"same {g['messages']} messages, bare grpc.aio: {g['plain']['median_MBps']:8.1f} MB/s  "
+        f"({g['plain']['ratio_to_raw_tcp_median'] * 100:.1f}% of raw TCP); with an executor hop per message "
+        f"{g['executor_hop_per_message']['median_MBps']:.1f} MB/s"
     )
     k = c["clients_uploading"]
     print(
-        f"{k:2d} concurrent, per client:   {c['per_client_median_MBps']:8.1f} MB/s  median, {c['per_client_min_MBps']:.1f} min"
+        f"{k:2d} concurrent, per client:   {c['per_client_median_MBps']:8.1f} MB/s  median, "
+        f"{c['per_client_min_MBps']:.1f} min"
     )
     print(f"{k:2d} concurrent, aggregate:    {c['aggregate_MBps_median']:8.1f} MB/s  median of {c['aggregate_MBps']}")
     w = c["rss_worst_round"]
     print(
-        f"server RSS, {k:2d} concurrent:   idle {w['idle_VmRSS'] / MB:.0f} MB, peak {w['peak_VmHWM'] / MB:.0f} MB, +{w['peak_minus_idle'] / MB:.0f} MB = {w['peak_minus_idle_model_multiples']:.2f} x model (worst; first rounds {c['rss_first_round_model_multiples']})  [{ok(ch['concurrent_peak_rss_within_idle_plus_4x_model']['pass'])} <= 4]"
+        f"server RSS, {k:2d} concurrent:   idle {w['idle_VmRSS'] / MB:.0f} MB, peak {w['peak_VmHWM'] / MB:.0f} "
+        f"MB, +{w['peak_minus_idle'] / MB:.0f} MB = {w['peak_minus_idle_model_multiples']:.2f} x model (worst; "
+        f"first rounds {c['rss_first_round_model_multiples']})  "
+        f"[{ok(ch['concurrent_peak_rss_within_idle_plus_4x_model']['pass'])} <= 4]"
     )
     print(
-        f"no-op round (5 clients):     client-observed {n['client_observed_s']:.3f} s, server round_s {n['server_round_s']:.3f} s  [{ok(ch['noop_round_under_2s']['pass'])} < 2 s]"
+        f"no-op round (5 clients):     client-observed {n['client_observed_s']:.3f} s, server round_s "
+        f"{n['server_round_s']:.3f} s  [{ok(ch['noop_round_under_2s']['pass'])} < 2 s]"
     )
     sc = r["stage_costs"]
     print(
-        f"chunk-path CPU (in-process): server {sc['server_seconds_per_upload']:.3f} s/upload (ceiling {sc['server_ceiling_MBps']:.0f} MB/s), client {sc['client_seconds_per_upload']:.3f} s/upload (ceiling {sc['client_ceiling_MBps']:.0f} MB/s)"
+        f"chunk-path CPU (in-process): server {sc['server_seconds_per_upload']:.3f} s/upload (ceiling "
+        f"{sc['server_ceiling_MBps']:.0f} MB/s), client {sc['client_seconds_per_upload']:.3f} s/upload "
+        f"(ceiling {sc['client_ceiling_MBps']:.0f} MB/s)"
     )
     for d, res in r.get("diagnostics", {}).items():
         if "uploads" in res:
@@ -1712,7 +1783,9 @@ def print_summary(r: dict[str, Any]) -> None:
             )
             continue
         print(
-            f"  diagnostic {d}: +{res['rss']['peak_minus_idle'] / MB:.0f} MB = {res['rss']['peak_minus_idle_model_multiples']:.2f} x model, aggregate {res['aggregate_MBps']:.1f} MB/s (first round; compare the round-1 figures above)"
+            f"  diagnostic {d}: +{res['rss']['peak_minus_idle'] / MB:.0f} MB = "
+            f"{res['rss']['peak_minus_idle_model_multiples']:.2f} x model, aggregate "
+            f"{res['aggregate_MBps']:.1f} MB/s (first round; compare the round-1 figures above)"
         )
     print(f"overall: {ok(r['all_pass'])}")
 

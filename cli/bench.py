@@ -38,6 +38,7 @@ import math
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -61,7 +62,10 @@ COMM_DEFINITION = (
     "aggregation, evaluation and checkpoint, and the broadcast's transfer."
 )
 ZETA_TARGETS = (0.5, 0.6, 0.7, 0.8, 0.9)
-IDEAL_DEFINITION = "(t_gm_s + t_pm_s + t_comm_s) / (t_gm_s + t_comm_s), medians of the compute-and-wait run (t_pm_s: pm_train under compute-and-wait)"
+IDEAL_DEFINITION = (
+    "(t_gm_s + t_pm_s + t_comm_s) / (t_gm_s + t_comm_s), medians of the compute-and-wait run "
+    "(t_pm_s: pm_train under compute-and-wait)"
+)
 
 Timelines = Mapping[str, Mapping[str, Any]]
 
@@ -89,6 +93,16 @@ def read_timelines(path: Path) -> dict[str, Any]:
 
 def _events(timeline: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     return sorted(timeline.get("events", []), key=lambda e: (e["start_s"], e["end_s"]))
+
+
+def git_commit() -> str | None:
+    """The commit of the code being measured (recorded in every benchmark's JSON), None outside a clone."""
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=Path(__file__).parent
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -301,7 +315,7 @@ def plot_timelines(runs: Mapping[str, Timelines], path: Path, title: str = "") -
         clients, events = _aligned(runs[name])
         for row, c in enumerate(clients):
             y = len(clients) - 1 - row
-            for phase, rnd, s, e in events[c]:
+            for phase, _rnd, s, e in events[c]:
                 if phase == "upload":
                     ax.broken_barh([(s, max(e - s, 1e-3))], (y - 0.42, 0.3), facecolors=PHASE_COLORS[phase])
                 else:
@@ -383,8 +397,8 @@ def bench_protocols(
         shutil.rmtree(run_dir / "clients", ignore_errors=True)  # no PM state of an earlier run
         if show_progress:
             print(
-                f"[{i}/{len(PROTOCOL_ORDER)}] {protocol}: {cfg.algorithm}, {cfg.dataset}, {cfg.num_clients} clients, {cfg.rounds} rounds"
-                + (f", links {link_rate}" if link_rate else ""),
+                f"[{i}/{len(PROTOCOL_ORDER)}] {protocol}: {cfg.algorithm}, {cfg.dataset}, {cfg.num_clients} "
+                f"clients, {cfg.rounds} rounds" + (f", links {link_rate}" if link_rate else ""),
                 file=sys.stderr,
                 flush=True,
             )
@@ -410,6 +424,7 @@ def bench_protocols(
             for t, a in pm_accuracy_curve(read_jsonl(run_dir / "reports.jsonl"), read_jsonl(run_dir / "results.jsonl"))
         ]
     doc = {
+        "commit": git_commit(),
         "config": {
             "algorithm": cfg.algorithm,
             "dataset": cfg.dataset,

@@ -25,13 +25,20 @@ import dataclasses
 import json
 import math
 import shutil
-import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from wafl.cli.bench import _share_of_wall, idle_fraction, plot_timelines, read_jsonl, read_timelines, training_start
+from wafl.cli.bench import (
+    _share_of_wall,
+    git_commit,
+    idle_fraction,
+    plot_timelines,
+    read_jsonl,
+    read_timelines,
+    training_start,
+)
 from wafl.common.config import RunConfig
 
 AGGREGATIONS = ("sync", "buffered")
@@ -93,15 +100,6 @@ def compare(runs: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def git_commit() -> str | None:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=Path(__file__).parent
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def plot_accuracy(curves: Mapping[str, Sequence[tuple[float, float]]], path: Path, target: float, title: str) -> None:
     import matplotlib
 
@@ -151,7 +149,10 @@ def bench_async(
         ).validate()
         run_dir = out / name
         if show_progress:
-            print(f"[{i}/{len(plan)}] {name}: {cfg.algorithm}, {cfg.num_clients} clients, {rounds} versions", file=sys.stderr)
+            print(
+                f"[{i}/{len(plan)}] {name}: {cfg.algorithm}, {cfg.num_clients} clients, {rounds} versions",
+                file=sys.stderr,
+            )
         summary = launch(run_cfg, run_dir, link_rate=link_rate, show_progress=show_progress, timeout_s=timeout_s)
         ok = ok and summary.ok
         (run_dir / "checkpoint.pt").unlink(missing_ok=True)
@@ -185,8 +186,10 @@ def format_table(doc: Mapping[str, Any]) -> str:
     for k in keys:
         lines.append(f"{k:<20}" + "".join(f"{_fmt(doc['runs'][n].get(k)):>28}" for n in names))
     for p, c in doc["comparison"].items():
-        lines.append(f"{p}: buffered reaches the target {_fmt(c['speedup_to_target'])}x sooner; "
-                     f"final accuracy difference {_fmt(c['final_difference'])}")
+        lines.append(
+            f"{p}: buffered reaches the target {_fmt(c['speedup_to_target'])}x sooner; "
+            f"final accuracy difference {_fmt(c['final_difference'])}"
+        )
     return "\n".join(lines)
 
 

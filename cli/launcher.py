@@ -68,7 +68,6 @@ def launch(
     bind_port = 0
     if link_rate:
         from wafl.cli.netns import Star, check_permissions, parse_rate
-
         from wafl.common.heterogeneity import link_rates
 
         check_permissions()
@@ -152,7 +151,8 @@ def launch(
         summary.ok = server.returncode == 0 and len(summary.rows) == cfg.rounds
         if server.returncode != 0:
             print(
-                f"wafl: the server exited with code {server.returncode}; last lines of {logs / 'server.log'}:\n{_tail(logs / 'server.log')}",
+                f"wafl: the server exited with code {server.returncode}; last lines of "
+                f"{logs / 'server.log'}:\n{_tail(logs / 'server.log')}",
                 file=sys.stderr,
             )
     finally:
@@ -251,7 +251,10 @@ class Progress:
         last = rows[-1] if rows else {}
         acc = f" gm {last['gm_accuracy']:.3f}" if last.get("gm_accuracy") is not None else ""
         pm = f" pm {last['pm_accuracy']:.3f}" if last.get("pm_accuracy") is not None else ""
-        line = f"{chr(13) if self.tty else ''}round {done:>3}/{self.total} [{'#' * filled}{'.' * (self.width - filled)}]{acc}{pm} {elapsed:6.1f}s"
+        line = (
+            f"{chr(13) if self.tty else ''}round {done:>3}/{self.total} "
+            f"[{'#' * filled}{'.' * (self.width - filled)}]{acc}{pm} {elapsed:6.1f}s"
+        )
         if line != self.last:
             sys.stderr.write(line if self.tty else line + "\n")
             sys.stderr.flush()
@@ -272,7 +275,8 @@ def final_table(s: RunSummary, cfg: RunConfig) -> str:
         f"{'rounds':<16}{len(s.rows)} of {cfg.rounds}",
         f"{'gm_accuracy':<16}{_fmt(f.get('gm_accuracy'))}",
         f"{'pm_accuracy':<16}{_fmt(f.get('pm_accuracy'))}",
-        f"{'best gm':<16}{_fmt(max((r['gm_accuracy'] for r in s.rows if r.get('gm_accuracy') is not None), default=None))}",
+        f"{'best gm':<16}"
+        f"{_fmt(max((r['gm_accuracy'] for r in s.rows if r.get('gm_accuracy') is not None), default=None))}",
         f"{'wall time':<16}{s.wall_s:.1f} s",
         f"{'traffic':<16}up {mb(up)}, down {mb(down)}",
         f"{'output':<16}{s.out_dir}",

@@ -254,7 +254,9 @@ def report_request(
         client_id=client_id,
         round=round,
         metrics=dict(metrics),
-        timeline=[pb.PhaseEvent(phase=e.phase, round=e.round, start_s=e.start_s, end_s=e.end_s) for e in timeline or []],
+        timeline=[
+            pb.PhaseEvent(phase=e.phase, round=e.round, start_s=e.start_s, end_s=e.end_s) for e in timeline or []
+        ],
         client_start_unix=start_unix,
     )
 

@@ -152,7 +152,8 @@ def tensor_from_bytes(buf: bytes | bytearray | memoryview, spec: TensorSpec) -> 
     mv = memoryview(buf).cast("B")
     if mv.nbytes != spec.nbytes:
         raise ValueError(
-            f"tensor {spec.name!r}: {mv.nbytes} bytes for shape {spec.shape} {dtype_name(spec.dtype)} ({spec.nbytes} expected)"
+            f"tensor {spec.name!r}: {mv.nbytes} bytes for shape {spec.shape} {dtype_name(spec.dtype)} "
+            f"({spec.nbytes} expected)"
         )
     dt = torch_dtype(spec.dtype)
     if spec.nbytes == 0:
@@ -296,5 +297,6 @@ class TransferChecker:
             raise ChunkError(f"tensor {spec.name!r} is missing or incomplete ({self.offset} of {spec.nbytes} bytes)")
         if trailer_crc != self.crc:
             raise ChunkError(
-                f"transfer CRC-32 {trailer_crc:#010x} does not match the data received ({self.crc:#010x})", Code.DATA_LOSS
+                f"transfer CRC-32 {trailer_crc:#010x} does not match the data received ({self.crc:#010x})",
+                Code.DATA_LOSS,
             )

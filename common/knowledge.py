@@ -119,7 +119,9 @@ def validate_knowledge(k: Knowledge, num_classes: int, code_len: int, tol: float
 def to_proto(k: Knowledge) -> list[pb.ClassKnowledge]:
     """Knowledge as wire messages, in class order."""
     return [
-        pb.ClassKnowledge(class_id=c.class_id, count=c.count, representation=c.rep.tolist(), soft_prediction=c.soft.tolist())
+        pb.ClassKnowledge(
+            class_id=c.class_id, count=c.count, representation=c.rep.tolist(), soft_prediction=c.soft.tolist()
+        )
         for _, c in sorted(k.items())
     ]
 

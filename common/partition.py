@@ -44,7 +44,8 @@ def dirichlet_partition(
         if min(len(s) for s in shards) >= min_size:
             return [np.sort(np.asarray(s, dtype=np.int64)) for s in shards]
     raise ValueError(
-        f"alpha={alpha}: no Dirichlet split gave every one of {num_clients} clients {min_size} samples in {max_tries} tries"
+        f"alpha={alpha}: no Dirichlet split gave every one of {num_clients} clients {min_size} samples in "
+        f"{max_tries} tries"
     )
 
 

@@ -170,9 +170,7 @@ class RoundEngine:
         if owner is not None and owner != req.client_id:
             raise Refused(f"client_index {req.client_index} already belongs to {owner!r}", Code.ALREADY_EXISTS)
         if req.num_samples < 0:
-            raise Refused(
-                f"num_samples {req.num_samples} must be positive (or 0 to ask for the configuration only)"
-            )
+            raise Refused(f"num_samples {req.num_samples} must be positive (or 0 to ask for the configuration only)")
         if req.num_samples > 0:
             rejoin = req.client_id in self.clients
             self.clients[req.client_id] = ClientInfo(
@@ -251,7 +249,9 @@ class RoundEngine:
             deadline = self.strategy.next_deadline()
             self.changed.clear()
             try:
-                await asyncio.wait_for(self.changed.wait(), None if deadline is None else max(0.0, deadline - loop.time()))
+                await asyncio.wait_for(
+                    self.changed.wait(), None if deadline is None else max(0.0, deadline - loop.time())
+                )
             except TimeoutError:
                 pass
 
@@ -349,6 +349,15 @@ class RoundEngine:
         async with self.mail:
             self.mail.notify_all()
 
+    async def _next_delivery(self, client_id: str, after: int) -> Delivery:
+        def newer() -> bool:
+            d = self.mailbox.get(client_id)
+            return d is not None and d.seq > after
+
+        async with self.mail:
+            await self.mail.wait_for(newer)
+            return self.mailbox[client_id]
+
     async def deliveries(self, client_id: str) -> AsyncIterator[object]:
         """The broadcast stream of one client: each model it is sent (its latest one first), as
         messages (header, transfer), until the final model. Raises :class:`Refused` for an unknown client."""
@@ -356,9 +365,7 @@ class RoundEngine:
             raise Refused(f"unknown client_id {client_id!r}: call Join first", Code.NOT_FOUND)
         seq = 0
         while True:
-            async with self.mail:
-                await self.mail.wait_for(lambda: client_id in self.mailbox and self.mailbox[client_id].seq > seq)
-                d = self.mailbox[client_id]
+            d = await self._next_delivery(client_id, seq)
             seq = d.seq
             p = d.publication
             yield pb.BroadcastMessage(

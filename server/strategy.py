@@ -95,7 +95,9 @@ class Strategy(ABC):
     #: "cancel" rolls them back, "wait" lets them finish into it
     drain: str = "cancel"
 
-    def __init__(self, cfg: RunConfig, algorithm: Algorithm, num_classes: int, new_accumulator: Callable[[], Accumulator]) -> None:
+    def __init__(
+        self, cfg: RunConfig, algorithm: Algorithm, num_classes: int, new_accumulator: Callable[[], Accumulator]
+    ) -> None:
         self.cfg = cfg
         self.algorithm = algorithm
         self.num_classes = num_classes

@@ -61,7 +61,9 @@ class Upload:
         self.header = header
         self.ticket = ticket
         knowledge_entries = engine.dataset.num_classes if engine.algorithm.knowledge is not None else 0
-        self.reader = TransferReader(engine.manifest, knowledge_entries, compute_crc=False)  # the fold thread keeps the CRC
+        self.reader = TransferReader(
+            engine.manifest, knowledge_entries, compute_crc=False
+        )  # the fold thread keeps the CRC
         self.fold = ticket.collection.accumulator.begin(ticket.weight)
         self.pipeline = FoldPipeline(self.fold)
         self.committed = False

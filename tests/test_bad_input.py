@@ -283,7 +283,7 @@ def test_join_unsupported_protocol_version(fed: Federation) -> None:
     stranger = IndependentClient(fed.pb, fed.pb_grpc, fed.server.address, "stranger-v2", 0, 10)
     try:
         for client in (fed.a, stranger):
-            err = call_error(lambda: client.join(protocol_version=2))
+            err = call_error(lambda client=client: client.join(protocol_version=2))
             expect_status(err, Code.FAILED_PRECONDITION, "protocol_version 2")
     finally:
         stranger.close()

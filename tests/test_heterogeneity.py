@@ -70,7 +70,11 @@ def test_in_process_buffered_run_learns_with_slow_clients(tmp_path) -> None:
     assert slowed == {"client-3"}
     for e in timelines["client-3"]["events"]:
         if e["phase"] == "slowdown":
-            gm = next(g for g in timelines["client-3"]["events"] if g["phase"] == "gm_train" and g["end_s"] <= e["start_s"] + 1e-9 and g["round"] == e["round"])
+            gm = next(
+                g
+                for g in timelines["client-3"]["events"]
+                if g["phase"] == "gm_train" and g["end_s"] <= e["start_s"] + 1e-9 and g["round"] == e["round"]
+            )
             assert (e["end_s"] - e["start_s"]) == pytest.approx(2 * (gm["end_s"] - gm["start_s"]), rel=0.2, abs=0.02)
 
 

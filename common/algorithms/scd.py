@@ -16,7 +16,8 @@ from wafl.common.algorithms.spectral import scd_term, teacher_spectrum
 
 
 class SpectralDistillation(LossTerm):
-    """``weight * D(student spectrum || teacher spectrum)``; the teacher is the PM (for the GM) or the GM (for the PM)."""
+    """``weight * D(student spectrum || teacher spectrum)``; the teacher is the PM (for the GM) or the GM (for the
+    PM)."""
 
     def __init__(self, weight: float, teacher: str, mode: str, tau: float | None) -> None:
         self.weight, self.teacher, self.mode, self.tau = weight, teacher, mode, tau

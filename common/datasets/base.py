@@ -54,5 +54,6 @@ def not_found(
     searched = os.path.join(root, folder)
     target = root if into == "root" else searched + "/"
     return DatasetNotFoundError(
-        f"dataset {dataset!r}: {problem or 'missing files'} in {searched} (expected files: {expected}). To obtain them, {how} {target}."
+        f"dataset {dataset!r}: {problem or 'missing files'} in {searched} (expected files: {expected}). To "
+        f"obtain them, {how} {target}."
     )
