@@ -389,7 +389,9 @@ def plan(
         if option(args, "--link-rate") is None:
             args += ["--link-rate", rate]
         needs_root = True
-        notes.append(f"{command}: links shaped to {rate} in network namespaces (needs root, a privileged container)")
+        notes.append(
+            f"{command}: links shaped to {rate} in network namespaces (needs root with CAP_SYS_ADMIN and CAP_NET_ADMIN)"
+        )
     elif rate:
         notes.append(f"WAFL_LINK_RATE ignored for {command!r}")
     run_as = env.get("WAFL_RUN_AS", "wafl").strip()
@@ -420,7 +422,7 @@ def apply_shaping(p: dict, net_admin: bool, run: Callable[[list[str]], int]) -> 
             f"WAFL_LINK_RATE={rate}: this container shares the host's network (WAFL_HOST_NETWORK=1, "
             f"network_mode: host), so {dev} here is the host's own interface and is left alone; shaped links "
             "run in network namespaces of their own: the bench service with docker/compose.shaped.yml, or "
-            "`wafl run --link-rate` in a privileged container"
+            "`wafl run --link-rate` through the bench service of that override"
         )
     elif not net_admin:
         problem = (
