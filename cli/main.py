@@ -40,7 +40,7 @@ def _config_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--act-prob", dest="act_prob", type=float, help="independent per-client activation probability")
     g.add_argument("--algorithm", help="e.g. fedavg, scd, ditto, fedhkd, fedproto, fedprox+asd")
     g.add_argument("--protocol", choices=["wait-free", "compute-and-wait"])
-    g.add_argument("--aggregation", choices=["sync", "buffered"], help="lock-step rounds or buffered asynchronous")
+    g.add_argument("--aggregation", help="sync (lock-step rounds) or buffered (asynchronous, FedBuff)")
     g.add_argument("--concurrency", type=int, help="buffered: clients training at once (default: all)")
     g.add_argument("--buffer-size", dest="buffer_size", type=int, help="buffered: updates per new version")
     g.add_argument("--slowdown", help="per-client compute slow-down: none, a list '1,2,4,...' or lognormal:sigma=S")

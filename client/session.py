@@ -210,7 +210,7 @@ class Session:
                     return 0
                 if e.code() not in RETRYABLE:
                     raise
-                await backoff.wait(f"upload: {e.code().name}")
+                await backoff.wait(f"upload: {e.code().name} {e.details()}")
 
     async def report(
         self, round: int, metrics: Mapping[str, float], timeline: list[Any] | None = None, start_unix: float = 0.0

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 PROTOCOLS = ("wait-free", "compute-and-wait")
-AGGREGATIONS = ("sync", "buffered")
 STALENESS = ("sqrt", "constant", "poly", "hinge")
 OPTIMIZERS = ("sgd", "adam")
 
@@ -142,7 +141,9 @@ class RunConfig:
         return self
 
     def _validate_aggregation(self) -> None:
-        _one_of("aggregation", self.aggregation, AGGREGATIONS)
+        from wafl.server.strategy import STRATEGIES
+
+        _one_of("aggregation", self.aggregation, sorted(STRATEGIES))
         _one_of("staleness", self.staleness, STALENESS)
         if self.concurrency is not None:
             _int_at_least("concurrency", self.concurrency, 1)
@@ -159,25 +160,7 @@ class RunConfig:
         _int_at_least("staleness_b", self.staleness_b, 0)
         _int_at_least("max_staleness", self.max_staleness, 0)
         _positive("server_lr", self.server_lr)
-        if self.aggregation != "buffered":
-            return
-        if self.fraction != 1.0 or self.act_prob is not None or self.min_clients is not None:
-            raise ConfigError(
-                "fraction, act_prob and min_clients apply to aggregation='sync'; "
-                "buffered aggregation sets how many clients train at once with concurrency"
-            )
-        from wafl.common.algorithms import registry
-
-        try:
-            algo = registry.resolve(self.algorithm, self.params, dataclasses.asdict(self))
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        if not algo.server.buffered_ok:
-            raise ConfigError(
-                f"algorithm={self.algorithm!r} does not combine with aggregation='buffered': its server update "
-                f"({type(algo.server).__name__}) keeps state built from one round's full models, while buffered "
-                "aggregation publishes versions from stale, staleness-weighted deltas"
-            )
+        STRATEGIES[self.aggregation].check_config(self)
 
     @property
     def buffered_concurrency(self) -> int:

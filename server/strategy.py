@@ -22,11 +22,14 @@ A :class:`Collection` gathers the updates of the next version: a streaming weigh
   ``x + server_lr * sum_i s(age_i) n_i delta_i / sum_i n_i``. Freed slots go at once to idle
   clients chosen at random (reproducibly from the seed), with the newest version.
 
-A new rule is one subclass here: the engine only calls the methods of :class:`Strategy`.
+A new rule is one subclass here, named in :data:`STRATEGIES` (``aggregation = "name"``): the
+engine only calls the methods of :class:`Strategy`, and the configuration asks the class
+(:meth:`Strategy.check_config`) what it refuses.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -38,7 +41,7 @@ import numpy as np
 import torch
 from wafl.common import metrics as M
 from wafl.common.algorithms.base import Algorithm
-from wafl.common.config import RunConfig
+from wafl.common.config import ConfigError, RunConfig
 from wafl.common.errors import AlreadyAccepted, Code, Refused
 from wafl.common.knowledge import Knowledge, KnowledgeAccumulator
 from wafl.server.aggregator import Accumulator
@@ -105,6 +108,10 @@ class Strategy(ABC):
         self.clients: dict[str, ClientSlot] = {}
         self.accepted: dict[tuple[str, int], tuple[str, int]] = {}  # (client, round) -> (idempotency key, bytes)
         self.aggregations = 0  # versions built so far (the initial model is version 1)
+
+    @classmethod
+    def check_config(cls, cfg: RunConfig) -> None:
+        """Refuses (``ConfigError``) configurations this policy cannot run; called by ``RunConfig.validate``."""
 
     # ------------------------------------------------------------------ clients and versions
     def join(self, client_id: str, index: int, num_samples: int) -> None:
@@ -341,6 +348,26 @@ def staleness_function(cfg: RunConfig) -> Callable[[int], float]:
 class BufferedStrategy(Strategy):
     drain = "wait"
 
+    @classmethod
+    def check_config(cls, cfg: RunConfig) -> None:
+        if cfg.fraction != 1.0 or cfg.act_prob is not None or cfg.min_clients is not None:
+            raise ConfigError(
+                "fraction, act_prob and min_clients apply to aggregation='sync'; "
+                "buffered aggregation sets how many clients train at once with concurrency"
+            )
+        from wafl.common.algorithms import registry
+
+        try:
+            algo = registry.resolve(cfg.algorithm, cfg.params, dataclasses.asdict(cfg))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if not algo.server.buffered_ok:
+            raise ConfigError(
+                f"algorithm={cfg.algorithm!r} does not combine with aggregation='buffered': its server update "
+                f"({type(algo.server).__name__}) keeps state built from one round's full models, while buffered "
+                "aggregation publishes versions from stale, staleness-weighted deltas"
+            )
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.concurrency = self.cfg.buffered_concurrency
@@ -465,8 +492,10 @@ class BufferedStrategy(Strategy):
         }
 
 
+STRATEGIES: dict[str, type[Strategy]] = {"sync": SyncStrategy, "buffered": BufferedStrategy}
+
+
 def make_strategy(
     cfg: RunConfig, algorithm: Algorithm, num_classes: int, new_accumulator: Callable[[], Accumulator]
 ) -> Strategy:
-    cls = {"sync": SyncStrategy, "buffered": BufferedStrategy}[cfg.aggregation]
-    return cls(cfg, algorithm, num_classes, new_accumulator)
+    return STRATEGIES[cfg.aggregation](cfg, algorithm, num_classes, new_accumulator)
