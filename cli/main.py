@@ -202,7 +202,13 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return bench_protocols(cfg, Path(a.out), link_rate=a.link_rate, target=a.target, show_progress=not a.quiet)
 
 
-ASYNC_DEFAULTS = {"algorithm": "ditto", "num_clients": 8, "slowdown": "lognormal:sigma=1", "rounds": 12}
+ASYNC_DEFAULTS = {
+    "algorithm": "ditto",
+    "num_clients": 8,
+    "slowdown": "lognormal:sigma=1",
+    "rounds": 15,
+    "buffer_size": 6,
+}
 
 
 def cmd_bench_async(a: argparse.Namespace) -> int:

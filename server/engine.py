@@ -26,7 +26,7 @@ import structlog
 import torch
 from wafl.common import metrics as M
 from wafl.common.algorithms import registry
-from wafl.common.codec import Manifest, manifest_of
+from wafl.common.codec import CHUNK_BYTES, Manifest, manifest_of
 from wafl.common.config import RunConfig
 from wafl.common.datasets import load_dataset
 from wafl.common.errors import Code, Refused
@@ -51,8 +51,6 @@ class ClientInfo:
     client_id: str
     index: int
     num_samples: int
-    device: str
-    joined_at: float
 
 
 @dataclass
@@ -88,6 +86,10 @@ class RoundEngine:
         )
         self.manifest: Manifest = manifest_of(self.global_state)
         self.model_bytes = sum(s.nbytes for s in self.manifest)
+        # the messages of the largest valid upload: header, one per chunk, knowledge, trailer
+        self.max_upload_messages = (
+            2 + self.dataset.num_classes + sum(max(1, -(-s.nbytes // CHUNK_BYTES)) for s in self.manifest)
+        )
         self.global_knowledge: Knowledge = {}
         self.run_id = uuid.uuid4().hex[:12]
         self.clients: dict[str, ClientInfo] = {}
@@ -173,9 +175,7 @@ class RoundEngine:
             raise Refused(f"num_samples {req.num_samples} must be positive (or 0 to ask for the configuration only)")
         if req.num_samples > 0:
             rejoin = req.client_id in self.clients
-            self.clients[req.client_id] = ClientInfo(
-                req.client_id, req.client_index, req.num_samples, req.device, self.wall()
-            )
+            self.clients[req.client_id] = ClientInfo(req.client_id, req.client_index, req.num_samples)
             self.index_owner[req.client_index] = req.client_id
             self.strategy.join(req.client_id, req.client_index, req.num_samples)
             log.info(

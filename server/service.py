@@ -7,6 +7,7 @@ records reports; :func:`~wafl.server.upload.receive_upload` owns the whole uploa
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
@@ -58,12 +59,30 @@ class FederationService:
         try:
             round, nbytes = await receive_upload(self.engine, requests)
         except AlreadyAccepted as e:
+            await self._drain(requests)
             return pb.UploadReply(accepted=True, round=e.round, bytes_received=e.nbytes)
         except Refused as e:
             log.warning("upload.rejected", code=e.code.value, reason=str(e))
+            await self._drain(requests)
             await _abort(ctx, e)
             raise
         return pb.UploadReply(accepted=True, round=round, bytes_received=nbytes)
+
+    async def _drain(self, requests: AsyncIterator[object], budget_s: float = 10.0) -> None:
+        """Reads (and drops) the rest of a refused upload, at most one model's worth of messages
+        for at most ``budget_s``, before its status is sent. grpcio's asyncio client reports
+        INTERNAL ("Internal error from Core") instead of the server's status when the call ends
+        while it is still writing (grpc/grpc#36066); a client that gets its status after it
+        half-closed learns the real reason and does not retry a refusal as a transient error."""
+        budget = self.engine.max_upload_messages
+        try:
+            async with asyncio.timeout(budget_s):
+                async for _ in requests:
+                    budget -= 1
+                    if budget <= 0:
+                        return
+        except (TimeoutError, grpc.RpcError):
+            return
 
     async def report(self, req: pb.ReportRequest, ctx: grpc.aio.ServicerContext) -> pb.ReportReply:
         try:
