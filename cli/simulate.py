@@ -59,6 +59,9 @@ async def _simulate(cfg: RunConfig, out_dir: Path) -> list[dict[str, Any]]:
 
 def run_many(configs: dict[str, RunConfig], seeds: list[int], log: Callable[[str], None] = print) -> dict[str, Any]:
     """Runs every configuration for every seed; returns per-run rows and mean/std of final accuracies."""
+    from wafl.common.logs import configure_logging
+
+    configure_logging("simulate", level="WARNING")  # the engine's and clients' per-round lines stay quiet
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
     for name, cfg in configs.items():

@@ -16,7 +16,7 @@ from typing import Any
 
 import structlog
 import torch
-from wafl.client.session import ModelAssembler, ReceivedModel, report_request, upload_messages
+from wafl.client.session import ModelAssembler, ReceivedModel, report_request, upload_header, upload_messages
 from wafl.common.errors import AlreadyAccepted, Code, Refused
 from wafl.common.knowledge import Knowledge
 from wafl.common.proto import federation_pb2 as pb
@@ -65,14 +65,7 @@ class LocalSession:
         metrics: Mapping[str, float],
         knowledge: Knowledge | None = None,
     ) -> int:
-        header = pb.UploadHeader(
-            run_id=self.engine.run_id,
-            round=round,
-            client_id=self.client_id,
-            num_samples=num_samples,
-            idempotency_key=uuid.uuid4().hex,
-            metrics=dict(metrics),
-        )
+        header = upload_header(self.engine.run_id, round, self.client_id, num_samples, uuid.uuid4().hex, metrics)
         try:
             _, nbytes = await receive_upload(self.engine, upload_messages(header, state, knowledge))
         except AlreadyAccepted as e:

@@ -192,14 +192,7 @@ class Session:
         backoff = Backoff(deadline_s=self.reconnect_s)
         while True:
             try:
-                header = pb.UploadHeader(
-                    run_id=self.run_id,
-                    round=round,
-                    client_id=self.client_id,
-                    num_samples=num_samples,
-                    idempotency_key=key,
-                    metrics=dict(metrics),
-                )
+                header = upload_header(self.run_id, round, self.client_id, num_samples, key, metrics)
                 reply = await self._upload(upload_messages(header, state, knowledge))
                 return int(reply.bytes_received)
             except grpc.aio.AioRpcError as e:
@@ -230,6 +223,19 @@ class Session:
                 except ConnectionError:
                     log.warning("report.lost", round=round)
                     return
+
+
+def upload_header(
+    run_id: str, round: int, client_id: str, num_samples: int, key: str, metrics: Mapping[str, float]
+) -> pb.UploadHeader:
+    return pb.UploadHeader(
+        run_id=run_id,
+        round=round,
+        client_id=client_id,
+        num_samples=num_samples,
+        idempotency_key=key,
+        metrics=dict(metrics),
+    )
 
 
 async def upload_messages(
