@@ -382,8 +382,15 @@ def bench_protocols(
     target: float = 0.9,
     show_progress: bool = True,
     timeout_s: float = 3600.0,
+    host_cpus: str | None = None,
 ) -> int:
-    """Runs ``cfg`` under both protocols; writes ``protocols.json`` and the two PNGs; 0 when both runs finished."""
+    """Runs ``cfg`` under both protocols; writes ``protocols.json`` and the two PNGs; 0 when both runs finished.
+
+    ``host_cpus``: every host's CPU share (``wafl run --host-cpus``); None: ``auto`` (the cores
+    split evenly between the server and the clients) where control groups can be used, else a
+    warning and shared cores. Each protocol's entry records the shares, the quotas read back
+    from the groups and the CPU each process used (``host_cpus``).
+    """
     from wafl.cli.launcher import launch
 
     out.mkdir(parents=True, exist_ok=True)
@@ -403,13 +410,22 @@ def bench_protocols(
                 flush=True,
             )
         load_before = os.getloadavg()[0]
-        summary = launch(run_cfg, run_dir, link_rate=link_rate, show_progress=show_progress, timeout_s=timeout_s)
+        summary = launch(
+            run_cfg,
+            run_dir,
+            link_rate=link_rate,
+            show_progress=show_progress,
+            timeout_s=timeout_s,
+            host_cpus=host_cpus or "auto",
+            quota_optional=host_cpus is None,
+        )
         load_after = os.getloadavg()
         ok = ok and summary.ok
         (run_dir / "checkpoint.pt").unlink(missing_ok=True)  # model weights: not a measurement
         shutil.rmtree(run_dir / "clients", ignore_errors=True)
         entry = summarize_run(run_dir, target)
         entry["ok"] = summary.ok
+        entry["host_cpus"] = summary.host_cpus
         entry["host_load_avg"] = {
             "before_1m": round(load_before, 2),
             "after_1m": round(load_after[0], 2),
@@ -441,6 +457,7 @@ def bench_protocols(
             "seed": cfg.seed,
             "params": cfg.params,
             "link_rate": link_rate,
+            "host_cpus": host_cpus or "auto",
             "target": target,
         },
         "protocols": results,
@@ -474,9 +491,23 @@ def format_table(doc: Mapping[str, Any]) -> str:
     lines = [f"{'':<18}" + "".join(f"{p:>18}" for p in protos)]
     for k in keys:
         lines.append(f"{k:<18}" + "".join(f"{_fmt(doc['protocols'][p].get(k)):>18}" for p in protos))
+    lines.append(
+        f"{'cpu used / quota':<18}"
+        + "".join(f"{_cpu_summary(doc['protocols'][p].get('host_cpus')):>18}" for p in protos)
+    )
     for k in ("speedup", "round_speedup", "ideal_speedup", "speedup_vs_ideal", "zeta_speedup"):
         lines.append(f"{k:<18}{_fmt(doc.get(k)):>18}")
     return "\n".join(lines)
+
+
+def _cpu_summary(host_cpus: Mapping[str, Any] | None) -> str:
+    """``"0.31/0.40"``: the mean over hosts of the CPU used per wall-clock second, and of the quota."""
+    hosts = (host_cpus or {}).get("hosts") or {}
+    used = [h["cpu_fraction"] for h in hosts.values() if h.get("cpu_fraction") is not None]
+    quota = [h["quota_cpus"] for h in hosts.values() if h.get("quota_cpus") is not None]
+    if not quota:
+        return "shared"
+    return f"{statistics.mean(used) if used else float('nan'):.2f}/{statistics.mean(quota):.2f}"
 
 
 def _fmt(v: Any) -> str:

@@ -1,12 +1,16 @@
 """``wafl run``: a server and N client processes on this machine, with progress and a report.
 
 Processes talk over localhost, or, with ``--link-rate``, each in its own network namespace
-behind a shaped link (``wafl.cli.netns.Star``). The output folder gets ``config.json``,
-``results.jsonl``, ``reports.jsonl``, ``timelines.json``, ``logs/`` and ``accuracy.png``.
+behind a shaped link (``wafl.cli.netns.Star``). With ``host_cpus`` (``--host-cpus``; by default
+``auto`` in ``--link-rate`` mode where control groups can be used), the server and every client
+also run in a control group of their own with a CPU quota (``wafl.cli.cgroups``), as on their
+own devices. The output folder gets ``config.json``, ``results.jsonl``, ``reports.jsonl``,
+``timelines.json``, ``logs/``, ``accuracy.png`` and, with quotas, ``host_cpus.json``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -29,6 +33,7 @@ class RunSummary:
     wall_s: float = 0.0
     server_code: int | None = None
     client_codes: list[int | None] = field(default_factory=list)
+    host_cpus: dict[str, Any] | None = None  # shares, quotas read back and CPU used (``host_cpus.json``)
 
     @property
     def final(self) -> dict[str, Any]:
@@ -52,16 +57,24 @@ def launch(
     show_progress: bool = True,
     timeout_s: float | None = None,
     port: int = 50051,
+    host_cpus: str | None = None,
+    quota_optional: bool | None = None,
 ) -> RunSummary:
-    """Runs the federation described by ``cfg`` to its end; returns what it measured."""
+    """Runs the federation described by ``cfg`` to its end; returns what it measured.
+
+    ``host_cpus``: the CPU share of every host (see :func:`wafl.common.heterogeneity.host_cpus`);
+    ``"none"`` shares every core between all processes; ``None``: ``auto`` in ``link_rate`` mode
+    when control groups can be used here (otherwise a warning and shared cores), else ``none``.
+    ``quota_optional``: whether quotas that cannot be set up here only warn (default: only when
+    ``host_cpus`` is None) instead of raising :class:`wafl.cli.cgroups.CpuQuotaUnavailable`.
+    """
     out = out_dir or default_out(cfg)
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     for stale in ("results.jsonl", "reports.jsonl", "timelines.json", "server.json"):
         (out / stale).unlink(missing_ok=True)
     shutil.rmtree(out / "clients", ignore_errors=True)  # PMs of an earlier run in this folder would be resumed
-    cfg_file = out / "run-config.json"
-    cfg_file.write_text(json.dumps(json.loads(cfg.to_json()), indent=2))
+    (out / "host_cpus.json").unlink(missing_ok=True)
     ready = out / "server.json"
     star = None
     host = "127.0.0.1"
@@ -75,11 +88,23 @@ def launch(
         star = Star(cfg.num_clients, max(rates, key=parse_rate), client_rates=rates)  # the server: the fastest link
         host = star.server_address
         bind_port = port
+    try:
+        optional = host_cpus is None if quota_optional is None else quota_optional
+        groups, plan = _cpu_groups(cfg, host_cpus or ("auto" if link_rate else "none"), optional)
+    except BaseException:
+        if star is not None:
+            star.close()
+        raise
+    proc_cfg = plan.pop("_proc_cfg", cfg)
+    cfg_file = out / "run-config.json"
+    cfg_file.write_text(json.dumps(json.loads(proc_cfg.to_json()), indent=2))
     procs: list[subprocess.Popen[bytes]] = []
+    hosts: list[str] = []
     t0 = time.monotonic()
     summary = RunSummary(out, ok=False)
+    restore = _exit_on_sigterm()
     try:
-        prefix = star.exec_prefix("server") if star else []
+        prefix = (groups.exec_prefix("server") if groups else []) + (star.exec_prefix("server") if star else [])
         server_cmd = [
             *prefix,
             sys.executable,
@@ -102,10 +127,13 @@ def launch(
         ]
         server = _spawn(server_cmd, logs / "server.log")
         procs.append(server)
+        hosts.append("server")
         bound = _wait_ready(ready, server, logs / "server.log")
         address = f"{host}:{bound}"
         for i in range(cfg.num_clients):
-            prefix = star.exec_prefix(f"client{i}") if star else []
+            prefix = (groups.exec_prefix(f"client{i}") if groups else []) + (
+                star.exec_prefix(f"client{i}") if star else []
+            )
             cmd = [
                 *prefix,
                 sys.executable,
@@ -127,10 +155,12 @@ def launch(
             if cfg.data_dir:
                 cmd += ["--data-dir", cfg.data_dir]
             procs.append(_spawn(cmd, logs / f"client-{i}.log"))
+            hosts.append(f"client{i}")
         progress = Progress(cfg.rounds, enabled=show_progress)
         results = out / "results.jsonl"
         deadline = t0 + timeout_s if timeout_s else float("inf")
         while server.poll() is None:
+            _mark_exits(groups, hosts, procs)
             progress.update(_read_rows(results), time.monotonic() - t0)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"run exceeded --timeout {timeout_s}s")
@@ -147,6 +177,7 @@ def launch(
                 p.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 p.terminate()
+            _mark_exits(groups, hosts, procs)
         summary.client_codes = [p.poll() for p in procs[1:]]
         summary.ok = server.returncode == 0 and len(summary.rows) == cfg.rounds
         if server.returncode != 0:
@@ -156,9 +187,18 @@ def launch(
                 file=sys.stderr,
             )
     finally:
-        _stop(procs)
-        if star is not None:
-            star.close()
+        try:
+            _stop(procs)
+            _mark_exits(groups, hosts, procs)
+            if groups is not None:
+                groups.close()  # kills anything left in the groups; the usage is kept for the report
+                plan["hosts"] = groups.report()["hosts"]
+                summary.host_cpus = plan
+                (out / "host_cpus.json").write_text(json.dumps(plan, indent=2) + "\n")
+        finally:
+            if star is not None:
+                star.close()
+            restore()
     summary.wall_s = time.monotonic() - t0
     (out / "summary.json").write_text(
         json.dumps(
@@ -179,10 +219,78 @@ def launch(
     return summary
 
 
+def _cpu_groups(cfg: RunConfig, spec: str, optional: bool) -> tuple[Any, dict[str, Any]]:
+    """The control groups of a run (or None) and what they were asked for (``host_cpus.json``).
+
+    When the clients are slowed down (``cfg.slowdown``) and get CPU shares, the slow-down is
+    expressed by the share (client ``i`` gets ``share_i / slowdown_i`` cores) instead of the
+    measured sleeps: the processes then run with ``slowdown = "none"`` (returned under
+    ``"_proc_cfg"``), and ``host_cpus.json`` records the factors.
+    """
+    from wafl.cli.cgroups import CpuGroups, CpuQuotaUnavailable, machine_cpus
+    from wafl.common.heterogeneity import MIN_HOST_CPUS, host_cpus, slowdowns
+
+    cores = machine_cpus()
+    shares = host_cpus(spec, cfg.num_clients, cfg.seed, cores)
+    if shares is None:
+        return None, {}
+    server, clients = shares
+    plan: dict[str, Any] = {"spec": spec, "machine_cpus": cores, "server": server, "clients": list(clients)}
+    factors = slowdowns(cfg.slowdown, cfg.num_clients, cfg.seed)
+    if any(f > 1.0 for f in factors):
+        clients = [max(MIN_HOST_CPUS, c / f) for c, f in zip(clients, factors)]
+        plan.update(slowdown=cfg.slowdown, slowdowns=factors, clients=clients, slowdown_by="cpu share")
+        plan["_proc_cfg"] = dataclasses.replace(cfg, slowdown="none", params=dict(cfg.params))
+    total = server + sum(clients)
+    plan["total_cpus"] = round(total, 4)
+    if total > cores * 1.001:
+        print(
+            f"wafl: warning: the hosts' CPU shares add up to {total:.2f} cores, more than the {cores:g} here: "
+            "they will not all get their share",
+            file=sys.stderr,
+        )
+    try:
+        groups = CpuGroups({"server": server, **{f"client{i}": c for i, c in enumerate(clients)}})
+    except CpuQuotaUnavailable as e:
+        if not optional:
+            raise
+        print(f"wafl: warning: {e.message}; the hosts share every core", file=sys.stderr)
+        return None, {}
+    plan["hierarchy"] = groups.hierarchy.describe()
+    plan["groups"] = str(groups.hierarchy.cpu / groups.name)
+    return groups, plan
+
+
+def _mark_exits(groups: Any, hosts: list[str], procs: list[subprocess.Popen[bytes]]) -> None:
+    if groups is not None:
+        for h, p in zip(hosts, procs):
+            if p.poll() is not None:
+                groups.mark_stopped(h)
+
+
+def _exit_on_sigterm() -> Any:
+    """SIGTERM ends the launcher through its ``finally`` blocks (namespaces and groups removed); returns the undo."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def handler(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    try:
+        old = signal.signal(signal.SIGTERM, handler)
+    except (ValueError, OSError):
+        return lambda: None
+    return lambda: signal.signal(signal.SIGTERM, old)
+
+
 def _spawn(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
     f = open(log, "wb")
     # Its own process group (killpg, no terminal signals) but the launcher's session: one
-    # scheduler autogroup, so that the wait-free PM's nice value counts against the others.
+    # scheduler autogroup, so that without CPU quotas the wait-free PM's nice value counts
+    # against the other processes (with quotas each process is scheduled in its own control
+    # group, where autogroups play no part and the nice value ranks the threads of one client).
     return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(), process_group=0)
 
 

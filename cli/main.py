@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from wafl.cli.cgroups import CpuQuotaUnavailable
 from wafl.cli.netns import LinkShapingUnavailable
 from wafl.common.config import ConfigError, RunConfig, load_config
 
@@ -109,8 +110,14 @@ def cmd_run(a: argparse.Namespace) -> int:
     cfg = _resolve_config(a)
     resolve_device(cfg.device)  # every client runs here: a missing GPU is an error now, not at join
     _check_link_rate(a.link_rate, cfg)
+    _check_host_cpus(a.host_cpus, cfg)
     summary = launch(
-        cfg, Path(a.out) if a.out else None, link_rate=a.link_rate, show_progress=not a.quiet, timeout_s=a.timeout
+        cfg,
+        Path(a.out) if a.out else None,
+        link_rate=a.link_rate,
+        show_progress=not a.quiet,
+        timeout_s=a.timeout,
+        host_cpus=a.host_cpus,
     )
     return 0 if summary.ok else 1
 
@@ -121,6 +128,17 @@ def _check_link_rate(spec: str | None, cfg: RunConfig) -> None:
 
         try:
             link_rates(spec, cfg.num_clients, cfg.seed)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
+def _check_host_cpus(spec: str | None, cfg: RunConfig) -> None:
+    if spec:
+        from wafl.cli.cgroups import machine_cpus
+        from wafl.common.heterogeneity import host_cpus
+
+        try:
+            host_cpus(spec, cfg.num_clients, cfg.seed, machine_cpus())
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
@@ -199,7 +217,15 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
     cfg = _resolve_config(a)
     _check_link_rate(a.link_rate, cfg)
-    return bench_protocols(cfg, Path(a.out), link_rate=a.link_rate, target=a.target, show_progress=not a.quiet)
+    _check_host_cpus(a.host_cpus, cfg)
+    return bench_protocols(
+        cfg,
+        Path(a.out),
+        link_rate=a.link_rate,
+        target=a.target,
+        show_progress=not a.quiet,
+        host_cpus=a.host_cpus,
+    )
 
 
 ASYNC_DEFAULTS = {
@@ -252,6 +278,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--link-rate",
         help="run each process in its own network namespace with links shaped to RATE (root only): one rate "
         "(20mbit), one per client (10mbit,20mbit,...) or lognormal:median=20mbit,sigma=S",
+    )
+    r.add_argument(
+        "--host-cpus",
+        help="run each process in its own control group held to a CPU share (root): auto (the cores split evenly "
+        "between the server and the clients), one share (0.4), one per client (0.2,0.4,...) or "
+        "lognormal:median=C,sigma=S, optionally with server=C; none: every core shared "
+        "(default: auto with --link-rate where control groups can be used, else none)",
     )
     r.add_argument("--timeout", type=float, default=None, help="seconds before the run is stopped (default: no limit)")
     r.add_argument("--quiet", action="store_true")
@@ -306,6 +339,13 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--out", default="runs/bench-protocols")
     bp.add_argument("--link-rate", help="shape every link to RATE (root only), e.g. 20mbit")
     bp.add_argument("--target", type=float, default=0.9, help="PM accuracy for zeta_total_s")
+    bp.add_argument(
+        "--host-cpus",
+        help="CPU share of every host, each process in its own control group (root): auto (the cores split "
+        "evenly between the server and the clients; the default, with a warning and shared cores where control "
+        "groups cannot be used), a share, one per client, lognormal:median=C,sigma=S, optionally with server=C; "
+        "none: every process shares every core",
+    )
     bp.add_argument("--quiet", action="store_true")
     bp.set_defaults(fn=cmd_bench)
     ba = bsub.add_parser(
@@ -338,7 +378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"wafl: configuration error: {e}", file=sys.stderr)
         return 2
-    except LinkShapingUnavailable as e:
+    except (LinkShapingUnavailable, CpuQuotaUnavailable) as e:
         print(f"wafl: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:

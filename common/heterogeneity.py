@@ -101,3 +101,60 @@ def drops_out(seed: int, index: int, version: int, probability: float) -> bool:
     if probability <= 0:
         return False
     return bool(np.random.default_rng([seed, 23, index, version]).random() < probability)
+
+
+MIN_HOST_CPUS = 0.01  # a quota of 1 ms per 100 ms period: the kernel's lower bound
+
+
+def host_cpus(spec: str, num_clients: int, seed: int, cores: float) -> tuple[float, list[float]] | None:
+    """The CPU share (cores) of the server and of each client; ``None`` for ``none``.
+
+    ``spec``: ``auto`` (the ``cores`` split evenly between the server and the clients), one
+    value (every host, e.g. ``0.4``), one value per client (``"0.2,0.4,0.4,0.8"``) or
+    ``lognormal:median=C,sigma=S`` (client ``i``: ``C * exp(S z_i)``, reproducible from the
+    seed). Any of them may carry ``server=C`` (``"0.2,0.4,0.4,0.8,server=0.5"``); otherwise the
+    server gets the single value, or the largest client share. Shares lie in
+    [``MIN_HOST_CPUS``, ``cores``]; drawn ones are clipped to it. Raises ``ValueError`` naming
+    ``host-cpus``.
+    """
+    spec = str(spec).strip()
+    if spec in ("", "none"):
+        return None
+    if not (math.isfinite(cores) and cores > 0):
+        raise ValueError(f"host-cpus={spec!r}: the machine's cores ({cores!r}) must be a number > 0")
+    server: float | None = None
+    items = []
+    for part in (p.strip() for p in spec.split(",")):
+        key, sep, value = part.partition("=")
+        if sep and key.strip() == "server":
+            server = _cpus(value, spec, cores)
+        else:
+            items.append(part)
+    rest = ",".join(items)
+    if rest in ("", "auto"):
+        if server is None:
+            each = cores / (num_clients + 1)
+            return each, [each] * num_clients
+        if server >= cores:
+            raise ValueError(f"host-cpus={spec!r}: server={server:g} leaves no cores for the clients")
+        return server, [(cores - server) / num_clients] * num_clients
+    if _LOGNORMAL.match(rest):
+        p = _lognormal_params(rest, "host-cpus", {"median", "sigma"})
+        sigma = _sigma(p["sigma"], "host-cpus", spec)
+        median = _cpus(p["median"], spec, cores)
+        clients = [
+            min(cores, max(MIN_HOST_CPUS, median * math.exp(sigma * z))) for z in _normals(seed, 24, num_clients)
+        ]
+    else:
+        clients = [_cpus(v, spec, cores) for v in _per_client(rest, num_clients, "host-cpus")]
+    return (server if server is not None else max(clients)), clients
+
+
+def _cpus(value: str, spec: str, cores: float) -> float:
+    try:
+        c = float(value)
+    except ValueError:
+        c = float("nan")
+    if not (math.isfinite(c) and MIN_HOST_CPUS <= c <= cores):
+        raise ValueError(f"host-cpus={spec!r}: {value.strip()!r} is not a share of cores in [0.01, {cores:g}]")
+    return c
