@@ -12,10 +12,12 @@ with a CFS quota (``share`` cores), as if each ran on its own device:
   or not; without it the used CPU is not measured).
 
 The groups live under the launcher's own group, as ``wafl-<pid>-<n>/<host>`` (``server``,
-``client0``...). A process starts *inside* its group: :meth:`CpuGroups.exec_prefix` is a tiny
-``sh`` wrapper that writes its own pid to ``cgroup.procs`` and then execs the command, so no
-CPU is spent outside the quota. :meth:`CpuGroups.close` (also run at interpreter exit) kills
-what is left in the groups and removes them; groups of launchers that died without cleaning
+``client0``...); ``wafl-<pid>-<n>`` weighs as much as its hosts would as ordinary processes
+(``cpu.shares`` 1024 or ``cpu.weight`` 100 per host) against the machine's other jobs. A
+process starts *inside* its group: :meth:`CpuGroups.exec_prefix` is a tiny ``sh`` wrapper that
+writes its own pid to ``cgroup.procs`` and then execs the command, so no CPU is spent outside
+the quota. :meth:`CpuGroups.close` (also run at interpreter exit) kills what is left in the
+groups and removes them; groups of launchers that died without cleaning
 up are removed the next time groups are created.
 """
 
@@ -271,6 +273,13 @@ class CpuGroups:
         if h.version == 2:
             _enable_cpu(h.cpu)
             _enable_cpu(h.cpu / self.name)
+        # The run's group weighs as much as its hosts would as ordinary processes (one group would
+        # otherwise weigh as one process against the other jobs of the machine).
+        n = len(self.shares)
+        if h.version == 2:
+            _write_optional(h.cpu / self.name / "cpu.weight", str(min(10_000, 100 * n)))
+        else:
+            _write_optional(h.cpu / self.name / "cpu.shares", str(min(262_144, 1024 * n)))
         for host, share in self.shares.items():
             for base in self._bases():
                 self._mkdir(base / self.name / host)
@@ -406,6 +415,13 @@ def _kv(path: Path) -> dict[str, int]:
     except OSError:
         pass
     return out
+
+
+def _write_optional(path: Path, value: str) -> None:
+    try:
+        path.write_text(value + "\n")
+    except OSError:
+        pass
 
 
 def _enable_cpu(d: Path) -> None:

@@ -189,3 +189,28 @@ def test_stale_groups_of_dead_launchers_are_removed():
             (stale / "client0").rmdir()
         if stale.exists():
             stale.rmdir()
+
+
+def test_a_terminated_run_leaves_no_group(tmp_path):
+    _real()
+    h = detect()
+    before = {p.name for p in h.cpu.glob("wafl-*")}
+    run = subprocess.Popen(
+        [sys.executable, "-m", "wafl.cli.main", "run", "--clients", "1", "--rounds", "500", "--host-cpus", "0.3"]
+        + ["--out", str(tmp_path / "run"), "--quiet"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        mine: list[Path] = []
+        while time.monotonic() < deadline and not mine:
+            mine = [p for p in h.cpu.glob(f"wafl-{run.pid}-*") if (p / "client0").exists()]
+            time.sleep(0.1)
+        assert mine, "the run's groups never appeared"
+        quota = "cpu.max" if h.version == 2 else "cpu.cfs_quota_us"
+        assert (mine[0] / "client0" / quota).read_text().split()[0] == "30000"  # read back while it runs
+    finally:
+        run.send_signal(signal.SIGTERM)
+        run.wait(timeout=60)
+    assert {p.name for p in h.cpu.glob("wafl-*")} <= before
