@@ -24,7 +24,9 @@ process's one-off start-up costs, from the steady state. The top level holds ``s
 compute-and-wait ``total_s`` / wait-free ``total_s``, ``round_speedup`` (the same for the
 median ``round_s``), the ideal speedup
 ``(T_GM + T_PM + T_comm) / (T_GM + T_comm)`` from the compute-and-wait run's medians, and
-``speedup_vs_ideal`` = speedup / ideal. ``OUT/timelines.png`` draws every client's phases under
+``speedup_vs_ideal`` = speedup / ideal (``round_speedup_vs_ideal`` the same for the round
+speedup). Each host runs with its own CPU share (``host_cpus``; see :func:`bench_protocols`).
+``OUT/timelines.png`` draws every client's phases under
 both protocols (the paper's Fig. 2), ``OUT/pm_accuracy.png`` the PM accuracy against
 wall-clock. The runs' model files (``checkpoint.pt``, ``clients/``) are deleted afterwards;
 their records (``results.jsonl``, ``reports.jsonl``, ``timelines.json``, ``logs/``) stay.
@@ -275,6 +277,7 @@ def compare(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
         "round_speedup": _r(round_speedup),
         "ideal_speedup": _r(ideal),
         "speedup_vs_ideal": _r(speedup / ideal) if speedup is not None and ideal else None,
+        "round_speedup_vs_ideal": _r(round_speedup / ideal) if round_speedup is not None and ideal else None,
         "zeta_speedup": _r(zeta_speedup),
         "ideal_definition": IDEAL_DEFINITION,
         "t_comm_definition": COMM_DEFINITION,
@@ -495,7 +498,14 @@ def format_table(doc: Mapping[str, Any]) -> str:
         f"{'cpu used / quota':<18}"
         + "".join(f"{_cpu_summary(doc['protocols'][p].get('host_cpus')):>18}" for p in protos)
     )
-    for k in ("speedup", "round_speedup", "ideal_speedup", "speedup_vs_ideal", "zeta_speedup"):
+    for k in (
+        "speedup",
+        "round_speedup",
+        "ideal_speedup",
+        "speedup_vs_ideal",
+        "round_speedup_vs_ideal",
+        "zeta_speedup",
+    ):
         lines.append(f"{k:<18}{_fmt(doc.get(k)):>18}")
     return "\n".join(lines)
 
