@@ -11,14 +11,15 @@ with a CFS quota (``share`` cores), as if each ran on its own device:
   ``cpu.cfs_period_us``, used CPU from ``cpuacct.usage`` (the ``cpuacct`` hierarchy, co-mounted
   or not; without it the used CPU is not measured).
 
-The groups live under the launcher's own group, as ``wafl-<pid>-<n>/<host>`` (``server``,
-``client0``...); ``wafl-<pid>-<n>`` weighs as much as its hosts would as ordinary processes
-(``cpu.shares`` 1024 or ``cpu.weight`` 100 per host) against the machine's other jobs. A
-process starts *inside* its group: :meth:`CpuGroups.exec_prefix` is a tiny ``sh`` wrapper that
-writes its own pid to ``cgroup.procs`` and then execs the command, so no CPU is spent outside
-the quota. :meth:`CpuGroups.close` (also run at interpreter exit) kills what is left in the
-groups and removes them; groups of launchers that died without cleaning
-up are removed the next time groups are created.
+The groups live under the launcher's own group (cgroup v2: beside it, unless it is the root,
+since a v2 group with processes cannot hand controllers down), as ``wafl-<pid>-<n>/<host>``
+(``server``, ``client0``...); ``wafl-<pid>-<n>`` weighs as much as its hosts would as ordinary
+processes (``cpu.shares`` 1024 or ``cpu.weight`` 100 per host) against the machine's other
+jobs. A process starts *inside* its group: :meth:`CpuGroups.exec_prefix` is a tiny ``sh``
+wrapper that writes its own pid to ``cgroup.procs`` and then execs the command, so no CPU is
+spent outside the quota. :meth:`CpuGroups.close` (also run at interpreter exit) kills what is
+left in the groups and removes them; groups of launchers that died without cleaning up are
+removed the next time groups are created.
 """
 
 from __future__ import annotations
@@ -139,7 +140,10 @@ def detect(root: Path | str | None = None) -> Hierarchy:
         except OSError:
             continue
         if "cpu" in controllers:
-            return Hierarchy(2, _under(point, mount_root, _own_path(proc_cgroup, None)))
+            own = _under(point, mount_root, _own_path(proc_cgroup, None))
+            # A v2 group holding processes (this one) cannot hand controllers to children, the
+            # root excepted: the run's groups become siblings of the launcher's own group.
+            return Hierarchy(2, own if own == point else own.parent)
     if "cpu" in v1:
         point, mount_root = v1["cpu"]
         cpu = _under(point, mount_root, _own_path(proc_cgroup, "cpu"))
