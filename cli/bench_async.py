@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import shutil
 import sys
 from collections.abc import Mapping, Sequence
@@ -153,11 +154,18 @@ def bench_async(
                 f"[{i}/{len(plan)}] {name}: {cfg.algorithm}, {cfg.num_clients} clients, {rounds} versions",
                 file=sys.stderr,
             )
+        load_before = os.getloadavg()[0]
         summary = launch(run_cfg, run_dir, link_rate=link_rate, show_progress=show_progress, timeout_s=timeout_s)
+        load_after = os.getloadavg()[0]
         ok = ok and summary.ok
         (run_dir / "checkpoint.pt").unlink(missing_ok=True)
         shutil.rmtree(run_dir / "clients", ignore_errors=True)
-        runs[name] = {"ok": summary.ok, "rounds_configured": rounds, **summarize(run_dir, target)}
+        runs[name] = {
+            "ok": summary.ok,
+            "rounds_configured": rounds,
+            "host_load_1m": {"before": round(load_before, 2), "after": round(load_after, 2), "cpus": os.cpu_count()},
+            **summarize(run_dir, target),
+        }
         timelines[name] = read_timelines(run_dir / "timelines.json")
     doc = {
         "commit": git_commit(),

@@ -99,3 +99,25 @@ def test_buffered_over_grpc_with_dropouts(tmp_path) -> None:
     phases = [e["phase"] for t in timelines.values() for e in t["events"]]
     assert "offline" in phases and "pm_train" in phases
     assert s.rows[-1]["pm_accuracy"] is not None
+
+
+def test_buffered_fedhkd_aggregates_knowledge_per_version(tmp_path) -> None:
+    cfg = load_config(
+        None,
+        {
+            "num_clients": 3,
+            "rounds": 4,
+            "aggregation": "buffered",
+            "buffer_size": 2,
+            "algorithm": "fedhkd",
+            "optimizer": "adam",
+            "lr": 0.003,
+        },
+    )
+    rows = simulate(cfg, tmp_path)
+    assert len(rows) == 4
+    # a version carries the knowledge of the updates it was built from (classes >= nu of a client's data)
+    assert rows[0]["knowledge_classes"] > 0
+    # updates trained on a version that carried knowledge report having received it
+    assert rows[0]["knowledge_received_min"] == 0 and max(r["knowledge_received_min"] for r in rows) > 0
+    assert rows[-1]["epsilon"] > rows[0]["epsilon"]
