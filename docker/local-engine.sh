@@ -25,7 +25,8 @@
 #    packages as build secrets, with the local folders they name served on loopback
 #    (docker/pip-settings.py); no layer holds them. BuildKit's cache makes an unchanged rebuild
 #    take seconds, and a source change rebuild only the package layers.
-# 5. Runs COMMAND with DOCKER_HOST, PATH (the engine's own docker CLI first), DOCKER_BUILDKIT=1,
+# 5. Runs COMMAND with DOCKER_HOST, PATH (the engine's own docker CLI first, `docker compose`
+#    running docker-compose when that CLI has no compose plugin), DOCKER_BUILDKIT=1,
 #    COMPOSE_DOCKER_CLI_BUILD=1, WAFL_IMAGE, WAFL_BASE_IMAGE and WAFL_TORCH_VARIANT exported, so
 #    that `docker compose`/`docker-compose` use the images just built.
 # 6. Stops the engine when it exits, however it exits (its containers stop with it).
@@ -145,7 +146,14 @@ trap 'exit 129' HUP
 [ ! -e "$pidfile" ] || { say "stopping an engine left by an earlier run"; stop_engine; }
 mkdir -p "$run_dir/exec" "$run_dir/bin" "$engine_dir/data"
 chmod 0700 "$run_dir"
-ln -sf "$(command -v "$cli")" "$run_dir/bin/docker"
+# the engine's CLI first on PATH; `docker compose` runs docker-compose where the CLI has no compose plugin
+cli=$(command -v "$cli")
+if "$cli" compose version >/dev/null 2>&1; then
+    ln -sf "$cli" "$run_dir/bin/docker"
+else
+    printf '#!/bin/sh\nif [ "$1" = compose ]; then shift; exec docker-compose "$@"; fi\nexec %s "$@"\n' "$cli" >"$run_dir/bin/docker"
+    chmod 0755 "$run_dir/bin/docker"
+fi
 export PATH="$run_dir/bin:$PATH" DOCKER_BUILDKIT=1 COMPOSE_DOCKER_CLI_BUILD=1
 
 say "starting dockerd (data root $engine_dir/data, socket $sock)"
