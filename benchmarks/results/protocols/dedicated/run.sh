@@ -1,0 +1,23 @@
+#!/bin/sh
+# Wait-free vs compute-and-wait with a dedicated CPU share per host (--host-cpus auto: the
+# machine's cores split evenly between the server and the 4 clients), SCD and Ditto, at the
+# bench's default settings and at the README's settings, three repetitions each, one at a time.
+# Usage: run.sh [WAFL]   (from the repository root; WAFL defaults to `wafl`)
+set -eu
+WAFL=${1:-wafl}
+OUT=benchmarks/results/protocols/dedicated
+README="--rounds 10 --set local_epochs=1 --set pm_epochs=2 --set batch_size=64"
+for rep in 1 2 3; do
+  for setting in defaults readme; do
+    for alg in scd ditto; do
+      extra=""
+      [ "$setting" = readme ] && extra=$README
+      dir=$OUT/$setting/$alg/rep$rep
+      [ -f "$dir/protocols.json" ] && continue
+      echo "== $(date +%T) $setting $alg rep$rep" >&2
+      # shellcheck disable=SC2086
+      "$WAFL" bench protocols --algorithm "$alg" --clients 4 --link-rate 20mbit --target 0.9 $extra --out "$dir" --quiet ||
+        echo "== $setting $alg rep$rep: the bench exited with an error" >&2
+    done
+  done
+done
