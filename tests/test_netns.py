@@ -345,6 +345,17 @@ def test_star_layout_and_close_removes_namespaces(root_ok: None) -> None:
 
 
 @pytest.mark.system
+def test_star_per_client_rates(root_ok: None) -> None:
+    with Star(2, "8mbit", prefix="wtest", client_rates=["2mbit", "4mbit"]) as star:
+        for host, rate in (("server", "8Mbit"), ("client0", "2Mbit"), ("client1", "4Mbit")):
+            show = [*star.exec_prefix(host), "tc", "qdisc", "show", "dev", "eth0"]
+            qdisc = subprocess.run(show, capture_output=True, text=True, check=True)
+            assert f"rate {rate}" in qdisc.stdout, (host, qdisc.stdout)
+    with pytest.raises(ValueError, match="client_rates has 1 rates for 2 clients"):
+        Star(2, "8mbit", prefix="wtest", client_rates=["2mbit"])
+
+
+@pytest.mark.system
 def test_star_failed_build_cleans_up(root_ok: None, monkeypatch: pytest.MonkeyPatch) -> None:
     before = set(_listed_namespaces())
     real = netns.tbf_command
