@@ -249,7 +249,9 @@ elapsed=$((SECONDS - start))
 cached=$(grep -c ' CACHED$' "$engine_dir/build.log" || true)
 size=$(docker image inspect --format '{{.Size}}' "$image")
 say "image $image: $(awk -v s="$size" 'BEGIN { printf "%.2f GB", s / 1e9 }') ($size bytes), built in $elapsed s ($cached steps cached)"
-docker image prune -f >/dev/null 2>&1 || true  # earlier builds' untagged images; the build cache stays
+# earlier builds' untagged images, and the build cache beyond 20 GB (an old dependency layer), go
+docker image prune -f >/dev/null 2>&1 || true
+docker builder prune -f --keep-storage 20GB >/dev/null 2>&1 || true
 
 # ------------------------------------------------------------------ 5. the command
 
