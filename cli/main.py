@@ -46,6 +46,7 @@ def _config_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--buffer-size", dest="buffer_size", type=int, help="buffered: updates per new version")
     g.add_argument("--slowdown", help="per-client compute slow-down: none, a list '1,2,4,...' or lognormal:sigma=S")
     g.add_argument("--dropout", type=float, help="probability that a client asked to train goes offline instead")
+    g.add_argument("--tensorboard", help="write TensorBoard event files of the run into this folder")
     g.add_argument("--model")
     g.add_argument("--seed", type=int)
     g.add_argument("--device", help="auto, cpu, cuda or cuda:N")
@@ -86,6 +87,7 @@ def _resolve_config(a: argparse.Namespace) -> RunConfig:
         "buffer_size",
         "slowdown",
         "dropout",
+        "tensorboard",
         "model",
         "seed",
         "device",
@@ -248,6 +250,25 @@ def cmd_bench_async(a: argparse.Namespace) -> int:
     return bench_async(cfg, Path(a.out), link_rate=a.link_rate, target=a.target, show_progress=not a.quiet)
 
 
+def cmd_sweep(a: argparse.Namespace) -> int:
+    from wafl.cli.sweep import sweep
+
+    if a.jobs < 1:
+        raise ConfigError(f"--jobs={a.jobs} must be >= 1")
+    out = Path(a.out) if a.out else None
+    return sweep(Path(a.file), network=a.network, jobs=a.jobs, out=out, show_progress=not a.quiet)
+
+
+def cmd_table(a: argparse.Namespace) -> int:
+    from wafl.cli.table import TableError, main
+
+    try:
+        return main(a.dirs, a.by, a.target, a.baseline, a.json)
+    except TableError as e:
+        print(f"wafl: {e}", file=sys.stderr)
+        return 2
+
+
 def _threads(n: int | None) -> None:
     import torch
 
@@ -361,6 +382,22 @@ def build_parser() -> argparse.ArgumentParser:
         fn=cmd_bench_async,
         **{k: None for k in ASYNC_DEFAULTS},
     )
+
+    sw = sub.add_parser("sweep", help="one federation per point of a grid in a TOML file; resumable")
+    sw.add_argument("file", help="the sweep file ([base], [grid], [[points]], out)")
+    sw.add_argument("--network", action="store_true", help="run each point as server and client processes")
+    sw.add_argument("--jobs", type=int, default=1, help="points run at once")
+    sw.add_argument("--out", help="output folder (default: the file's `out`, else runs/sweep-<name>)")
+    sw.add_argument("--quiet", action="store_true")
+    sw.set_defaults(fn=cmd_sweep)
+
+    tb = sub.add_parser("table", help="mean/std/min-max table over seeds from run or sweep folders")
+    tb.add_argument("dirs", nargs="+", help="run folders or folders holding them")
+    tb.add_argument("--by", help="fields that make the rows (default: algorithm,params)")
+    tb.add_argument("--baseline", help="row label to pair every other row with, seed by seed")
+    tb.add_argument("--target", type=float, default=0.9, help="GM accuracy for the time-to-target column")
+    tb.add_argument("--json", help="also write the table as JSON here")
+    tb.set_defaults(fn=cmd_table)
 
     h = sub.add_parser("health", help="gRPC health check of a server (exit 0 when SERVING)")
     h.add_argument("--server", default=os.environ.get("WAFL_SERVER", "localhost:50051"))

@@ -77,6 +77,7 @@ class RunConfig:
     eval_batch_size: int = 256
     eval_every: int = 1  # evaluate the global model every N rounds (0: only after the last)
     checkpoint: bool = True
+    tensorboard: str | None = None  # folder for TensorBoard event files (the server writes them)
 
     def validate(self) -> RunConfig:
         """Checks every field; returns self. Raises :class:`ConfigError` naming the first bad one."""

@@ -39,6 +39,7 @@ from wafl.server.aggregator import Accumulator
 from wafl.server.checkpoint import load_checkpoint, save_checkpoint
 from wafl.server.results import ResultsLog, round_
 from wafl.server.strategy import Collection, Deliveries, RunAborted, make_strategy
+from wafl.server.tensorboard import TensorBoardLog
 from wafl.server.upload import Upload
 
 log = structlog.get_logger("server")
@@ -111,6 +112,9 @@ class RoundEngine:
         self.run_start = time.monotonic()
         self.results = ResultsLog(out_dir, self.run_start, latest_pm=cfg.aggregation == "buffered")
         self.checkpoint_path = out_dir / "checkpoint.pt"
+        self.tensorboard = TensorBoardLog(cfg.tensorboard, cfg) if cfg.tensorboard else None
+        if self.tensorboard is not None:
+            self.results.listeners.append(self.tensorboard.row)
         if resume:
             self._resume()
         (out_dir / "config.json").write_text(json.dumps(json.loads(cfg.to_json()), indent=2))
@@ -238,6 +242,9 @@ class RoundEngine:
         except TimeoutError:
             log.warning("final_reports.missing", got=len(self.final_reports), clients=len(self.clients))
         self.results.close_before(self.cfg.rounds + 1)
+        if self.tensorboard is not None:
+            self.tensorboard.timelines(self.results.timelines)
+            self.tensorboard.close()
 
     async def _collect(self) -> None:
         """Waits until the strategy wants the current collection closed, handing out work as it asks."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from wafl.common import metrics as M
@@ -30,6 +31,7 @@ class ResultsLog:
         self.latest: dict[str, tuple[float, int]] = {}  # client -> its latest (pm_acc, n_test)
         self.timelines: dict[str, Any] = {}
         self.rows: list[dict[str, Any]] = []
+        self.listeners: list[Callable[[dict[str, Any]], None]] = []  # called with every line written
 
     def add_round(self, row: dict[str, Any], expected_reports: set[str]) -> None:
         self.pending[row["round"]] = (row, set(expected_reports))
@@ -90,6 +92,8 @@ class ResultsLog:
             row["pm_accuracy"] = round_(self.pm_accuracy(r))
             row["pm_reports"] = len(self.reports.get(r, {}))
             self.rows.append(row)
+            for listener in self.listeners:
+                listener(row)
             with self.results_path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
 

@@ -1,0 +1,157 @@
+"""``wafl sweep FILE.toml``: one federation per point of a grid (or list), each in its own run folder.
+
+The file::
+
+    out = "runs/sweep-asd"          # optional (default: runs/sweep-<file name>)
+    [base]                          # configuration fields every point shares
+    num_clients = 10
+    rounds = 15
+    [grid]                          # the points are the product of these lists
+    algorithm = ["fedavg", "fedavg+asd"]
+    "params.asd_lambda" = [2.0]     # an algorithm parameter
+    seed = [0, 1, 2]
+    [[points]]                      # or/and: explicit points (overrides of base)
+    algorithm = "feddyn"
+
+A point's folder is named by the values that vary (``algorithm=fedavg,seed=0``) and is a normal
+run folder (``config.json``, ``results.jsonl``, ...). Points run in process (the same engine and
+client code as ``wafl run``, one thread each) or, with ``--network``, as a server and client
+processes over localhost; ``--jobs`` runs several at once. A finished point leaves ``point.json``
+and is skipped when the sweep runs again, so an interrupted sweep resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+import sys
+import time
+import tomllib
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+from wafl.common.config import ConfigError, RunConfig, load_config
+
+DONE = "point.json"
+
+
+def load_sweep(path: Path) -> tuple[Path, list[tuple[str, RunConfig]]]:
+    """The output folder and every point as ``(folder name, validated configuration)``."""
+    if not path.is_file():
+        raise ConfigError(f"sweep file {str(path)!r} does not exist")
+    try:
+        spec = tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"sweep file {str(path)!r} is not valid TOML: {e}") from None
+    unknown = sorted(set(spec) - {"out", "base", "grid", "points"})
+    if unknown:
+        raise ConfigError(f"sweep file {str(path)!r}: unknown section(s) {unknown}; known: base, grid, points, out")
+    base = dict(spec.get("base", {}))
+    grid = dict(spec.get("grid", {}))
+    for k, v in grid.items():
+        if not isinstance(v, list) or not v:
+            raise ConfigError(f"sweep file {str(path)!r}: grid.{k} must be a non-empty list")
+    overrides = [dict(zip(grid, values)) for values in itertools.product(*grid.values())] if grid else [{}]
+    extra = spec.get("points", [])
+    if extra:
+        overrides = [{**o, **p} for p in extra for o in overrides] if grid else [dict(p) for p in extra]
+    varying = sorted({k for o in overrides for k in o if len({json.dumps(x.get(k)) for x in overrides}) > 1})
+    points: list[tuple[str, RunConfig]] = []
+    for o in overrides:
+        data = dict(base)
+        params = dict(base.get("params", {}))
+        for k, v in o.items():
+            if k.startswith("params."):
+                params[k[len("params.") :]] = v
+            else:
+                data[k] = v
+        data["params"] = params
+        try:
+            cfg = load_config(None, data)
+        except ConfigError as e:
+            raise ConfigError(f"sweep point {o}: {e}") from None
+        name = ",".join(f"{k}={_short(o[k])}" for k in varying if k in o) or "point"
+        points.append((name, cfg))
+    names = [n for n, _ in points]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"sweep file {str(path)!r}: two points have the same settings")
+    out = Path(spec.get("out") or Path("runs") / f"sweep-{path.stem}")
+    return out, points
+
+
+def _short(v: Any) -> str:
+    return str(v).replace("/", "_").replace(" ", "")
+
+
+def run_point(cfg_json: str, folder: str, network: bool) -> dict[str, Any]:
+    """Runs one point into ``folder`` (in a worker process); returns its outcome."""
+    import torch
+
+    torch.set_num_threads(1)
+    cfg = RunConfig.from_json(cfg_json).validate()
+    out = Path(folder)
+    for stale in ("results.jsonl", "reports.jsonl", "timelines.json", "checkpoint.pt"):
+        (out / stale).unlink(missing_ok=True)
+    shutil.rmtree(out / "clients", ignore_errors=True)
+    t0 = time.monotonic()
+    if network:
+        from wafl.cli.launcher import launch
+
+        ok = launch(cfg, out, show_progress=False).ok
+    else:
+        from wafl.cli.simulate import simulate
+        from wafl.common.logs import configure_logging
+
+        configure_logging("sweep", out / "logs" / "run.jsonl", level="INFO", console=False)
+        ok = len(simulate(cfg, out)) == cfg.rounds
+    result = {"ok": ok, "wall_s": round(time.monotonic() - t0, 3), "network": network}
+    if ok:
+        (out / DONE).write_text(json.dumps(result) + "\n")
+    return result
+
+
+def sweep(path: Path, network: bool = False, jobs: int = 1, out: Path | None = None, show_progress: bool = True) -> int:
+    """Runs every point not yet done; 0 when every point has finished."""
+    default_out, points = load_sweep(path)
+    out = out or default_out
+    out.mkdir(parents=True, exist_ok=True)
+    todo = [(n, c) for n, c in points if not (out / n / DONE).exists()]
+    done = len(points) - len(todo)
+    failed: list[str] = []
+
+    def progress(note: str) -> None:
+        if show_progress:
+            width = 30
+            filled = int(width * done / max(1, len(points)))
+            print(f"points {done:>3}/{len(points)} [{'#' * filled}{'.' * (width - filled)}] {note}", file=sys.stderr)
+
+    progress(f"{out}: {len(todo)} to run" + (f", {done} already done" if done else ""))
+    ctx = get_context("spawn")  # fresh interpreters: no torch state shared between points
+    with ProcessPoolExecutor(max_workers=max(1, jobs), mp_context=ctx) as pool:
+        futures = {}
+        for name, cfg in todo:
+            (out / name).mkdir(parents=True, exist_ok=True)
+            futures[pool.submit(run_point, cfg.to_json(), str(out / name), network)] = name
+        for f in as_completed(futures):
+            name = futures[f]
+            try:
+                result = f.result()
+            except Exception as e:  # a point that crashed is reported, the others go on
+                result = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+            if result.get("ok"):
+                done += 1
+                progress(f"{name} ({result['wall_s']:.0f} s)")
+            else:
+                failed.append(name)
+                progress(f"{name} FAILED {result.get('error', '')}")
+    if failed:
+        print(
+            f"wafl: {len(failed)} point(s) failed: {', '.join(failed)}; run the sweep again to retry them",
+            file=sys.stderr,
+        )
+    else:
+        print(f"wafl: every point is done; `wafl table {out}` makes the table", file=sys.stderr)
+    return 1 if failed else 0

@@ -1,0 +1,204 @@
+"""``wafl table``: the table of an FL paper from run folders.
+
+Every run folder (``config.json`` + ``results.jsonl``, as ``wafl run``, ``wafl sweep`` and the
+in-process runs write them) is one run. Runs are grouped into rows by a label (default: the
+algorithm and its parameters; ``--by`` names other fields), and each metric column shows the
+mean +- population standard deviation over the row's seeds with the min-max spread:
+
+* ``final_gm`` / ``best_gm``: the last / highest ``gm_accuracy`` of the run;
+* ``final_pm`` / ``best_pm``: the same for ``pm_accuracy`` (rows without a PM show ``-``);
+* ``time_to_target``: seconds from the first model's publication until ``gm_accuracy`` first
+  reaches ``--target`` (a run that never does counts as missing);
+* ``mbytes``: megabytes that crossed the network (``bytes_up + bytes_down`` over the rounds).
+
+With ``--baseline LABEL`` every other row gets, per metric, the paired difference to the
+baseline on the same seeds: mean (min to max). Runs whose settings differ in anything but the
+seed and the fields that make the rows are refused, naming the fields and their values.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+METRICS = ("final_gm", "best_gm", "final_pm", "best_pm", "time_to_target", "mbytes")
+PERCENT = {"final_gm", "best_gm", "final_pm", "best_pm"}
+DEFAULT_BY = ("algorithm", "params")
+
+
+class TableError(ValueError):
+    """The runs cannot make one table; the message says why."""
+
+
+@dataclass
+class Run:
+    path: Path
+    config: dict[str, Any]
+    rows: list[dict[str, Any]]
+
+
+def find_runs(paths: Iterable[Path]) -> list[Run]:
+    """Every run folder at or below ``paths`` (a folder with ``config.json`` and ``results.jsonl``)."""
+    found: list[Run] = []
+    for p in paths:
+        if not p.is_dir():
+            raise TableError(f"{p} is not a folder")
+        folders = sorted({c.parent for c in p.rglob("config.json")} | ({p} if (p / "config.json").exists() else set()))
+        for f in folders:
+            if not (f / "results.jsonl").exists():
+                continue
+            rows = [json.loads(line) for line in (f / "results.jsonl").read_text().splitlines() if line.strip()]
+            found.append(Run(f, json.loads((f / "config.json").read_text()), rows))
+    if not found:
+        raise TableError(f"no run folders (config.json + results.jsonl) under {', '.join(map(str, paths))}")
+    return found
+
+
+def label(config: Mapping[str, Any], by: Sequence[str]) -> str:
+    """A row's name: the algorithm, its parameters, then any other ``by`` field as ``field=value``."""
+    parts = []
+    for field in by:
+        value = config.get(field)
+        if field == "params":
+            if value:
+                parts.append(", ".join(f"{k}={v}" for k, v in sorted(value.items())))
+        elif field == "algorithm":
+            parts.append(str(value))
+        else:
+            parts.append(f"{field}={value}")
+    return " ".join(parts) or "run"
+
+
+def check_comparable(runs: Sequence[Run], by: Sequence[str]) -> None:
+    """Refuses runs that differ in anything but ``seed`` and ``by``."""
+    free = {"seed", *by}
+    differing: dict[str, set[str]] = {}
+    first = runs[0].config
+    for r in runs[1:]:
+        for k in set(first) | set(r.config):
+            if k in free:
+                continue
+            if first.get(k) != r.config.get(k):
+                differing.setdefault(k, set()).update({json.dumps(first.get(k)), json.dumps(r.config.get(k))})
+    if differing:
+        what = "; ".join(f"{k}: {', '.join(sorted(v))}" for k, v in sorted(differing.items()))
+        raise TableError(
+            f"the runs differ in more than {', '.join(sorted(free))}: {what} "
+            "(add those fields to --by, or pass runs of one setting)"
+        )
+
+
+def run_metrics(run: Run, target: float) -> dict[str, float | None]:
+    rows = run.rows
+    gm = [r["gm_accuracy"] for r in rows if r.get("gm_accuracy") is not None]
+    pm = [r["pm_accuracy"] for r in rows if r.get("pm_accuracy") is not None]
+    t0 = float(rows[0]["wall_s"]) - float(rows[0].get("round_s") or 0.0) if rows else 0.0
+    reach = next((float(r["wall_s"]) - t0 for r in rows if (r.get("gm_accuracy") or 0.0) >= target - 1e-12), None)
+    traffic = sum((r.get("bytes_up") or 0) + (r.get("bytes_down") or 0) for r in rows)
+    return {
+        "final_gm": gm[-1] if gm else None,
+        "best_gm": max(gm) if gm else None,
+        "final_pm": pm[-1] if pm else None,
+        "best_pm": max(pm) if pm else None,
+        "time_to_target": reach,
+        "mbytes": traffic / 1e6 if rows else None,
+    }
+
+
+def _stats(values: Sequence[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    mean = sum(values) / len(values)
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+    return {"mean": mean, "std": std, "min": min(values), "max": max(values), "n": len(values)}
+
+
+def build(
+    runs: Sequence[Run], by: Sequence[str] = DEFAULT_BY, target: float = 0.9, baseline: str | None = None
+) -> dict[str, Any]:
+    """The table as data: ``rows`` (label -> metric -> stats, seeds, runs) and ``differences``."""
+    check_comparable(runs, by)
+    grouped: dict[str, dict[int, dict[str, float | None]]] = {}
+    folders: dict[str, list[str]] = {}
+    for r in runs:
+        name = label(r.config, by)
+        seed = int(r.config.get("seed", 0))
+        if seed in grouped.setdefault(name, {}):
+            raise TableError(f"two runs of {name!r} with seed {seed}: {folders[name]} and {r.path}")
+        grouped[name][seed] = run_metrics(r, target)
+        folders.setdefault(name, []).append(str(r.path))
+    table: dict[str, Any] = {}
+    for name, per_seed in grouped.items():
+        table[name] = {
+            "seeds": sorted(per_seed),
+            "runs": folders[name],
+            **{m: _stats([v[m] for v in per_seed.values() if v[m] is not None]) for m in METRICS},
+        }
+    diffs: dict[str, Any] = {}
+    if baseline is not None:
+        if baseline not in grouped:
+            raise TableError(f"--baseline {baseline!r} is not a row; rows: {sorted(grouped)}")
+        base = grouped[baseline]
+        for name, per_seed in grouped.items():
+            if name == baseline:
+                continue
+            common = sorted(set(per_seed) & set(base))
+            diffs[name] = {
+                m: _stats(
+                    [
+                        per_seed[s][m] - base[s][m]
+                        for s in common
+                        if per_seed[s][m] is not None and base[s][m] is not None
+                    ]
+                )
+                for m in METRICS
+            }
+    return {"by": list(by), "target": target, "baseline": baseline, "rows": table, "differences": diffs}
+
+
+def _cell(stats: Mapping[str, float] | None, metric: str, signed: bool = False) -> str:
+    if not stats:
+        return "-"
+    scale = 100.0 if metric in PERCENT else 1.0
+    digits = 1 if metric in PERCENT or metric == "time_to_target" else 2
+    f = (lambda v: f"{scale * v:+.{digits}f}") if signed else (lambda v: f"{scale * v:.{digits}f}")
+    if signed:
+        return f"{f(stats['mean'])} ({f(stats['min'])} to {f(stats['max'])})"
+    return f"{f(stats['mean'])} ± {scale * stats['std']:.{digits}f} ({f(stats['min'])}–{f(stats['max'])})"
+
+
+def markdown(doc: Mapping[str, Any], metrics: Sequence[str] = METRICS) -> str:
+    titles = {
+        "final_gm": "final GM acc. (%)",
+        "best_gm": "best GM acc. (%)",
+        "final_pm": "final PM acc. (%)",
+        "best_pm": "best PM acc. (%)",
+        "time_to_target": f"s to GM {doc['target']:g}",
+        "mbytes": "MB moved",
+    }
+    shown = [m for m in metrics if any(r.get(m) for r in doc["rows"].values())]
+    head = ["run", "seeds", *[titles[m] for m in shown]]
+    lines = ["| " + " | ".join(head) + " |", "|---|---:|" + "---:|" * len(shown)]
+    for name, r in doc["rows"].items():
+        lines.append("| " + " | ".join([name, str(len(r["seeds"])), *[_cell(r.get(m), m) for m in shown]]) + " |")
+    if doc["differences"]:
+        lines += ["", f"Paired differences to {doc['baseline']} on the same seeds: mean (min to max).", ""]
+        lines.append("| run | " + " | ".join(titles[m] for m in shown) + " |")
+        lines.append("|---|" + "---:|" * len(shown))
+        for name, d in doc["differences"].items():
+            lines.append("| " + " | ".join([name, *[_cell(d.get(m), m, signed=True) for m in shown]]) + " |")
+    return "\n".join(lines)
+
+
+def main(paths: Sequence[str], by: str | None, target: float, baseline: str | None, json_out: str | None) -> int:
+    runs = find_runs([Path(p) for p in paths])
+    fields = tuple(f.strip() for f in by.split(",")) if by else DEFAULT_BY
+    doc = build(runs, fields, target, baseline)
+    print(markdown(doc))
+    if json_out:
+        Path(json_out).write_text(json.dumps(doc, indent=1) + "\n")
+    return 0

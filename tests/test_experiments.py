@@ -1,0 +1,115 @@
+"""Experiments as users run them: a sweep interrupted and resumed, its table against a hand
+computation from the run folders, refusals, and TensorBoard files read back by TensorBoard."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from wafl.cli.simulate import simulate
+from wafl.cli.table import TableError, build, find_runs, markdown
+from wafl.common.config import load_config
+
+SWEEP = """
+out = "{out}"
+[base]
+num_clients = 3
+rounds = 2
+[grid]
+algorithm = ["fedavg", "fedprox"]
+seed = [0, 1, 2]
+"""
+
+
+def _wafl(*args: str) -> list[str]:
+    return [sys.executable, "-m", "wafl.cli.main", *args]
+
+
+def test_sweep_interrupted_resumed_and_tabulated(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    spec = tmp_path / "s.toml"
+    spec.write_text(SWEEP.format(out=out))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    first = subprocess.Popen(_wafl("sweep", str(spec)), env=env, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while len(list(out.glob("*/point.json"))) < 2:
+        assert first.poll() is None and time.monotonic() < deadline, "the sweep ended before it could be interrupted"
+        time.sleep(0.2)
+    os.killpg(first.pid, signal.SIGKILL)  # interrupted: some points done, one maybe half-written
+    first.wait()
+    done = {p.parent.name: p.stat().st_mtime_ns for p in out.glob("*/point.json")}
+    assert 2 <= len(done) < 6
+    second = subprocess.run(_wafl("sweep", str(spec)), env=env, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stderr
+    assert f"{6 - len(done)} to run, {len(done)} already done" in second.stderr
+    after = {p.parent.name: p.stat().st_mtime_ns for p in out.glob("*/point.json")}
+    assert len(after) == 6 and all(after[n] == t for n, t in done.items())  # finished points were not rerun
+
+    # the table against a hand computation from the run folders
+    doc = build(find_runs([out]), target=0.3, baseline="fedavg")
+    assert set(doc["rows"]) == {"fedavg", "fedprox mu=0.01"}
+    for name, algo in (("fedavg", "fedavg"), ("fedprox mu=0.01", "fedprox")):
+        finals = []
+        for seed in range(3):
+            lines = (out / f"algorithm={algo},seed={seed}" / "results.jsonl").read_text().splitlines()
+            rows = [json.loads(x) for x in lines]
+            finals.append(rows[-1]["gm_accuracy"])
+        mean = sum(finals) / 3
+        std = math.sqrt(sum((f - mean) ** 2 for f in finals) / 3)
+        got = doc["rows"][name]["final_gm"]
+        assert got["mean"] == pytest.approx(mean) and got["std"] == pytest.approx(std)
+        assert (got["min"], got["max"]) == (min(finals), max(finals))
+        assert doc["rows"][name]["seeds"] == [0, 1, 2]
+    diff = doc["differences"]["fedprox mu=0.01"]["final_gm"]
+    assert diff["mean"] == pytest.approx(
+        doc["rows"]["fedprox mu=0.01"]["final_gm"]["mean"] - doc["rows"]["fedavg"]["final_gm"]["mean"]
+    )
+    text = markdown(doc)
+    assert "| fedavg | 3 |" in text and "Paired differences to fedavg" in text
+    table = subprocess.run(_wafl("table", str(out), "--json", str(tmp_path / "t.json")), capture_output=True, text=True)
+    assert table.returncode == 0 and "| fedprox mu=0.01 | 3 |" in table.stdout
+    assert json.loads((tmp_path / "t.json").read_text())["rows"]["fedavg"]["seeds"] == [0, 1, 2]
+
+
+def test_table_refuses_runs_of_different_settings(tmp_path: Path) -> None:
+    for name, rounds in (("a", 1), ("b", 2)):
+        simulate(load_config(None, {"num_clients": 2, "rounds": rounds}), tmp_path / name)
+    with pytest.raises(TableError, match=r"differ in more than algorithm, params, seed: rounds: 1, 2"):
+        build(find_runs([tmp_path]))
+    r = subprocess.run(_wafl("table", str(tmp_path)), capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.startswith("wafl: the runs differ") and "Traceback" not in r.stderr
+    assert subprocess.run(_wafl("table", str(tmp_path), "--by", "rounds"), capture_output=True).returncode == 0
+
+
+def test_sweep_file_mistakes_are_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    for text, message in (
+        ("[grid]\nseed = 3\n", "grid.seed must be a non-empty list"),
+        ("[grid]\nrounds = [0]\n", "rounds=0 must be an integer >= 1"),
+        ("[gird]\n", "unknown section(s) ['gird']"),
+    ):
+        bad.write_text(text)
+        r = subprocess.run(_wafl("sweep", str(bad)), capture_output=True, text=True)
+        assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_tensorboard_files_read_back_by_tensorboard(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = load_config(None, {"num_clients": 2, "rounds": 3, "algorithm": "ditto", "tensorboard": str(tmp_path / "tb")})
+    rows = simulate(cfg, tmp_path / "run")
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    gm = acc.Scalars("gm_accuracy")
+    assert [e.step for e in gm] == [1, 2, 3]
+    assert [e.value for e in gm] == pytest.approx([r["gm_accuracy"] for r in rows])
+    assert {"pm_accuracy", "train_loss", "bytes_up", "round_s"} <= set(tags)
+    assert {"timeline/client-0/gm_train", "timeline/client-1/pm_train"} <= set(tags)
+    hparams = acc.PluginTagToContent("hparams")  # the run's configuration, for TensorBoard's HParams view
+    assert "_hparams_/session_start_info" in hparams and b"ditto" in hparams["_hparams_/session_start_info"]
