@@ -113,3 +113,14 @@ def test_tensorboard_files_read_back_by_tensorboard(tmp_path: Path) -> None:
     assert {"timeline/client-0/gm_train", "timeline/client-1/pm_train"} <= set(tags)
     hparams = acc.PluginTagToContent("hparams")  # the run's configuration, for TensorBoard's HParams view
     assert "_hparams_/session_start_info" in hparams and b"ditto" in hparams["_hparams_/session_start_info"]
+
+
+def test_learning_check_sweep_files_load(repo: Path) -> None:
+    from wafl.cli.sweep import load_sweep
+
+    files = sorted((repo / "configs" / "sweeps").glob("*.toml"))
+    assert {f.stem for f in files} >= {"fedhkd_digits", "asd_digits"}
+    for f in files:
+        out, points = load_sweep(f)
+        assert out == Path(f"runs/sweep-{f.stem}") and len(points) % 3 == 0  # three seeds per method
+        assert {c.seed for _, c in points} == {0, 1, 2}
