@@ -19,10 +19,13 @@ of a model it was asked to train on spends the time until the next model ``offli
 
 Every phase is recorded on the client's timeline; training runs in a worker thread so the
 event loop keeps streaming. The wait-free PM trains in its own thread at nice ``pm_nice``
-(Linux): it is there to fill time the client would otherwise idle, so where clients share
-CPUs it must not slow down another client's GM, the server's aggregation or this client's
-upload, which the round waits for. Nice values compare between processes of one session
-(autogroup), which is how ``wafl run`` starts its processes.
+(Linux): it is there to fill time the client would otherwise idle, so it must not slow down
+this client's upload or its reception of the next broadcast, which the round waits for. With
+a CPU share per host (``wafl run --host-cpus``, the default of ``--link-rate`` and of ``wafl
+bench protocols``) each client is a control group of its own, as on its own device, and the
+nice value only ranks the client's own threads. Without quotas, nice values compare between
+the processes of one session (autogroup), which is how ``wafl run`` starts its processes, so
+the PM also yields to the other clients' GMs and to the server.
 """
 
 from __future__ import annotations
