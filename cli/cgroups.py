@@ -216,14 +216,18 @@ atexit.register(_close_all)
 class CpuGroups:
     """One control group per host (``server``, ``client0``...), each held to ``shares[host]`` cores.
 
-    ``shares`` maps host names to cores (e.g. 0.4). Raises :class:`CpuQuotaUnavailable` (one
-    line) when the hierarchy is missing or not writable. Use as a context manager or call
-    :meth:`close`.
+    ``shares`` maps host names to cores (e.g. 0.4), each enforced as ``share * period_us`` of
+    CPU time per ``period_us`` (default 100 ms, as Docker's ``cpus:``; ``WAFL_CPU_PERIOD_US``
+    overrides it: a shorter period makes a host that spent its quota wait less). Raises
+    :class:`CpuQuotaUnavailable` (one line) when the hierarchy is missing or not writable.
+    Use as a context manager or call :meth:`close`.
     """
 
-    def __init__(self, shares: Mapping[str, float], root: Path | str | None = None, period_us: int = PERIOD_US):
+    def __init__(self, shares: Mapping[str, float], root: Path | str | None = None, period_us: int | None = None):
         self.hierarchy = detect(root)
-        self.period_us = int(period_us)
+        self.period_us = int(period_us or os.environ.get("WAFL_CPU_PERIOD_US") or PERIOD_US)
+        if not 1_000 <= self.period_us <= 1_000_000:
+            raise ValueError(f"CPU quota period {self.period_us} us is outside [1000, 1000000]")
         self.shares = {h: float(s) for h, s in shares.items()}
         for host, s in self.shares.items():
             if not s * self.period_us >= MIN_QUOTA_US:

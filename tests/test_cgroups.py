@@ -214,3 +214,11 @@ def test_a_terminated_run_leaves_no_group(tmp_path):
         run.send_signal(signal.SIGTERM)
         run.wait(timeout=60)
     assert {p.name for p in h.cpu.glob("wafl-*")} <= before
+
+
+def test_the_period_can_be_shortened(tmp_path, monkeypatch):
+    monkeypatch.setenv("WAFL_CPU_PERIOD_US", "10000")
+    with CpuGroups({"server": 0.4}, root=_fake_v1(tmp_path)) as g:
+        assert g.quota("server") == (4000, 10000)
+    with pytest.raises(ValueError, match="below the kernel's minimum"):
+        CpuGroups({"server": 0.05}, root=tmp_path)
