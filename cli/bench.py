@@ -368,6 +368,13 @@ def plot_pm_accuracy(
         ax.axhline(target, color="grey", ls="--", lw=1, label=f"target {target:g}")
     ax.set_xlabel("wall-clock since round 1 opened (s)")
     ax.set_ylabel("PM accuracy (local test sets)")
+    save_plot(fig, ax, path, title)
+
+
+def save_plot(fig: Any, ax: Any, path: Path, title: str = "") -> None:
+    """Title, grid and legend on ``ax``, then ``fig`` written to ``path`` and closed."""
+    import matplotlib.pyplot as plt
+
     if title:
         ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)

@@ -38,6 +38,7 @@ from wafl.cli.bench import (
     plot_timelines,
     read_jsonl,
     read_timelines,
+    save_plot,
     training_start,
 )
 from wafl.common.config import RunConfig
@@ -115,12 +116,7 @@ def plot_accuracy(curves: Mapping[str, Sequence[tuple[float, float]]], path: Pat
     ax.axhline(target, color="grey", lw=0.8, ls=":")
     ax.set_xlabel("wall-clock (s since the first model was published)")
     ax.set_ylabel("GM accuracy (global test set)")
-    ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_plot(fig, ax, path, title)
 
 
 def bench_async(
