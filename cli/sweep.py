@@ -66,6 +66,10 @@ def load_sweep(path: Path) -> tuple[Path, list[tuple[str, RunConfig]]]:
         for k, v in o.items():
             if k.startswith("params."):
                 params[k[len("params.") :]] = v
+            elif k == "params":
+                if not isinstance(v, dict):
+                    raise ConfigError(f"sweep point {o}: params must be a table of algorithm parameters")
+                params.update(v)
             else:
                 data[k] = v
         data["params"] = params

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from wafl.cli.simulate import simulate
 from wafl.cli.table import TableError, build, find_runs, markdown
-from wafl.common.config import load_config
+from wafl.common.config import ConfigError, load_config
 
 SWEEP = """
 out = "{out}"
@@ -119,8 +119,23 @@ def test_learning_check_sweep_files_load(repo: Path) -> None:
     from wafl.cli.sweep import load_sweep
 
     files = sorted((repo / "configs" / "sweeps").glob("*.toml"))
-    assert {f.stem for f in files} >= {"fedhkd_digits", "asd_digits"}
+    assert {f.stem for f in files} >= {"fedhkd_digits", "asd_digits", "scd_digits"}
     for f in files:
         out, points = load_sweep(f)
         assert out == Path(f"runs/sweep-{f.stem}") and len(points) % 3 == 0  # three seeds per method
         assert {c.seed for _, c in points} == {0, 1, 2}
+
+
+def test_sweep_point_params_table_and_dotted_keys_merge(tmp_path: Path) -> None:
+    from wafl.cli.sweep import load_sweep
+
+    spec = tmp_path / "p.toml"
+    spec.write_text(
+        '[base]\nnum_clients = 3\nrounds = 1\n[[points]]\nalgorithm = "fedprox"\nparams = { mu = 0.5 }\n'
+        '[[points]]\nalgorithm = "ditto"\n"params.mu" = 0.25\n'
+    )
+    _, points = load_sweep(spec)
+    assert [(c.algorithm, c.params) for _, c in points] == [("fedprox", {"mu": 0.5}), ("ditto", {"mu": 0.25})]
+    spec.write_text('[[points]]\nalgorithm = "fedprox"\nparams = 3\n')
+    with pytest.raises(ConfigError, match="params must be a table"):
+        load_sweep(spec)
