@@ -126,8 +126,14 @@ def bench_async(
     target: float = 0.9,
     show_progress: bool = True,
     timeout_s: float = 3600.0,
+    host_cpus: str | None = None,
 ) -> int:
-    """Runs the four federations; writes ``async.json`` and the PNGs; 0 when every run finished."""
+    """Runs the four federations; writes ``async.json`` and the PNGs; 0 when every run finished.
+
+    ``host_cpus``: every host's CPU share, as in :func:`wafl.cli.bench.bench_protocols` (None:
+    ``auto`` where control groups can be used, else shared cores with a warning). Under quotas a
+    client's slow-down divides its share instead of adding sleeps.
+    """
     from wafl.cli.launcher import launch
 
     out.mkdir(parents=True, exist_ok=True)
@@ -151,7 +157,15 @@ def bench_async(
                 file=sys.stderr,
             )
         load_before = os.getloadavg()[0]
-        summary = launch(run_cfg, run_dir, link_rate=link_rate, show_progress=show_progress, timeout_s=timeout_s)
+        summary = launch(
+            run_cfg,
+            run_dir,
+            link_rate=link_rate,
+            show_progress=show_progress,
+            timeout_s=timeout_s,
+            host_cpus=host_cpus or "auto",
+            quota_optional=host_cpus is None,
+        )
         load_after = os.getloadavg()[0]
         ok = ok and summary.ok
         (run_dir / "checkpoint.pt").unlink(missing_ok=True)
@@ -160,6 +174,7 @@ def bench_async(
             "ok": summary.ok,
             "rounds_configured": rounds,
             "host_load_1m": {"before": round(load_before, 2), "after": round(load_after, 2), "cpus": os.cpu_count()},
+            "host_cpus": summary.host_cpus,
             **summarize(run_dir, target),
         }
         timelines[name] = read_timelines(run_dir / "timelines.json")
@@ -169,6 +184,7 @@ def bench_async(
             **{k: v for k, v in json.loads(cfg.to_json()).items() if k not in ("aggregation", "protocol", "rounds")},
             "sync_rounds": cfg.rounds,
             "link_rate": link_rate,
+            "host_cpus": host_cpus or "auto",
             "target": target,
         },
         "runs": runs,

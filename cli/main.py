@@ -214,6 +214,16 @@ def cmd_health(a: argparse.Namespace) -> int:
     return 0 if resp.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
+def _bench_host_cpus_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--host-cpus",
+        help="CPU share of every host, each process in its own control group (root): auto (the cores split "
+        "evenly between the server and the clients; the default, with a warning and shared cores where control "
+        "groups cannot be used), a share, one per client, lognormal:median=C,sigma=S, optionally with server=C; "
+        "none: every process shares every core",
+    )
+
+
 def cmd_bench(a: argparse.Namespace) -> int:
     from wafl.cli.bench import bench_protocols
 
@@ -247,7 +257,10 @@ def cmd_bench_async(a: argparse.Namespace) -> int:
             setattr(a, k, v)
     cfg = _resolve_config(a)
     _check_link_rate(a.link_rate, cfg)
-    return bench_async(cfg, Path(a.out), link_rate=a.link_rate, target=a.target, show_progress=not a.quiet)
+    _check_host_cpus(a.host_cpus, cfg)
+    return bench_async(
+        cfg, Path(a.out), link_rate=a.link_rate, target=a.target, show_progress=not a.quiet, host_cpus=a.host_cpus
+    )
 
 
 def cmd_sweep(a: argparse.Namespace) -> int:
@@ -360,13 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--out", default="runs/bench-protocols")
     bp.add_argument("--link-rate", help="shape every link to RATE (root only), e.g. 20mbit")
     bp.add_argument("--target", type=float, default=0.9, help="PM accuracy for zeta_total_s")
-    bp.add_argument(
-        "--host-cpus",
-        help="CPU share of every host, each process in its own control group (root): auto (the cores split "
-        "evenly between the server and the clients; the default, with a warning and shared cores where control "
-        "groups cannot be used), a share, one per client, lognormal:median=C,sigma=S, optionally with server=C; "
-        "none: every process shares every core",
-    )
+    _bench_host_cpus_arg(bp)
     bp.add_argument("--quiet", action="store_true")
     bp.set_defaults(fn=cmd_bench)
     ba = bsub.add_parser(
@@ -377,6 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
     ba.add_argument("--out", default="runs/bench-async")
     ba.add_argument("--link-rate", help="shape links (root only): a rate, a list or lognormal:median=RATE,sigma=S")
     ba.add_argument("--target", type=float, default=0.9, help="GM accuracy whose time to reach is compared")
+    _bench_host_cpus_arg(ba)
     ba.add_argument("--quiet", action="store_true")
     ba.set_defaults(
         fn=cmd_bench_async,
