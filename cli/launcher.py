@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -125,7 +126,8 @@ def launch(
             "1",
             "--quiet",
         ]
-        server = _spawn(server_cmd, logs / "server.log")
+        token = secrets.token_urlsafe(24)  # this run's join token: only the processes started here know it
+        server = _spawn(server_cmd, logs / "server.log", token)
         procs.append(server)
         hosts.append("server")
         bound = _wait_ready(ready, server, logs / "server.log")
@@ -154,7 +156,7 @@ def launch(
             ]
             if cfg.data_dir:
                 cmd += ["--data-dir", cfg.data_dir]
-            procs.append(_spawn(cmd, logs / f"client-{i}.log"))
+            procs.append(_spawn(cmd, logs / f"client-{i}.log", token))
             hosts.append(f"client{i}")
         progress = Progress(cfg.rounds, enabled=show_progress)
         results = out / "results.jsonl"
@@ -285,13 +287,17 @@ def _exit_on_sigterm() -> Any:
     return lambda: signal.signal(signal.SIGTERM, old)
 
 
-def _spawn(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
+def _spawn(cmd: list[str], log: Path, token: str = "") -> subprocess.Popen[bytes]:
+    """Starts one process; ``token`` travels in its environment (``WAFL_TOKEN``), not its command line."""
     f = open(log, "wb")
+    env = _env()
+    if token:
+        env["WAFL_TOKEN"] = token
     # Its own process group (killpg, no terminal signals) but the launcher's session: one
     # scheduler autogroup, so that without CPU quotas the wait-free PM's nice value counts
     # against the other processes (with quotas each process is scheduled in its own control
     # group, where autogroups play no part and the nice value ranks the threads of one client).
-    return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(), process_group=0)
+    return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, process_group=0)
 
 
 def _wait_ready(ready: Path, server: subprocess.Popen[bytes], log: Path, timeout_s: float = 120.0) -> int:

@@ -154,7 +154,10 @@ def cmd_server(a: argparse.Namespace) -> int:
     _threads(a.threads)
     from wafl.common.tls import server_tls
 
+    from wafl.server.auth import load_enrollment
+
     tls = server_tls(a.tls_cert, a.tls_key)
+    enrollment = load_enrollment(a.enrollment, cfg.num_clients) if a.enrollment else None
     return asyncio.run(
         serve(
             cfg,
@@ -165,6 +168,8 @@ def cmd_server(a: argparse.Namespace) -> int:
             resume=a.resume,
             ready_file=Path(a.ready_file) if a.ready_file else None,
             tls=tls,
+            enrollment=enrollment,
+            allow_open=a.allow_open,
         )
     )
 
@@ -330,6 +335,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=int(os.environ.get("WAFL_PORT", "50051")))
     s.add_argument("--out", default=os.environ.get("WAFL_OUT", "runs/server"))
     s.add_argument("--token", help="shared secret clients must present (or WAFL_TOKEN)")
+    s.add_argument(
+        "--enrollment",
+        default=os.environ.get("WAFL_ENROLLMENT"),
+        help="file of 'INDEX SECRET' lines: each client joins with the secret of its own index (instead of --token)",
+    )
+    s.add_argument(
+        "--allow-open",
+        action="store_true",
+        help="serve a non-loopback --host without --token or --enrollment (anyone who reaches it may join)",
+    )
     s.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     s.add_argument("--ready-file", help="write the bound port here once listening")
     s.add_argument("--log-file")
@@ -358,7 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--data-dir", default=os.environ.get("WAFL_DATA_DIR"))
     c.add_argument("--device", default=os.environ.get("WAFL_DEVICE"))
-    c.add_argument("--token")
+    c.add_argument("--token", help="the run token or this client's enrollment secret (or WAFL_TOKEN)")
     c.add_argument("--reconnect-s", type=float, default=120.0, help="give up after this long without the server")
     c.add_argument("--log-file")
     c.add_argument("--threads", type=int, default=None)

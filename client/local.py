@@ -36,6 +36,7 @@ class LocalSession:
         self.client_id = client_id
         self.client_index = client_index
         self.num_samples = num_samples
+        self.credential = ""
 
     def join(self) -> pb.JoinReply:
         req = pb.JoinRequest(
@@ -46,11 +47,13 @@ class LocalSession:
             device="cpu",
             token=self.engine.token,
         )
-        return self.engine.join(req)
+        reply = self.engine.join(req, self.credential)
+        self.credential = reply.session_credential
+        return reply
 
     async def models(self) -> AsyncIterator[ReceivedModel]:
         assembler = ModelAssembler(self.engine.manifest)
-        async for msg in self.engine.deliveries(self.client_id):
+        async for msg in self.engine.deliveries(self.client_id, self.credential):
             model = assembler.feed(decode_broadcast(msg.data) if isinstance(msg, PreEncoded) else msg)
             if model is not None:
                 yield model
@@ -67,7 +70,7 @@ class LocalSession:
     ) -> int:
         header = upload_header(self.engine.run_id, round, self.client_id, num_samples, uuid.uuid4().hex, metrics)
         try:
-            _, nbytes = await receive_upload(self.engine, upload_messages(header, state, knowledge))
+            _, nbytes = await receive_upload(self.engine, upload_messages(header, state, knowledge), self.credential)
         except AlreadyAccepted as e:
             return e.nbytes
         except Refused as e:
@@ -80,4 +83,5 @@ class LocalSession:
     async def report(
         self, round: int, metrics: Mapping[str, float], timeline: list[Any] | None = None, start_unix: float = 0.0
     ) -> None:
-        self.engine.report(report_request(self.engine.run_id, self.client_id, round, metrics, timeline, start_unix))
+        req = report_request(self.engine.run_id, self.client_id, round, metrics, timeline, start_unix)
+        self.engine.report(req, self.credential)

@@ -26,6 +26,7 @@ from wafl.common.tls import channel as tls_channel
 from wafl.common.wire import TransferReader, decode_broadcast, encode_upload, write_transfer
 
 PROTOCOL_VERSION = 1
+CREDENTIAL_KEY = "wafl-credential"  # gRPC metadata entry of the session credential Join hands out
 RETRYABLE = {
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -92,6 +93,7 @@ class Session:
     join_reply: pb.JoinReply | None = None
     manifest: Manifest = ()
     tls: ClientTls | None = None  # None: plaintext
+    credential: str = ""  # the session credential of the last Join (sent with every later call)
     _channel: grpc.aio.Channel | None = field(default=None, repr=False)
 
     def _open(self) -> None:
@@ -137,7 +139,7 @@ class Session:
         )
         while True:
             try:
-                reply = await self._join(req, timeout=10.0, wait_for_ready=True)
+                reply = await self._join(req, timeout=10.0, wait_for_ready=True, metadata=self._metadata())
                 break
             except grpc.aio.AioRpcError as e:
                 if e.code() not in RETRYABLE:
@@ -146,10 +148,15 @@ class Session:
         if self.run_id and reply.run_id != self.run_id:
             log.warning("run.changed", old=self.run_id, new=reply.run_id)
         self.run_id = reply.run_id
+        if reply.session_credential:
+            self.credential = reply.session_credential
         self.join_reply = reply
         self.manifest = tuple(TensorSpec.from_proto(s) for s in reply.manifest)
         log.info("joined", run_id=reply.run_id, round=reply.round, algorithm=reply.algorithm)
         return reply
+
+    def _metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((CREDENTIAL_KEY, self.credential),) if self.credential else ()
 
     async def models(self) -> AsyncIterator[ReceivedModel]:
         """Every broadcast as a complete model, until the final one; reconnects as needed."""
@@ -157,7 +164,9 @@ class Session:
         backoff = Backoff(deadline_s=self.reconnect_s)
         while True:
             try:
-                call = self._broadcasts(pb.BroadcastRequest(run_id=self.run_id, client_id=self.client_id))
+                call = self._broadcasts(
+                    pb.BroadcastRequest(run_id=self.run_id, client_id=self.client_id), metadata=self._metadata()
+                )
                 assembler = ModelAssembler(self.manifest)
                 async for msg in call:
                     model = assembler.feed(msg)
@@ -169,10 +178,10 @@ class Session:
                 log.warning("broadcasts.ended_early")
                 await backoff.wait("broadcast stream ended")
             except grpc.aio.AioRpcError as e:
-                if (
-                    e.code() == grpc.StatusCode.NOT_FOUND
-                    or e.code() in RETRYABLE
-                    or e.code() == grpc.StatusCode.FAILED_PRECONDITION
+                if e.code() in RETRYABLE or e.code() in (
+                    grpc.StatusCode.NOT_FOUND,  # a restarted server: join again
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    grpc.StatusCode.UNAUTHENTICATED,  # a new run in its place: join it with the token
                 ):
                     await backoff.wait(f"broadcasts: {e.code().name}")
                     await self.join()
@@ -193,7 +202,7 @@ class Session:
         while True:
             try:
                 header = upload_header(self.run_id, round, self.client_id, num_samples, key, metrics)
-                reply = await self._upload(upload_messages(header, state, knowledge))
+                reply = await self._upload(upload_messages(header, state, knowledge), metadata=self._metadata())
                 return int(reply.bytes_received)
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.ALREADY_EXISTS:
@@ -212,7 +221,7 @@ class Session:
         backoff = Backoff(deadline_s=min(30.0, self.reconnect_s))
         while True:
             try:
-                await self._report(req, timeout=10.0)
+                await self._report(req, timeout=10.0, metadata=self._metadata())
                 return
             except grpc.aio.AioRpcError as e:
                 if e.code() not in RETRYABLE:

@@ -42,6 +42,7 @@ class RunConfig:
     min_clients: int | None = None  # uploads needed to close a round once the deadline passed
     round_deadline_s: float = 120.0
     join_timeout_s: float = 300.0
+    upload_stall_s: float = 30.0  # an upload stream without a message for this long is cut off and rolled back
     max_round_retries: int = 3
     seed: int = 0
     # aggregation: lock-step rounds, or buffered asynchronous (FedBuff)
@@ -105,6 +106,7 @@ class RunConfig:
                 raise ConfigError(f"min_clients={self.min_clients} is more than num_clients={self.num_clients}")
         _positive("round_deadline_s", self.round_deadline_s)
         _positive("join_timeout_s", self.join_timeout_s)
+        _positive("upload_stall_s", self.upload_stall_s)
         _int_at_least("max_round_retries", self.max_round_retries, 0)
         _int_at_least("seed", self.seed, 0)
         self._validate_aggregation()

@@ -206,6 +206,28 @@ def _decoder(cls: type[M]) -> Callable[[bytes], M | RawChunk | ChunkBatch]:
     return decode
 
 
+class Malformed:
+    """Stands for a received message that could not be decoded; handlers refuse it (INVALID_ARGUMENT)."""
+
+    def __repr__(self) -> str:
+        return "MALFORMED"
+
+
+MALFORMED = Malformed()
+
+
+def lenient(decode: Callable[[bytes], object]) -> Callable[[bytes], object]:
+    """``decode``, returning :data:`MALFORMED` instead of raising on bytes it cannot decode."""
+
+    def decode_or_mark(raw: bytes) -> object:
+        try:
+            return decode(raw)
+        except Exception:  # any decoding failure: the handler answers with a short, fixed status
+            return MALFORMED
+
+    return decode_or_mark
+
+
 class PreEncoded:
     """A message already serialized (a broadcast chunk encoded once for every subscriber)."""
 
@@ -283,6 +305,8 @@ class TransferReader:
     def feed(self, msg: object) -> list[tuple[TensorSpec, RawChunk]]:
         if self.trailer is not None:
             raise ChunkError("message after the trailer")
+        if msg is MALFORMED:
+            raise ChunkError("malformed message")
         if isinstance(msg, (RawChunk, ChunkBatch)):
             if self.knowledge:
                 raise ChunkError("tensor chunk after knowledge")

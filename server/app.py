@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 from pathlib import Path
 
@@ -9,9 +10,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from wafl.common.codec import MAX_CHUNK_BYTES
-from wafl.common.config import RunConfig
+from wafl.common.config import ConfigError, RunConfig
 from wafl.common.proto import federation_pb2 as pb
 from wafl.common.tls import ServerTls
+from wafl.server.auth import JoinSecrets
 from wafl.server.engine import RoundEngine
 from wafl.server.service import SERVICE, FederationService, handlers
 
@@ -30,7 +32,32 @@ GRPC_OPTIONS = [
     ("grpc.http2.bdp_probe", 0),
     # Large HTTP/2 frames: a 1 MiB message crosses in a few frames instead of 64 of 16 KiB.
     ("grpc.http2.max_frame_size", (1 << 24) - 1),
+    # A client holds at most four calls at once (Join, Broadcasts, Upload, Report).
+    ("grpc.max_concurrent_streams", 16),
 ]
+
+
+def max_concurrent_rpcs(cfg: RunConfig) -> int:
+    """Calls served at once before new ones get RESOURCE_EXHAUSTED: four per client, plus health checks."""
+    return 4 * cfg.num_clients + 32
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(host: str, secrets: JoinSecrets, allow_open: bool) -> None:
+    """Refuses (``ConfigError``) to serve a non-loopback address that anyone may join, unless asked to."""
+    if secrets.open and not is_loopback(host) and not allow_open:
+        raise ConfigError(
+            f"--host {host} is not a loopback address and no credential is set: anyone who reaches it could join; "
+            "set --token (or WAFL_TOKEN) or --enrollment, or pass --allow-open"
+        )
 
 
 async def serve(
@@ -43,13 +70,18 @@ async def serve(
     ready_file: Path | None = None,
     final_report_timeout_s: float = 30.0,
     tls: ServerTls | None = None,
+    enrollment: dict[int, str] | None = None,
+    allow_open: bool = False,
 ) -> int:
     """Runs the federation; returns 0 on a completed run. Writes the bound port to ``ready_file``."""
     import structlog
 
     log = structlog.get_logger("server")
-    engine = RoundEngine(cfg, out_dir, token=token, resume=resume)
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    check_exposure(host, JoinSecrets(token, dict(enrollment or {})), allow_open)
+    engine = RoundEngine(cfg, out_dir, token=token, resume=resume, enrollment=enrollment)
+    if engine.secrets.open:
+        log.warning("server.open", message="no --token or --enrollment: any client that reaches the server may join")
+    server = grpc.aio.server(options=GRPC_OPTIONS, maximum_concurrent_rpcs=max_concurrent_rpcs(cfg))
     server.add_generic_rpc_handlers([handlers(FederationService(engine))])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

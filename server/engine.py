@@ -36,6 +36,7 @@ from wafl.common.proto import federation_pb2 as pb
 from wafl.common.training import evaluate
 from wafl.common.wire import PreEncoded, encode_tensors, write_transfer
 from wafl.server.aggregator import Accumulator
+from wafl.server.auth import CREDENTIAL_KEY, Credentials, JoinSecrets, check_id, load_or_create_key
 from wafl.server.checkpoint import load_checkpoint, save_checkpoint
 from wafl.server.results import ResultsLog, round_
 from wafl.server.strategy import Collection, Deliveries, RunAborted, make_strategy
@@ -72,10 +73,18 @@ class Delivery:
 
 
 class RoundEngine:
-    def __init__(self, cfg: RunConfig, out_dir: Path, token: str = "", resume: bool = False) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        out_dir: Path,
+        token: str = "",
+        resume: bool = False,
+        enrollment: dict[int, str] | None = None,
+    ) -> None:
         self.cfg = cfg
         self.out_dir = out_dir
         self.token = token
+        self.secrets = JoinSecrets(token, dict(enrollment or {}))
         self.algorithm = registry.resolve(cfg.algorithm, cfg.params, vars(cfg))
         torch.manual_seed(cfg.seed)
         self.dataset = load_dataset(cfg.dataset, cfg.data_dir)
@@ -117,6 +126,7 @@ class RoundEngine:
             self.results.listeners.append(self.tensorboard.row)
         if resume:
             self._resume()
+        self.credentials = Credentials(load_or_create_key(out_dir), self.run_id)
         (out_dir / "config.json").write_text(json.dumps(json.loads(cfg.to_json()), indent=2))
         if self.algorithm.privacy is not None:
             report = {"per_release": self.algorithm.privacy(1), "per_run": self.algorithm.privacy(cfg.rounds)}
@@ -164,30 +174,41 @@ class RoundEngine:
         return time.monotonic() - self.run_start
 
     # ----------------------------------------------------------------- joins
-    def join(self, req: pb.JoinRequest) -> pb.JoinReply:
-        """Registers (or re-registers) a client and returns the run's configuration; raises :class:`Refused`."""
-        if self.token and req.token != self.token:
-            raise Refused("bad or missing token", Code.UNAUTHENTICATED)
-        if not req.client_id:
-            raise Refused("client_id is empty")
+    def join(self, req: pb.JoinRequest, credential: str = "") -> pb.JoinReply:
+        """Registers (or re-registers) a client and returns the run's configuration with its session
+        credential; raises :class:`Refused`. A registered index re-joins only with its credential
+        (or its enrollment secret)."""
+        check_id("client_id", req.client_id)
         if not 0 <= req.client_index < self.cfg.num_clients:
             raise Refused(f"client_index {req.client_index} is outside 0..{self.cfg.num_clients - 1}")
+        resumes = bool(credential) and self.credentials.index_of(credential, req.client_id) == req.client_index
+        if not resumes and not self.secrets.admits(req.client_index, req.token):
+            what = "enrollment secret of this client_index" if self.secrets.enrollment else "token"
+            raise Refused(f"bad or missing {what}", Code.UNAUTHENTICATED)
         owner = self.index_owner.get(req.client_index)
         if owner is not None and owner != req.client_id:
-            raise Refused(f"client_index {req.client_index} already belongs to {owner!r}", Code.ALREADY_EXISTS)
+            raise Refused(f"client_index {req.client_index} already belongs to another client", Code.ALREADY_EXISTS)
+        if owner is not None and not resumes and not self.secrets.enrollment and req.num_samples > 0:
+            raise Refused(
+                f"client_index {req.client_index} is registered: re-join with its session credential "
+                f"(metadata {CREDENTIAL_KEY!r})",
+                Code.PERMISSION_DENIED,
+            )
         if req.num_samples < 0:
             raise Refused(f"num_samples {req.num_samples} must be positive (or 0 to ask for the configuration only)")
+        issued = ""
         if req.num_samples > 0:
             rejoin = req.client_id in self.clients
             self.clients[req.client_id] = ClientInfo(req.client_id, req.client_index, req.num_samples)
             self.index_owner[req.client_index] = req.client_id
             self.strategy.join(req.client_id, req.client_index, req.num_samples)
+            issued = self.credentials.issue(req.client_id, req.client_index)
             log.info(
                 "client.join",
                 client=req.client_id,
                 index=req.client_index,
                 samples=req.num_samples,
-                device=req.device,
+                device=req.device[:64],
                 rejoin=rejoin,
                 joined=len(self.clients),
             )
@@ -202,7 +223,16 @@ class RoundEngine:
             round=self.strategy.version if self.publication is not None else 0,
             num_classes=self.dataset.num_classes,
             code_len=self.cfg.code_len,
+            session_credential=issued,
         )
+
+    def authorize(self, client_id: str, credential: str) -> None:
+        """Checks that ``credential`` is the session credential of the joined client ``client_id``;
+        raises :class:`Refused` (UNAUTHENTICATED, PERMISSION_DENIED, NOT_FOUND)."""
+        check_id("client_id", client_id)
+        self.credentials.check(credential, client_id, self.index_owner.get)
+        if client_id not in self.clients:
+            raise Refused(f"unknown client_id {client_id!r}: call Join first", Code.NOT_FOUND)
 
     # ----------------------------------------------------------------- the run
     async def run(self) -> None:
@@ -365,11 +395,11 @@ class RoundEngine:
             await self.mail.wait_for(newer)
             return self.mailbox[client_id]
 
-    async def deliveries(self, client_id: str) -> AsyncIterator[object]:
+    async def deliveries(self, client_id: str, credential: str = "") -> AsyncIterator[object]:
         """The broadcast stream of one client: each model it is sent (its latest one first), as
-        messages (header, transfer), until the final model. Raises :class:`Refused` for an unknown client."""
-        if client_id not in self.clients:
-            raise Refused(f"unknown client_id {client_id!r}: call Join first", Code.NOT_FOUND)
+        messages (header, transfer), until the final model. Raises :class:`Refused` before the first
+        message for a caller that is not that joined client."""
+        self.authorize(client_id, credential)
         seq = 0
         while True:
             d = await self._next_delivery(client_id, seq)
@@ -392,12 +422,11 @@ class RoundEngine:
                 return
 
     # ----------------------------------------------------------------- uploads and reports
-    def open_upload(self, h: pb.UploadHeader) -> Upload:
+    def open_upload(self, h: pb.UploadHeader, credential: str = "") -> Upload:
         """Admits an upload's header (the strategy decides); raises :class:`Refused`."""
+        self.authorize(h.client_id, credential)
         if h.run_id != self.run_id:
-            raise Refused(f"run_id {h.run_id!r} is not this run ({self.run_id!r})", Code.FAILED_PRECONDITION)
-        if h.client_id not in self.clients:
-            raise Refused(f"unknown client_id {h.client_id!r}: call Join first", Code.NOT_FOUND)
+            raise Refused(f"run_id {h.run_id[:64]!r} is not this run ({self.run_id!r})", Code.FAILED_PRECONDITION)
         if self.finished.is_set():
             raise Refused("the run is over", Code.FAILED_PRECONDITION)
         now = asyncio.get_running_loop().time()
@@ -415,9 +444,8 @@ class RoundEngine:
         self.strategy.release(upload.ticket)
         self.changed.set()
 
-    def report(self, req: pb.ReportRequest) -> None:
-        if req.client_id not in self.clients:
-            raise Refused(f"unknown client_id {req.client_id!r}: call Join first", Code.NOT_FOUND)
+    def report(self, req: pb.ReportRequest, credential: str = "") -> None:
+        self.authorize(req.client_id, credential)
         timeline = [{"phase": e.phase, "round": e.round, "start_s": e.start_s, "end_s": e.end_s} for e in req.timeline]
         self.results.add_report(req.client_id, req.round, dict(req.metrics), timeline, req.client_start_unix or None)
         if req.metrics.get(M.FINAL, 0.0) == 1.0:

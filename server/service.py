@@ -1,8 +1,10 @@
 """gRPC handlers for ``wafl.v1.Federation``: messages in and out, one refusal type mapped to statuses.
 
-Every decision lives elsewhere: the engine admits joins, streams each client's models and
-records reports; :func:`~wafl.server.upload.receive_upload` owns the whole upload path. A
-:class:`~wafl.common.errors.Refused` becomes the gRPC status it names, with its message.
+Every decision lives elsewhere: the engine admits joins, checks session credentials, streams
+each client's models and records reports; :func:`~wafl.server.upload.receive_upload` owns the
+whole upload path. A :class:`~wafl.common.errors.Refused` becomes the gRPC status it names,
+with its message (cut to :data:`MAX_DETAILS` characters). Requests that cannot be decoded are
+refused with ``INVALID_ARGUMENT`` and a fixed message.
 """
 
 from __future__ import annotations
@@ -12,19 +14,37 @@ from collections.abc import AsyncIterator
 
 import grpc
 import structlog
-from wafl.common.errors import AlreadyAccepted, Refused
+from wafl.common.errors import AlreadyAccepted, Code, Refused
 from wafl.common.proto import federation_pb2 as pb
-from wafl.common.wire import decode_upload, encode_broadcast
+from wafl.common.wire import MALFORMED, decode_upload, encode_broadcast, lenient
+from wafl.server.auth import CREDENTIAL_KEY
 from wafl.server.engine import RoundEngine
 from wafl.server.upload import receive_upload
 
 PROTOCOL_VERSION = 1
 SERVICE = "wafl.v1.Federation"
+MAX_DETAILS = 300  # characters of a status's details
 log = structlog.get_logger("server")
 
 
+def _details(message: str) -> str:
+    return message if len(message) <= MAX_DETAILS else message[: MAX_DETAILS - 3] + "..."
+
+
 async def _abort(ctx: grpc.aio.ServicerContext, e: Refused) -> None:
-    await ctx.abort(getattr(grpc.StatusCode, e.code.value), str(e))
+    await ctx.abort(getattr(grpc.StatusCode, e.code.value), _details(str(e)))
+
+
+def _credential(ctx: grpc.aio.ServicerContext) -> str:
+    for key, value in ctx.invocation_metadata() or ():
+        if key == CREDENTIAL_KEY:
+            return value if isinstance(value, str) else ""
+    return ""
+
+
+def _well_formed(req: object) -> None:
+    if req is MALFORMED:
+        raise Refused("malformed message")
 
 
 class FederationService:
@@ -32,38 +52,41 @@ class FederationService:
         self.engine = engine
 
     async def join(self, req: pb.JoinRequest, ctx: grpc.aio.ServicerContext) -> pb.JoinReply:
-        if req.protocol_version != PROTOCOL_VERSION:
-            await ctx.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"protocol_version {req.protocol_version} is not supported (server speaks {PROTOCOL_VERSION})",
-            )
         try:
-            return self.engine.join(req)
+            _well_formed(req)
+            if req.protocol_version != PROTOCOL_VERSION:
+                raise Refused(
+                    f"protocol_version {req.protocol_version} is not supported (server speaks {PROTOCOL_VERSION})",
+                    Code.FAILED_PRECONDITION,
+                )
+            return self.engine.join(req, _credential(ctx))
         except Refused as e:
             await _abort(ctx, e)
             raise
 
     async def broadcasts(self, req: pb.BroadcastRequest, ctx: grpc.aio.ServicerContext) -> AsyncIterator[object]:
-        if req.run_id and req.run_id != self.engine.run_id:
-            await ctx.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"run_id {req.run_id!r} is not this run ({self.engine.run_id!r})",
-            )
         try:
-            async for msg in self.engine.deliveries(req.client_id):
+            _well_formed(req)
+            self.engine.authorize(req.client_id, _credential(ctx))
+            if req.run_id and req.run_id != self.engine.run_id:
+                raise Refused(
+                    f"run_id {req.run_id[:64]!r} is not this run ({self.engine.run_id!r})", Code.FAILED_PRECONDITION
+                )
+            async for msg in self.engine.deliveries(req.client_id, _credential(ctx)):
                 yield msg
         except Refused as e:
             await _abort(ctx, e)
 
     async def upload(self, requests: AsyncIterator[object], ctx: grpc.aio.ServicerContext) -> pb.UploadReply:
         try:
-            round, nbytes = await receive_upload(self.engine, requests)
+            round, nbytes = await receive_upload(self.engine, requests, _credential(ctx))
         except AlreadyAccepted as e:
             await self._drain(requests)
             return pb.UploadReply(accepted=True, round=e.round, bytes_received=e.nbytes)
         except Refused as e:
-            log.warning("upload.rejected", code=e.code.value, reason=str(e))
-            await self._drain(requests)
+            log.warning("upload.rejected", code=e.code.value, reason=_details(str(e)))
+            if e.code not in (Code.DEADLINE_EXCEEDED, Code.UNAUTHENTICATED, Code.PERMISSION_DENIED):
+                await self._drain(requests)
             await _abort(ctx, e)
             raise
         return pb.UploadReply(accepted=True, round=round, bytes_received=nbytes)
@@ -73,7 +96,8 @@ class FederationService:
         for at most ``budget_s``, before its status is sent. grpcio's asyncio client reports
         INTERNAL ("Internal error from Core") instead of the server's status when the call ends
         while it is still writing (grpc/grpc#36066); a client that gets its status after it
-        half-closed learns the real reason and does not retry a refusal as a transient error."""
+        half-closed learns the real reason and does not retry a refusal as a transient error.
+        Callers without a valid credential and stalled streams are not waited for."""
         budget = self.engine.max_upload_messages
         try:
             async with asyncio.timeout(budget_s):
@@ -86,7 +110,8 @@ class FederationService:
 
     async def report(self, req: pb.ReportRequest, ctx: grpc.aio.ServicerContext) -> pb.ReportReply:
         try:
-            self.engine.report(req)
+            _well_formed(req)
+            self.engine.report(req, _credential(ctx))
         except Refused as e:
             await _abort(ctx, e)
         return pb.ReportReply()
@@ -97,13 +122,13 @@ def handlers(service: FederationService) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(
         SERVICE,
         {
-            "Join": unary(service.join, pb.JoinRequest.FromString, pb.JoinReply.SerializeToString),
+            "Join": unary(service.join, lenient(pb.JoinRequest.FromString), pb.JoinReply.SerializeToString),
             "Broadcasts": grpc.unary_stream_rpc_method_handler(
-                service.broadcasts, pb.BroadcastRequest.FromString, encode_broadcast
+                service.broadcasts, lenient(pb.BroadcastRequest.FromString), encode_broadcast
             ),
             "Upload": grpc.stream_unary_rpc_method_handler(
-                service.upload, decode_upload, pb.UploadReply.SerializeToString
+                service.upload, lenient(decode_upload), pb.UploadReply.SerializeToString
             ),
-            "Report": unary(service.report, pb.ReportRequest.FromString, pb.ReportReply.SerializeToString),
+            "Report": unary(service.report, lenient(pb.ReportRequest.FromString), pb.ReportReply.SerializeToString),
         },
     )

@@ -23,7 +23,7 @@ from wafl.common.codec import ChunkError, RawChunk, TensorSpec
 from wafl.common.errors import Code, Refused
 from wafl.common.knowledge import Knowledge, from_proto, validate_knowledge
 from wafl.common.proto import federation_pb2 as pb
-from wafl.common.wire import ChunkBatch, TransferReader
+from wafl.common.wire import MALFORMED, ChunkBatch, TransferReader
 from wafl.server.aggregator import UploadFold
 
 if TYPE_CHECKING:
@@ -31,26 +31,44 @@ if TYPE_CHECKING:
     from wafl.server.strategy import Ticket
 
 
-async def receive_upload(engine: RoundEngine, messages: AsyncIterator[object]) -> tuple[int, int]:
+async def receive_upload(engine: RoundEngine, messages: AsyncIterator[object], credential: str = "") -> tuple[int, int]:
     """Receives one upload stream; returns ``(round, bytes)`` once it is committed.
 
-    Raises :class:`Refused` for anything wrong with it (after rolling back what was folded)
-    and :class:`~wafl.common.errors.AlreadyAccepted` for a retry of a committed upload.
+    ``credential`` is the caller's session credential. Raises :class:`Refused` for anything wrong
+    with it (after rolling back what was folded), ``DEADLINE_EXCEEDED`` when no message arrives
+    for ``upload_stall_s``, and :class:`~wafl.common.errors.AlreadyAccepted` for a retry of a
+    committed upload.
     """
     it = messages.__aiter__()
+    stall_s = engine.cfg.upload_stall_s
     try:
-        first = await it.__anext__()
+        first = await _next(it, stall_s)
     except StopAsyncIteration:
         raise Refused("empty upload: the first message must be a header") from None
+    if first is MALFORMED:
+        raise Refused("malformed message")
     if isinstance(first, (RawChunk, ChunkBatch)) or first.WhichOneof("kind") != "header":  # type: ignore[attr-defined]
         raise Refused("the first message of an upload must be a header")
-    upload = engine.open_upload(first.header)  # type: ignore[attr-defined]
+    upload = engine.open_upload(first.header, credential)  # type: ignore[attr-defined]
     try:
-        async for msg in it:
+        while True:
+            try:
+                msg = await _next(it, stall_s)
+            except StopAsyncIteration:
+                break
             await upload.feed(msg)
         return await upload.finish()
     finally:
         await upload.close()
+
+
+async def _next(it: AsyncIterator[object], stall_s: float) -> object:
+    """The stream's next message; ``DEADLINE_EXCEEDED`` when none arrives within ``stall_s``."""
+    try:
+        async with asyncio.timeout(stall_s):
+            return await it.__anext__()
+    except TimeoutError:
+        raise Refused(f"no message for {stall_s:g} s: the upload was cut off", Code.DEADLINE_EXCEEDED) from None
 
 
 class Upload:

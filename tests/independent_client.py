@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 PROTO_ROOT = REPO / "protos"
 PROTO_FILE = "wafl/v1/federation.proto"
 MIB = 1 << 20
+CREDENTIAL_KEY = "wafl-credential"  # metadata entry of the session credential (see the .proto's service comment)
 CHUNK_LIMIT = MIB  # largest chunk payload the protocol allows
 
 # numpy dtypes of the wire DType enum values (bfloat16 has no numpy type and is not used here)
@@ -203,13 +204,21 @@ class Model:
 class BroadcastListener:
     """Consumes a client's ``Broadcasts`` stream in a thread and keeps every model by round."""
 
-    def __init__(self, pb: ModuleType, stub: Any, run_id: str, client_id: str, manifest: list[Any]) -> None:
+    def __init__(
+        self,
+        pb: ModuleType,
+        stub: Any,
+        run_id: str,
+        client_id: str,
+        manifest: list[Any],
+        metadata: Sequence[tuple[str, str]] = (),
+    ) -> None:
         self.pb = pb
         self.manifest = manifest
         self.models: dict[int, Model] = {}
         self.error: BaseException | None = None
         self.cond = threading.Condition()
-        self.call = stub.Broadcasts(pb.BroadcastRequest(run_id=run_id, client_id=client_id))
+        self.call = stub.Broadcasts(pb.BroadcastRequest(run_id=run_id, client_id=client_id), metadata=metadata)
         self.thread = threading.Thread(target=self._run, name=f"broadcasts-{client_id}", daemon=True)
         self.thread.start()
 
@@ -369,23 +378,46 @@ class IndependentClient:
         self.stub = pb_grpc.FederationStub(self.channel)
         self.listener: BroadcastListener | None = None
         self.reply: Any = None
+        self.token = ""
+        self.credential = ""  # the session credential of the last registering Join
 
-    def join(self, timeout: float = 30.0, **fields: Any) -> Any:
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((CREDENTIAL_KEY, self.credential),) if self.credential else ()
+
+    def join(self, timeout: float = 30.0, metadata: Sequence[tuple[str, str]] = (), **fields: Any) -> Any:
         req = dict(
             client_id=self.client_id,
             protocol_version=1,
             client_index=self.index,
             num_samples=self.num_samples,
+            token=self.token,
         )
         req.update(fields)
-        return self.stub.Join(self.pb.JoinRequest(**req), timeout=timeout)
+        reply = self.stub.Join(self.pb.JoinRequest(**req), timeout=timeout, metadata=metadata)
+        if reply.session_credential:
+            self.credential = reply.session_credential
+        return reply
 
     def join_and_listen(self) -> Any:
         self.reply = self.join()
         self.listener = BroadcastListener(
-            self.pb, self.stub, self.reply.run_id, self.client_id, list(self.reply.manifest)
+            self.pb, self.stub, self.reply.run_id, self.client_id, list(self.reply.manifest), self.metadata()
         )
         return self.reply
+
+    def broadcasts(self, client_id: str | None = None, timeout: float = 10.0, **kw: Any) -> Any:
+        """A Broadcasts call (``metadata`` defaults to this client's credential)."""
+        kw.setdefault("metadata", self.metadata())
+        req = self.pb.BroadcastRequest(
+            run_id=self.reply.run_id if self.reply else "", client_id=client_id or self.client_id
+        )
+        return self.stub.Broadcasts(req, timeout=timeout, **kw)
+
+    def report(self, timeout: float = 10.0, metadata: Sequence[tuple[str, str]] | None = None, **fields: Any) -> Any:
+        req = dict(run_id=self.reply.run_id if self.reply else "", client_id=self.client_id)
+        req.update(fields)
+        md = self.metadata() if metadata is None else metadata
+        return self.stub.Report(self.pb.ReportRequest(**req), timeout=timeout, metadata=md)
 
     def header(self, round: int, key: str, **fields: Any) -> Any:
         h = dict(
@@ -398,11 +430,17 @@ class IndependentClient:
         h.update(fields)
         return self.pb.UploadHeader(**h)
 
-    def upload(self, messages: Iterable[Any], timeout: float = 30.0) -> Any:
-        return self.stub.Upload(iter(list(messages)), timeout=timeout)
+    def upload(
+        self, messages: Iterable[Any], timeout: float = 30.0, metadata: Sequence[tuple[str, str]] | None = None
+    ) -> Any:
+        md = self.metadata() if metadata is None else metadata
+        return self.stub.Upload(iter(list(messages)), timeout=timeout, metadata=md)
 
-    def upload_future(self, messages: Iterator[Any], timeout: float = 30.0) -> Any:
-        return self.stub.Upload.future(messages, timeout=timeout)
+    def upload_future(
+        self, messages: Iterator[Any], timeout: float = 30.0, metadata: Sequence[tuple[str, str]] | None = None
+    ) -> Any:
+        md = self.metadata() if metadata is None else metadata
+        return self.stub.Upload.future(messages, timeout=timeout, metadata=md)
 
     def close(self) -> None:
         if self.listener is not None:

@@ -297,17 +297,10 @@ def test_join_client_index_out_of_range(fed: Federation, index: int) -> None:
     try:
         err = call_error(lambda: stranger.join())
         expect_status(err, Code.INVALID_ARGUMENT, f"client_index {index}")
-        # the refused client was not registered: it cannot subscribe
-        err = call_error(
-            lambda: next(
-                iter(
-                    stranger.stub.Broadcasts(
-                        fed.pb.BroadcastRequest(run_id=fed.server.run_id, client_id=stranger.client_id), timeout=10
-                    )
-                )
-            )
-        )
-        expect_status(err, Code.NOT_FOUND, stranger.client_id)
+        # the refused client got no credential: it cannot subscribe
+        assert stranger.credential == ""
+        err = call_error(lambda: next(iter(stranger.broadcasts())))
+        expect_status(err, Code.UNAUTHENTICATED, "credential")
     finally:
         stranger.close()
     fed.complete_round(r, base)
@@ -315,11 +308,9 @@ def test_join_client_index_out_of_range(fed: Federation, index: int) -> None:
 
 def test_broadcasts_unknown_client(fed: Federation) -> None:
     r, base = fed.open_round()
-    stream = fed.a.stub.Broadcasts(
-        fed.pb.BroadcastRequest(run_id=fed.server.run_id, client_id="nobody-joined-as-this"), timeout=10
-    )
-    err = call_error(lambda: next(iter(stream)))
-    expect_status(err, Code.NOT_FOUND, "nobody-joined-as-this")
+    # another client id under a joined client's credential: that credential is not its own
+    err = call_error(lambda: next(iter(fed.a.broadcasts("nobody-joined-as-this"))))
+    expect_status(err, Code.PERMISSION_DENIED, "another client")
     fed.complete_round(r, base)
 
 
@@ -472,7 +463,7 @@ def test_upload_unknown_client(fed: Federation) -> None:
     r, base = fed.open_round()
     h = fed.a.header(r, fed.key(), client_id="intruder-never-joined")
     err = call_error(lambda: fed.a.upload(upload_messages(fed.pb, h, fed.chunks(fed.poisoned(base)))))
-    expect_status(err, Code.NOT_FOUND, "'intruder-never-joined'")
+    expect_status(err, Code.PERMISSION_DENIED, "another client")
     fed.complete_round(r, base)
 
 

@@ -87,7 +87,7 @@ class JoinRequest(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., token: _Optional[str] = ..., protocol_version: _Optional[int] = ..., client_index: _Optional[int] = ..., num_samples: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("run_id", "algorithm", "config_json", "model", "manifest", "round", "num_classes", "code_len")
+    __slots__ = ("run_id", "algorithm", "config_json", "model", "manifest", "round", "num_classes", "code_len", "session_credential")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,7 @@ class JoinReply(_message.Message):
     ROUND_FIELD_NUMBER: _ClassVar[int]
     NUM_CLASSES_FIELD_NUMBER: _ClassVar[int]
     CODE_LEN_FIELD_NUMBER: _ClassVar[int]
+    SESSION_CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     algorithm: str
     config_json: str
@@ -104,7 +105,8 @@ class JoinReply(_message.Message):
     round: int
     num_classes: int
     code_len: int
-    def __init__(self, run_id: _Optional[str] = ..., algorithm: _Optional[str] = ..., config_json: _Optional[str] = ..., model: _Optional[str] = ..., manifest: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., round: _Optional[int] = ..., num_classes: _Optional[int] = ..., code_len: _Optional[int] = ...) -> None: ...
+    session_credential: str
+    def __init__(self, run_id: _Optional[str] = ..., algorithm: _Optional[str] = ..., config_json: _Optional[str] = ..., model: _Optional[str] = ..., manifest: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., round: _Optional[int] = ..., num_classes: _Optional[int] = ..., code_len: _Optional[int] = ..., session_credential: _Optional[str] = ...) -> None: ...
 
 class BroadcastRequest(_message.Message):
     __slots__ = ("run_id", "client_id")

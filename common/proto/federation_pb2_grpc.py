@@ -26,7 +26,18 @@ if _version_not_supported:
 
 
 class FederationStub:
-    """Missing associated documentation comment in .proto file."""
+    """Credentials. `Join` proves the client may join: `JoinRequest.token` holds the run token
+    (`wafl server --token`), or, when the server was started with `--enrollment FILE`, the
+    enrollment secret of the `client_index` it joins as. A registering Join (num_samples > 0)
+    returns `JoinReply.session_credential`, bound to this run, client_id and client_index.
+    Every `Broadcasts`, `Upload` and `Report` call must carry it in the gRPC metadata entry
+    `wafl-credential` (ASCII, as issued); the message's client_id must be the one it was issued
+    to. No credential, or one that is not valid: UNAUTHENTICATED; the credential of another
+    client: PERMISSION_DENIED; nothing is streamed or recorded then. A registered index joins
+    again (reconnect, server restarted with --resume) only with its credential in the same
+    metadata entry (or its enrollment secret); anyone else gets ALREADY_EXISTS or
+    PERMISSION_DENIED. Credentials stay valid for the run, across server restarts.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -57,10 +68,22 @@ class FederationStub:
 
 
 class FederationServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Credentials. `Join` proves the client may join: `JoinRequest.token` holds the run token
+    (`wafl server --token`), or, when the server was started with `--enrollment FILE`, the
+    enrollment secret of the `client_index` it joins as. A registering Join (num_samples > 0)
+    returns `JoinReply.session_credential`, bound to this run, client_id and client_index.
+    Every `Broadcasts`, `Upload` and `Report` call must carry it in the gRPC metadata entry
+    `wafl-credential` (ASCII, as issued); the message's client_id must be the one it was issued
+    to. No credential, or one that is not valid: UNAUTHENTICATED; the credential of another
+    client: PERMISSION_DENIED; nothing is streamed or recorded then. A registered index joins
+    again (reconnect, server restarted with --resume) only with its credential in the same
+    metadata entry (or its enrollment secret); anyone else gets ALREADY_EXISTS or
+    PERMISSION_DENIED. Credentials stay valid for the run, across server restarts.
+    """
 
     def Join(self, request, context):
-        """Registers a client for the run; returns the run's configuration and tensor manifest.
+        """Registers a client for the run; returns the run's configuration, tensor manifest and the
+        client's session credential.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -68,20 +91,23 @@ class FederationServicer:
 
     def Broadcasts(self, request, context):
         """Long-lived push of each new global model (and global knowledge), then a final message.
+        Needs the session credential of `client_id` (metadata `wafl-credential`).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Upload(self, request_iterator, context):
-        """One client update: header, tensor chunks, knowledge, trailer.
+        """One client update: header, tensor chunks, knowledge, trailer. Needs the session credential
+        of the header's `client_id` (metadata `wafl-credential`).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Report(self, request, context):
-        """Metrics and phase timeline of a client (personalized-model accuracy, timings).
+        """Metrics and phase timeline of a client (personalized-model accuracy, timings). Needs the
+        session credential of `client_id` (metadata `wafl-credential`).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -119,7 +145,18 @@ def add_FederationServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Federation:
-    """Missing associated documentation comment in .proto file."""
+    """Credentials. `Join` proves the client may join: `JoinRequest.token` holds the run token
+    (`wafl server --token`), or, when the server was started with `--enrollment FILE`, the
+    enrollment secret of the `client_index` it joins as. A registering Join (num_samples > 0)
+    returns `JoinReply.session_credential`, bound to this run, client_id and client_index.
+    Every `Broadcasts`, `Upload` and `Report` call must carry it in the gRPC metadata entry
+    `wafl-credential` (ASCII, as issued); the message's client_id must be the one it was issued
+    to. No credential, or one that is not valid: UNAUTHENTICATED; the credential of another
+    client: PERMISSION_DENIED; nothing is streamed or recorded then. A registered index joins
+    again (reconnect, server restarted with --resume) only with its credential in the same
+    metadata entry (or its enrollment secret); anyone else gets ALREADY_EXISTS or
+    PERMISSION_DENIED. Credentials stay valid for the run, across server restarts.
+    """
 
     @staticmethod
     def Join(request,
