@@ -47,6 +47,9 @@ log = structlog.get_logger("server")
 
 __all__ = ["ClientInfo", "Publication", "RoundEngine", "RunAborted"]
 
+MAX_KEY_CHARS = 128  # idempotency keys: 1 to 128 characters
+RETRY_WAIT_S = 30.0  # a retry waits this long at most for the earlier attempt under its key to end
+
 
 @dataclass
 class ClientInfo:
@@ -116,6 +119,7 @@ class RoundEngine:
         self.finished = asyncio.Event()
         self.final_reports: set[str] = set()
         self.final_reported = asyncio.Event()
+        self.attempts: dict[tuple[str, int, str], Upload] = {}  # open uploads by (client, round, idempotency key)
         self.bytes_down = 0
         self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="wafl-server")
         self.run_start = time.monotonic()
@@ -422,16 +426,46 @@ class RoundEngine:
                 return
 
     # ----------------------------------------------------------------- uploads and reports
-    def open_upload(self, h: pb.UploadHeader, credential: str = "") -> Upload:
+    async def open_upload(self, h: pb.UploadHeader, credential: str = "") -> Upload:
         """Admits an upload's header (the strategy decides); raises :class:`Refused`."""
         self.authorize(h.client_id, credential)
         if h.run_id != self.run_id:
             raise Refused(f"run_id {h.run_id[:64]!r} is not this run ({self.run_id!r})", Code.FAILED_PRECONDITION)
+        if not 1 <= len(h.idempotency_key) <= MAX_KEY_CHARS:
+            raise Refused(f"idempotency_key must have 1 to {MAX_KEY_CHARS} characters (got {len(h.idempotency_key)})")
+        M.check(h.metrics, M.UPLOAD, "upload")
+        await self._after_earlier_attempt(h)
+        self.strategy.check_retry(h.client_id, h.round, h.idempotency_key)  # answered for the rest of the run
         if self.finished.is_set():
             raise Refused("the run is over", Code.FAILED_PRECONDITION)
         now = asyncio.get_running_loop().time()
         ticket = self.strategy.open(h.client_id, h.round, h.num_samples, h.idempotency_key, now)
-        return Upload(self, h, ticket)
+        upload = Upload(self, h, ticket)
+        self.attempts[_attempt(h)] = upload
+        return upload
+
+    async def _after_earlier_attempt(self, h: pb.UploadHeader) -> None:
+        """A retry that arrives while an earlier attempt under its key is still open (its stream's end
+        not yet seen here) waits for that attempt's outcome: committed, the retry is answered OK;
+        rolled back, the retry is judged as a new upload. After ``RETRY_WAIT_S``: ``UNAVAILABLE``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + RETRY_WAIT_S
+        while (earlier := self.attempts.get(_attempt(h))) is not None:
+            try:
+                await asyncio.wait_for(earlier.settled.wait(), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                raise Refused(
+                    f"an earlier upload under this idempotency_key is still streaming after {RETRY_WAIT_S:g} s; "
+                    "retry under the same key",
+                    Code.UNAVAILABLE,
+                ) from None
+
+    def settle(self, upload: Upload) -> None:
+        """An upload attempt ended, committed or rolled back; a retry waiting for it goes on."""
+        key = _attempt(upload.header)
+        if self.attempts.get(key) is upload:
+            del self.attempts[key]
+        upload.settled.set()
 
     def commit(self, upload: Upload, knowledge: Knowledge | None) -> None:
         h = upload.header
@@ -446,9 +480,18 @@ class RoundEngine:
 
     def report(self, req: pb.ReportRequest, credential: str = "") -> None:
         self.authorize(req.client_id, credential)
+        if req.run_id != self.run_id:
+            raise Refused(f"run_id {req.run_id[:64]!r} is not this run ({self.run_id!r})", Code.FAILED_PRECONDITION)
+        if not 1 <= req.round <= self.cfg.rounds:
+            raise Refused(f"report round {req.round} is outside 1..{self.cfg.rounds}")
+        M.check(req.metrics, M.REPORT, "report")
         timeline = [{"phase": e.phase, "round": e.round, "start_s": e.start_s, "end_s": e.end_s} for e in req.timeline]
         self.results.add_report(req.client_id, req.round, dict(req.metrics), timeline, req.client_start_unix or None)
         if req.metrics.get(M.FINAL, 0.0) == 1.0:
             self.final_reports.add(req.client_id)
             if len(self.final_reports) >= len(self.clients):
                 self.final_reported.set()
+
+
+def _attempt(h: pb.UploadHeader) -> tuple[str, int, str]:
+    return (h.client_id, h.round, h.idempotency_key)

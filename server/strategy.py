@@ -66,6 +66,7 @@ class Collection:
     metrics: dict[str, dict[str, float]] = field(default_factory=dict)  # committed client -> upload metrics
     staleness: list[int] = field(default_factory=list)
     samples: float = 0.0  # sum of the committed uploads' sample counts
+    samples_of: dict[str, int] = field(default_factory=dict)  # committed client -> its upload's num_samples
     bytes_up: int = 0
     in_flight: dict[str, Ticket] = field(default_factory=dict)
     closed: bool = False
@@ -142,11 +143,17 @@ class Strategy(ABC):
         """A new version was published: who receives it, and who trains on it."""
 
     # ------------------------------------------------------------------ uploads
-    def open(self, client_id: str, round: int, num_samples: int, key: str, now: float) -> Ticket:
-        """Admits an upload's header or raises :class:`Refused` (:class:`AlreadyAccepted` for a retry)."""
+    def check_retry(self, client_id: str, round: int, key: str) -> None:
+        """Raises :class:`AlreadyAccepted` when ``key`` names this client's committed upload for
+        ``round``: a retry is answered with the original outcome for the rest of the run."""
         done = self.accepted.get((client_id, round))
         if done is not None and key and done[0] == key:
             raise AlreadyAccepted(round, done[1])
+
+    def open(self, client_id: str, round: int, num_samples: int, key: str, now: float) -> Ticket:
+        """Admits an upload's header or raises :class:`Refused` (:class:`AlreadyAccepted` for a retry)."""
+        self.check_retry(client_id, round, key)
+        done = self.accepted.get((client_id, round))
         collection, staleness = self._admit(client_id, round, now)
         if done is not None:
             raise Refused(f"client {client_id!r} already uploaded for round {round}", Code.ALREADY_EXISTS)
@@ -182,6 +189,7 @@ class Strategy(ABC):
         c.metrics[ticket.client_id] = dict(metrics)
         c.staleness.append(ticket.staleness)
         c.samples += ticket.samples
+        c.samples_of[ticket.client_id] = ticket.samples
         c.bytes_up += nbytes
         if c.knowledge is not None and knowledge:
             c.knowledge.add(knowledge)
@@ -228,12 +236,14 @@ class Strategy(ABC):
 
     def row(self, c: Collection) -> dict[str, Any]:
         """The results fields the policy owns."""
-        losses = [m[M.TRAIN_LOSS] for m in c.metrics.values() if M.TRAIN_LOSS in m]
+        # a mean loss over samples: each upload's mean weighted by its num_samples
+        losses = [(c.samples_of[cid], m[M.TRAIN_LOSS]) for cid, m in c.metrics.items() if M.TRAIN_LOSS in m]
+        samples = sum(n for n, _ in losses)
         row: dict[str, Any] = {
             "round": c.number,
             "clients": c.accumulator.count,
             "bytes_up": c.bytes_up,
-            "train_loss": sum(losses) / len(losses) if losses else None,
+            "train_loss": sum(n * loss for n, loss in losses) / samples if samples else None,
         }
         if self.algorithm.knowledge is not None:
             got = [m[M.KNOWLEDGE_RECEIVED] for m in c.metrics.values() if M.KNOWLEDGE_RECEIVED in m]

@@ -5,7 +5,13 @@ decides the collection and the weight) and hands back an :class:`Upload`; each t
 checked against the manifest (:class:`~wafl.common.wire.TransferReader`) and folded by the
 upload's own thread (:class:`FoldPipeline`) while the next one arrives; the trailer's CRC, the
 knowledge and the chunk count are checked; then the engine commits it. Any failure rolls the
-fold back before the refusal propagates, so a refused upload never reaches a model. The gRPC
+fold back before the refusal propagates, so a refused upload never reaches a model.
+
+The commit point is :meth:`Upload.finish`'s call of the engine's ``commit``, after the trailer
+passed: from then on the upload is in its collection, and a retry under its idempotency key is
+answered with its reply for the rest of the run, whatever became of the first reply (lost, or
+the call cancelled after the trailer). Before that point nothing of it remains after a failure,
+a cancelled or cut-off stream included, and a retry is judged as a new upload. The gRPC
 service and the in-process transport both call :func:`receive_upload` and only translate its
 outcome (:class:`~wafl.common.errors.Refused`, :class:`~wafl.common.errors.AlreadyAccepted`).
 """
@@ -49,7 +55,7 @@ async def receive_upload(engine: RoundEngine, messages: AsyncIterator[object], c
         raise Refused("malformed message")
     if isinstance(first, (RawChunk, ChunkBatch)) or first.WhichOneof("kind") != "header":  # type: ignore[attr-defined]
         raise Refused("the first message of an upload must be a header")
-    upload = engine.open_upload(first.header, credential)  # type: ignore[attr-defined]
+    upload = await engine.open_upload(first.header, credential)  # type: ignore[attr-defined]
     try:
         while True:
             try:
@@ -85,6 +91,7 @@ class Upload:
         self.fold = ticket.collection.accumulator.begin(ticket.weight)
         self.pipeline = FoldPipeline(self.fold)
         self.committed = False
+        self.settled = asyncio.Event()  # set once committed or rolled back (a retry under its key waits)
 
     async def feed(self, msg: object) -> None:
         items = self.reader.feed(msg)
@@ -115,11 +122,14 @@ class Upload:
 
     async def close(self) -> None:
         """Ends the upload: a fold that was not committed is rolled back (in a worker thread)."""
-        await self.pipeline.stop()
-        if self.fold.state == "open":
-            await asyncio.get_running_loop().run_in_executor(self.engine.executor, self.fold.rollback)
-        if not self.committed:
-            self.engine.release(self)
+        try:
+            await self.pipeline.stop()
+            if self.fold.state == "open":
+                await asyncio.get_running_loop().run_in_executor(self.engine.executor, self.fold.rollback)
+            if not self.committed:
+                self.engine.release(self)
+        finally:
+            self.engine.settle(self)
 
 
 class FoldPipeline:
