@@ -151,8 +151,8 @@ class RoundProtocol:
         cfg = t.cfg
         r = model.round
         seen = self.arrived
-        await asyncio.to_thread(t.begin_round, r, model.state, model.knowledge)
         selected = model.train
+        await asyncio.to_thread(t.begin_round, r, model.state, model.knowledge, selected)
         if selected and drops_out(cfg.seed, t.index, r, cfg.dropout):
             log.info("offline", round=r)
             return False
@@ -165,11 +165,14 @@ class RoundProtocol:
                 if t.algorithm.knowledge is not None:
                     metrics[M.KNOWLEDGE_RECEIVED] = float(len(model.knowledge))
                 if t.algorithm.local_model_is_personal:
-                    acc, n = await asyncio.to_thread(t.evaluate_local, t.gm)
+                    acc, n = await asyncio.to_thread(t.evaluate_personal)
                     metrics.update({M.PM_ACCURACY: acc, M.PM_TEST_SAMPLES: float(n)})
                 state = await asyncio.to_thread(t.gm_upload_state, model.state if self.deltas else None)
             await self._slow_down(self.timeline.now() - start, r)
-        if t.algorithm.personalized and self.protocol == "compute-and-wait" and selected and cfg.pm_epochs > 0:
+        # the personal phase: after the GM (selected), or alone when the algorithm trains the personal
+        # part of an unselected client on the model it received (README, "Partial participation")
+        trains_pm = t.algorithm.personalized and (selected or t.algorithm.pm_when_unselected)
+        if trains_pm and self.protocol == "compute-and-wait" and cfg.pm_epochs > 0:
             start = self.timeline.now()
             with self.timeline.phase("pm_train", r):
                 await asyncio.to_thread(t.train_pm, None, float(cfg.pm_epochs))
@@ -181,11 +184,7 @@ class RoundProtocol:
             upload.add_done_callback(self.uploads.discard)
             if self.protocol == "compute-and-wait":
                 await upload
-        if (
-            t.algorithm.personalized
-            and self.protocol == "wait-free"
-            and (selected or self.pm_trained_round is not None)
-        ):
+        if trains_pm and self.protocol == "wait-free":
             train = functools.partial(
                 t.train_pm, lambda: self.arrived > seen, cfg.pm_max_epochs, cfg.pm_min_steps, self._pacer()
             )
@@ -205,7 +204,7 @@ class RoundProtocol:
         if r is None or self.trainer.pm is None:
             return
         with self.timeline.phase("evaluate", r):
-            acc, n = await asyncio.to_thread(self.trainer.evaluate_local, self.trainer.pm)
+            acc, n = await asyncio.to_thread(self.trainer.evaluate_personal)
         self.pm_trained_round = None
         report = asyncio.create_task(self.session.report(r, {M.PM_ACCURACY: acc, M.PM_TEST_SAMPLES: float(n)}))
         self.reports.add(report)

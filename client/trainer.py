@@ -1,30 +1,33 @@
 """A client's models and local data; every method here runs in a worker thread.
 
-It holds the generic model (GM, loaded from each broadcast and uploaded) and, for
-personalized algorithms, the personalized model (PM, never uploaded, kept across rounds and
-across restarts in ``state_dir``). Training goes through the one shared trainer
-(:func:`wafl.common.training.run_phase`) with the algorithm's loss terms.
+It holds the local model (the GM: the tensors the algorithm shares are loaded from each
+broadcast and uploaded, the others stay here) and, for personalized algorithms with a separate
+personal model, the PM (never uploaded). The PM, the model's part that does not travel and the
+algorithm's client state are kept across rounds and across restarts in ``state_dir``. Training
+runs the algorithm's declared phases through the one shared trainer
+(:func:`wafl.common.training.train_phase`).
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from wafl.common.algorithms import registry
-from wafl.common.algorithms.base import Algorithm, RoundContext
+from wafl.common.algorithms.base import Algorithm, Phase, RoundContext, extra_name, parameters_of, split_payload
 from wafl.common.config import ConfigError, RunConfig
 from wafl.common.datasets import FederatedDataset, load_dataset
 from wafl.common.models import build_model
-from wafl.common.partition import client_shard
-from wafl.common.training import PhaseStats, epochs, evaluate, make_optimizer, run_phase
+from wafl.common.partition import client_shard, public_split
+from wafl.common.training import Batch, PhaseStats, batches, epochs, evaluate, make_optimizer, train_phase
 
 
 def resolve_device(name: str) -> torch.device:
@@ -51,8 +54,14 @@ class Trainer:
         self.device = resolve_device(device or cfg.device)
         self.algorithm: Algorithm = registry.resolve(cfg.algorithm, cfg.params, vars(cfg))
         self.data = dataset or load_dataset(cfg.dataset, data_dir or cfg.data_dir)
+        labels = self.data.train_labels
+        pool: np.ndarray | None = None
+        self.public_idx = np.zeros(0, dtype=np.int64)
+        if self.algorithm.public_size:
+            self.public_idx, pool = public_split(labels, self.algorithm.public_size, cfg.seed)
+            labels = np.asarray(labels)[pool]
         shard = client_shard(
-            self.data.train_labels,
+            labels,
             self.data.test_labels,
             cfg.num_clients,
             cfg.partition,
@@ -62,15 +71,21 @@ class Trainer:
             index,
             cfg.local_test_fraction,
         )
-        self.train_idx = shard.train
+        self.train_idx = shard.train if pool is None else pool[shard.train]
         self.test_idx = shard.test
         counts = np.bincount(self.data.train_labels[self.train_idx], minlength=self.data.num_classes)
         self.label_freq = torch.as_tensor(counts / counts.sum(), dtype=torch.float32, device=self.device)
         torch.manual_seed(cfg.seed)  # every process starts from the same initial weights
-        self.gm = build_model(
-            cfg.model, self.data.num_classes, self.data.in_channels, self.data.image_size, cfg.code_len
+        self.gm = self.algorithm.build(
+            build_model(cfg.model, self.data.num_classes, self.data.in_channels, self.data.image_size, cfg.code_len)
         ).to(self.device)
-        self.pm = copy.deepcopy(self.gm) if self.algorithm.personalized else None
+        algo = self.algorithm
+        self.local_keys = [k for k in self.gm.state_dict() if not algo.shares(k)]  # never travel
+        self.extra_names = list(algo.extras(self.gm)) if algo.extras is not None else []
+        # the personal model: a separate copy, the local model itself (trained by a personal phase), or none
+        self.pm = copy.deepcopy(self.gm) if algo.personal == "separate" else None
+        if algo.personal == "local" and algo.pm_phase is not None:
+            self.pm = self.gm
         self.pm_initialized = False
         self.client_state: dict[str, Any] = {}
         self.rng = np.random.default_rng([cfg.seed, 6, index])
@@ -86,27 +101,81 @@ class Trainer:
         return int(len(self.train_idx))
 
     # -------------------------------------------------------------- rounds
-    def begin_round(self, round: int, global_state: Mapping[str, torch.Tensor], knowledge: Any = None) -> RoundContext:
-        state = {k: v.to(self.device) for k, v in global_state.items()}
-        self.gm.load_state_dict(state)
-        if self.pm is not None and not self.pm_initialized:
-            self.pm.load_state_dict(state)  # the PM starts equal to the first global model
+    @property
+    def separate_pm(self) -> bool:
+        return self.pm is not None and self.pm is not self.gm
+
+    def begin_round(
+        self, round: int, global_state: Mapping[str, torch.Tensor], knowledge: Any = None, selected: bool = True
+    ) -> RoundContext:
+        state, extras = split_payload({k: v.to(self.device) for k, v in global_state.items()})
+        missing, unexpected = self.gm.load_state_dict(state, strict=False)
+        if unexpected or sorted(missing) != sorted(self.local_keys):
+            raise ValueError(f"received model tensors do not match the algorithm's: {missing} {unexpected}")
+        if self.separate_pm and (not self.pm_initialized or self.algorithm.pm_from_global):
+            assert self.pm is not None
+            self.pm.load_state_dict(self.gm.state_dict())  # the PM starts equal to the (first) global model
             self.pm_initialized = True
-        self.ctx = RoundContext(round, state, self.gm, self.pm, self.label_freq, self.client_state, knowledge)
+            if self.algorithm.pm_from_global:
+                self.pm_optimizer = None  # fine-tuning starts afresh from each global model
+        self.ctx = RoundContext(
+            round,
+            state,
+            self.gm,
+            self.pm,
+            self.label_freq,
+            self.client_state,
+            knowledge,
+            extras,
+            selected,
+            self.public_batches if self.algorithm.public_size else None,
+        )
+        self.algorithm.hooks.begin(self.ctx)
         return self.ctx
 
-    def _optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+    def _optimizer(self, params: list[torch.nn.Parameter], phase: Phase | None = None) -> torch.optim.Optimizer:
+        if phase is not None and phase.optimizer is not None:
+            return phase.optimizer(params)
         c = self.cfg
-        return make_optimizer(c.optimizer, model.parameters(), c.lr, c.momentum, c.weight_decay)
+        return make_optimizer(c.optimizer, params, c.lr, c.momentum, c.weight_decay)
+
+    def public_batches(self, batch_size: int | None = None, shuffle: bool = False) -> Iterator[Batch]:
+        """One pass over the public split as ``(x, position in the public split)``."""
+        pos = np.arange(len(self.public_idx))
+        if shuffle:
+            pos = self.rng.permutation(pos)
+        bs = batch_size or self.cfg.eval_batch_size
+        for start in range(0, len(pos), bs):
+            part = pos[start : start + bs]
+            x, _ = next(batches(self.data.train, self.public_idx[part], len(part), False, device=self.device))
+            yield x, torch.as_tensor(part, dtype=torch.int64, device=self.device)
+
+    def _data(self, phase: Phase, num_epochs: float | None) -> Iterator[Batch]:
+        if phase.data == "public":
+
+            def passes() -> Iterator[Batch]:
+                while True:
+                    yield from self.public_batches(self.cfg.batch_size, shuffle=True)
+
+            per_epoch = max(1, -(-len(self.public_idx) // self.cfg.batch_size))
+            limit = phase.steps if phase.steps is not None else max(1, round((num_epochs or 1) * per_epoch))
+            return itertools.islice(passes(), limit)
+        if phase.steps is not None:
+            return itertools.islice(
+                epochs(self.data.train, self.train_idx, self.cfg.batch_size, self.rng, None, self.device), phase.steps
+            )
+        return epochs(self.data.train, self.train_idx, self.cfg.batch_size, self.rng, num_epochs, self.device)
 
     def train_gm(self) -> PhaseStats:
-        assert self.ctx is not None
-        data = epochs(
-            self.data.train, self.train_idx, self.cfg.batch_size, self.rng, self.cfg.local_epochs, self.device
-        )
-        stats = run_phase(self.gm, self.algorithm.gm_terms, self.ctx, data, self._optimizer(self.gm))
-        if self.client_state:
-            self.save_state()  # client state the GM phase updated (FedDyn's g_k)
+        """The algorithm's local phases, in order, on the local model."""
+        assert self.ctx is not None and self.algorithm.phases is not None
+        stats = PhaseStats()
+        for phase in self.algorithm.phases:
+            data = self._data(phase, phase.epochs if phase.epochs is not None else self.cfg.local_epochs)
+            opt = self._optimizer(parameters_of(self.gm, phase.params), phase)
+            stats = stats.add(train_phase(self.gm, phase, self.ctx, data, opt))
+        if self.client_state or self.local_keys:
+            self.save_state()  # client state the phases updated (FedDyn's g_k), the part that does not travel
         return stats
 
     def train_pm(
@@ -118,37 +187,48 @@ class Trainer:
     ) -> PhaseStats:
         """Trains the PM for ``num_epochs`` (None: until ``should_stop``), on its own CUDA stream on a GPU;
         ``on_step`` runs after every step (a slowed-down client's pacing)."""
-        assert self.ctx is not None and self.pm is not None and self.algorithm.pm_terms is not None
-        data = epochs(self.data.train, self.train_idx, self.cfg.batch_size, self.rng, num_epochs, self.device)
+        phase = self.algorithm.pm_phase
+        assert self.ctx is not None and self.pm is not None and phase is not None
+        data = self._data(phase, num_epochs)
         if self.pm_optimizer is None:
-            self.pm_optimizer = self._optimizer(self.pm)
+            self.pm_optimizer = self._optimizer(parameters_of(self.pm, phase.params), phase)
         if self.pm_stream is not None:
             self.pm_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.pm_stream):
-                stats = run_phase(
-                    self.pm, self.algorithm.pm_terms, self.ctx, data, self.pm_optimizer, should_stop, min_steps, on_step
-                )
+                stats = train_phase(self.pm, phase, self.ctx, data, self.pm_optimizer, should_stop, min_steps, on_step)
             self.pm_stream.synchronize()
         else:
-            stats = run_phase(
-                self.pm, self.algorithm.pm_terms, self.ctx, data, self.pm_optimizer, should_stop, min_steps, on_step
-            )
+            stats = train_phase(self.pm, phase, self.ctx, data, self.pm_optimizer, should_stop, min_steps, on_step)
         self.save_state()
         return stats
 
     def gm_upload_state(self, base: Mapping[str, torch.Tensor] | None = None) -> OrderedDict[str, torch.Tensor]:
-        """The GM's tensors on the CPU, or their difference to ``base`` (buffered aggregation's delta)."""
+        """The tensors the algorithm shares, on the CPU, or their difference to ``base`` (buffered
+        aggregation's delta): the local model's shared tensors, then the extra tensors."""
         out: OrderedDict[str, torch.Tensor] = OrderedDict()
-        for k, v in self.gm.state_dict().items():
+        items = [(k, v) for k, v in self.gm.state_dict().items() if self.algorithm.shares(k)]
+        if self.extra_names:
+            assert self.ctx is not None
+            extras = self.algorithm.hooks.upload(self.ctx)
+            if sorted(extras) != sorted(self.extra_names):
+                raise ValueError(f"uploaded extras {sorted(extras)} are not the declared {sorted(self.extra_names)}")
+            items += [(extra_name(k), extras[k]) for k in self.extra_names]
+        for k, v in items:
             t = v.detach().to("cpu", copy=True)
             out[k] = (t - base[k].to(t.dtype) if base is not None else t).contiguous()
         return out
 
+    def personal_model(self) -> torch.nn.Module:
+        """What is evaluated as this client's personal model (the PM, the local model, or a view of it)."""
+        model = self.pm if self.pm is not None else self.gm
+        return self.algorithm.pm_view(model) if self.algorithm.pm_view is not None else model
+
+    def evaluate_personal(self) -> tuple[float, int]:
+        return self.evaluate_local(self.personal_model())
+
     def knowledge(self) -> Any:
         if self.algorithm.knowledge is None or self.ctx is None:
             return None
-        from wafl.common.training import batches
-
         data = batches(self.data.train, self.train_idx, self.cfg.eval_batch_size, False, device=self.device)
         return self.algorithm.knowledge(self.gm, data, self.ctx, self.generator)
 
@@ -164,11 +244,13 @@ class Trainer:
         if self.state_path is None:
             return
         self.state_path.parent.mkdir(parents=True, exist_ok=True)
+        gm = self.gm.state_dict()
         payload = {
             "fingerprint": self._fingerprint(),
-            "pm": None if self.pm is None else {k: v.cpu() for k, v in self.pm.state_dict().items()},
+            "pm": {k: v.cpu() for k, v in self.pm.state_dict().items()} if self.separate_pm else None,  # type: ignore[union-attr]
             "pm_initialized": self.pm_initialized,
             "client_state": self.client_state,
+            "local": {k: gm[k].detach().cpu() for k in self.local_keys},
         }
         tmp = self.state_path.with_name(self.state_path.name + ".tmp")
         torch.save(payload, tmp)
@@ -180,7 +262,9 @@ class Trainer:
         payload = torch.load(self.state_path, map_location="cpu", weights_only=False)
         if payload.get("fingerprint") != self._fingerprint():
             return  # state of another run: start fresh
-        if self.pm is not None and payload.get("pm") is not None:
-            self.pm.load_state_dict(payload["pm"])
+        if self.separate_pm and payload.get("pm") is not None:
+            self.pm.load_state_dict(payload["pm"])  # type: ignore[union-attr]
             self.pm_initialized = bool(payload.get("pm_initialized", True))
+        if payload.get("local"):
+            self.gm.load_state_dict(payload["local"], strict=False)
         self.client_state.update(payload.get("client_state", {}))

@@ -35,11 +35,13 @@ class KnowledgeAccumulator:
     ``p_i = N_i^j / sum_k N_k^j`` exactly.
     """
 
-    def __init__(self, num_classes: int) -> None:
+    def __init__(self, num_classes: int, uniform: bool = False) -> None:
         if num_classes < 1:
             raise ValueError(f"num_classes={num_classes} must be >= 1")
         self.num_classes = num_classes
+        self.uniform = uniform  # each holder of a class weighs 1 (FedProto's prototype average), not N_i^j
         self._counts: dict[int, int] = {}
+        self._weights: dict[int, int] = {}  # the divisor: the counts' sum, or the number of holders
         self._rep: dict[int, Tensor] = {}
         self._soft: dict[int, Tensor] = {}
 
@@ -52,23 +54,28 @@ class KnowledgeAccumulator:
                 raise ValueError(f"class {j}: class id out of range [0, {self.num_classes - 1}]")
             if ck.count <= 0:
                 raise ValueError(f"class {j}: count {ck.count} must be positive")
-            rep = ck.rep.detach().double().cpu().reshape(-1) * ck.count
-            soft = ck.soft.detach().double().cpu().reshape(-1) * ck.count
+            w = 1 if self.uniform else ck.count
+            rep = ck.rep.detach().double().cpu().reshape(-1) * w
+            soft = ck.soft.detach().double().cpu().reshape(-1) * w
             if j in self._counts:
                 if rep.shape != self._rep[j].shape or soft.shape != self._soft[j].shape:
                     raise ValueError(f"class {j}: rep/soft shapes differ between uploads")
                 self._counts[j] += ck.count
+                self._weights[j] += w
                 self._rep[j] += rep
                 self._soft[j] += soft
             else:
                 self._counts[j] = ck.count
+                self._weights[j] = w
                 self._rep[j] = rep
                 self._soft[j] = soft
 
     def result(self) -> Knowledge:
         """The global knowledge so far: float32 on the CPU, classes nobody shared absent."""
         return {
-            j: ClassKnowledge(j, n, (self._rep[j] / n).float(), (self._soft[j] / n).float())
+            j: ClassKnowledge(
+                j, n, (self._rep[j] / self._weights[j]).float(), (self._soft[j] / self._weights[j]).float()
+            )
             for j, n in sorted(self._counts.items())
         }
 

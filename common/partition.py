@@ -138,3 +138,25 @@ def client_shard(
     train = partition(train_labels, num_clients, kind, alpha, delta, seed)[index]
     test = local_test_indices(test_labels, np.asarray(train_labels)[train], test_fraction, seed, index)
     return Shard(index, train, test)
+
+
+def public_split(labels: np.ndarray, size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(public indices, the rest)`` of a train split: ``size`` samples stratified by class
+    (each class in proportion, largest remainders first), drawn from the seed alone, sorted.
+
+    Algorithms that use a public data set (FedMD) take it from here, and the clients' partition
+    is then built over the rest, so the public split is disjoint from every client's data.
+    """
+    labels = np.asarray(labels)
+    n = len(labels)
+    if not 0 < size < n:
+        raise ValueError(f"public split size {size} must lie in 1..{n - 1}")
+    rng = np.random.default_rng([seed, 14])
+    classes, counts = np.unique(labels, return_counts=True)
+    exact = counts * size / n
+    take = np.floor(exact).astype(int)
+    for i in np.argsort(-(exact - take), kind="stable")[: size - int(take.sum())]:
+        take[i] += 1
+    chosen = [rng.permutation(np.flatnonzero(labels == c))[:k] for c, k in zip(classes, take)]
+    public = np.sort(np.concatenate(chosen))
+    return public, np.setdiff1d(np.arange(n), public)

@@ -1,8 +1,11 @@
 """The one local trainer every algorithm runs, plus batching and evaluation.
 
 ``run_phase`` trains a model on a stream of batches with cross-entropy plus the algorithm's
-loss terms, stopping early when ``should_stop()`` turns true (checked between batches: the
-wait-free PM loop stops within one batch of a broadcast) or after ``max_steps``.
+loss terms (or the terms alone), one batch at a time through the phase's step rule (plain
+``zero_grad, backward, step`` unless the algorithm brings its own, e.g. SAM), stopping early
+when ``should_stop()`` turns true (checked between batches: the wait-free PM loop stops within
+one batch of a broadcast). ``train_phase`` runs one declared :class:`~wafl.common.algorithms.base.Phase`:
+it freezes what the phase does not train, then calls ``run_phase``.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
-from wafl.common.algorithms.base import Forward, LossTerm, RoundContext, cross_entropy
+from wafl.common.algorithms.base import Forward, LossTerm, Phase, RoundContext, StepRule, cross_entropy, parameters_of
 from wafl.common.models.base import SplitModel
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -95,6 +99,19 @@ class PhaseStats:
     def mean_loss(self) -> float:
         return self.loss_sum / self.steps if self.steps else float("nan")
 
+    def add(self, other: PhaseStats) -> PhaseStats:
+        """Both phases' totals (a client's phases of one round)."""
+        return PhaseStats(
+            self.steps + other.steps,
+            self.samples + other.samples,
+            self.loss_sum + other.loss_sum,
+            self.seconds + other.seconds,
+            self.stopped_early or other.stopped_early,
+        )
+
+
+DEFAULT_STEP = StepRule()
+
 
 def run_phase(
     model: SplitModel,
@@ -105,34 +122,92 @@ def run_phase(
     should_stop: Callable[[], bool] | None = None,
     min_steps: int = 0,
     on_step: Callable[[int], None] | None = None,
+    step: StepRule | None = None,
+    params: list[nn.Parameter] | None = None,
+    use_cross_entropy: bool = True,
+    forward: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> PhaseStats:
-    """Trains ``model`` on ``data`` with ``CE + sum(terms)``; see the module docstring."""
+    """Trains ``model`` on ``data`` with ``CE + sum(terms)`` (``sum(terms)`` without cross-entropy);
+    see the module docstring. ``params`` are the trained parameters the step rule sees (default:
+    every parameter that requires a gradient); ``forward`` replaces ``model.forward_split``."""
     stats = PhaseStats()
     t0 = time.perf_counter()
+    rule = step or DEFAULT_STEP
+    trained = params if params is not None else [p for p in model.parameters() if p.requires_grad]
+    fwd = forward or model.forward_split
     for term in terms:
         term.begin(ctx, model)
+    rule.begin(ctx, model, trained)
     model.train()
     for x, y in data:
         if should_stop is not None and stats.steps >= min_steps and should_stop():
             stats.stopped_early = True
             break
-        h, logits = model.forward_split(x)
-        out = Forward(x, y, h, logits, ctx)
-        loss = cross_entropy(out)
-        for term in terms:
-            loss = loss + term(model, out, ctx)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+
+        def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+            h, logits = fwd(x)
+            out = Forward(x, y, h, logits, ctx)
+            loss = cross_entropy(out) if use_cross_entropy else None
+            for term in terms:
+                loss = term(model, out, ctx) if loss is None else loss + term(model, out, ctx)
+            assert loss is not None, "a phase without cross-entropy needs a loss term"
+            return loss
+
+        loss = rule.step(model, trained, closure, optimizer)
         stats.steps += 1
         stats.samples += len(y)
         stats.loss_sum += float(loss.detach())
         if on_step is not None:
             on_step(stats.steps)
+    rule.end(ctx, model, trained)
     for term in terms:
         term.end(ctx, model)
     stats.seconds = time.perf_counter() - t0
     return stats
+
+
+@contextmanager
+def frozen_except(model: nn.Module, trained: Sequence[nn.Parameter]) -> Iterator[None]:
+    """Within the block only ``trained`` require gradients; the previous flags come back after."""
+    keep = {id(p) for p in trained}
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    for p, _ in flags:
+        if id(p) not in keep:
+            p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p, f in flags:
+            p.requires_grad_(f)
+
+
+def train_phase(
+    model: SplitModel,
+    phase: Phase,
+    ctx: RoundContext,
+    data: Iterator[Batch],
+    optimizer: torch.optim.Optimizer,
+    should_stop: Callable[[], bool] | None = None,
+    min_steps: int = 0,
+    on_step: Callable[[int], None] | None = None,
+) -> PhaseStats:
+    """Runs one declared phase: its parameters train, the others are frozen, its step rule steps."""
+    trained = parameters_of(model, phase.params)
+    with frozen_except(model, trained):
+        return run_phase(
+            model,
+            phase.terms,
+            ctx,
+            data,
+            optimizer,
+            should_stop,
+            min_steps,
+            on_step,
+            step=phase.step,
+            params=trained,
+            use_cross_entropy=phase.cross_entropy,
+            forward=phase.forward(model) if phase.forward is not None else None,
+        )
 
 
 @torch.no_grad()

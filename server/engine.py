@@ -26,6 +26,7 @@ import structlog
 import torch
 from wafl.common import metrics as M
 from wafl.common.algorithms import registry
+from wafl.common.algorithms.base import split_payload
 from wafl.common.codec import CHUNK_BYTES, Manifest, manifest_of
 from wafl.common.config import RunConfig
 from wafl.common.datasets import load_dataset
@@ -91,12 +92,13 @@ class RoundEngine:
         self.algorithm = registry.resolve(cfg.algorithm, cfg.params, vars(cfg))
         torch.manual_seed(cfg.seed)
         self.dataset = load_dataset(cfg.dataset, cfg.data_dir)
-        self.model = build_model(
-            cfg.model, self.dataset.num_classes, self.dataset.in_channels, self.dataset.image_size, cfg.code_len
+        self.model = self.algorithm.build(
+            build_model(
+                cfg.model, self.dataset.num_classes, self.dataset.in_channels, self.dataset.image_size, cfg.code_len
+            )
         )
-        self.global_state: OrderedDict[str, torch.Tensor] = OrderedDict(
-            (k, v.detach().clone()) for k, v in self.model.state_dict().items()
-        )
+        # what travels: the tensors of the model the algorithm shares, then its extra tensors
+        self.global_state: OrderedDict[str, torch.Tensor] = self.algorithm.payload(self.model)
         self.manifest: Manifest = manifest_of(self.global_state)
         self.model_bytes = sum(s.nbytes for s in self.manifest)
         # the messages of the largest valid upload: header, one per chunk, knowledge, trailer
@@ -353,8 +355,10 @@ class RoundEngine:
         self.results.add_round(row, self.strategy.expected_reports(c))
         log.info("round.done", round=r, gm_accuracy=row["gm_accuracy"], clients=row["clients"], round_s=row["round_s"])
 
-    def _evaluate(self) -> tuple[float, int, float]:
-        self.model.load_state_dict(self.global_state)
+    def _evaluate(self) -> tuple[float | None, int, float | None]:
+        if not self.algorithm.evaluates_global:
+            return None, 0, None  # the shared tensors make no model (FedMD, FedProto, FedRep's body)
+        self.model.load_state_dict(split_payload(self.global_state)[0], strict=False)
         test_idx = np.arange(len(self.dataset.test_labels))
         return evaluate(self.model, self.dataset.test, test_idx, self.cfg.eval_batch_size)
 

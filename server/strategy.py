@@ -131,7 +131,11 @@ class Strategy(ABC):
         self.aggregations = aggregations
 
     def _collection(self, number: int, now: float) -> Collection:
-        know = KnowledgeAccumulator(self.num_classes) if self.algorithm.knowledge is not None else None
+        know = (
+            KnowledgeAccumulator(self.num_classes, uniform=self.algorithm.knowledge_weighting == "uniform")
+            if self.algorithm.knowledge is not None
+            else None
+        )
         return Collection(number, self.new_accumulator(), know, opened_at=now)
 
     @abstractmethod
@@ -339,8 +343,11 @@ class SyncStrategy(Strategy):
         return {**super().row(c), "selected": len(self.selected)}
 
     def expected_reports(self, c: Collection) -> set[str]:
+        """The clients that trained their PM in this round: those that uploaded and, for an algorithm
+        whose unselected clients train their personal part too, every client not selected."""
         if self.algorithm.personalized and not self.algorithm.local_model_is_personal:
-            return set(c.metrics)
+            unselected = set(self.clients) - self.selected if self.algorithm.pm_when_unselected else set()
+            return set(c.metrics) | unselected
         return set()
 
 

@@ -1,20 +1,49 @@
-"""The pieces an algorithm is made of, and the context they read.
+"""The algorithm interface: what an algorithm is made of, and the context its parts read.
 
-An algorithm is *declared*, not coded as a trainer: the loss terms added to cross-entropy for
-the generic model (GM) and, for personalized methods, for the personalized model (PM); what
-knowledge the client shares after training; and the server's update. One shared trainer
-(:mod:`wafl.common.training`) and one client runtime run every algorithm, and composition
-(``fedprox+asd``) is list concatenation.
+An algorithm is *declared* in its one file (it calls :func:`~wafl.common.algorithms.registry.register`)
+and run by shared machinery: one trainer (:func:`wafl.common.training.run_phase`), one client
+runtime (:mod:`wafl.client.trainer`, :mod:`wafl.client.protocol`) and one server. It states:
+
+* **what travels** (:attr:`Algorithm.shares`, :attr:`Algorithm.extras`): the model's tensors it
+  shares (``MODEL`` = all of them, ``BODY`` = the feature extractor, ``HEAD`` = the classifier,
+  ``NOTHING``, or any predicate over ``state_dict`` names) plus extra named tensors (control
+  variates, a generator, scores on a public set) whose initial values the server starts from.
+  The server sends the global values of exactly these tensors, each selected client uploads
+  its own values of them (:meth:`ClientHooks.upload`), the server averages them with the
+  algorithm's weights and its :class:`ServerUpdate` turns the mean into the next global values
+  (server-side work between rounds goes there). Tensors that do not travel stay on the client
+  and persist across rounds and restarts (FedRep's head);
+* **the client's phases** (:class:`Phase`): each with the parameters it trains (``all``,
+  ``body``, ``head``), its optimizer (the run's by default, fresh per phase), its epochs or
+  steps, its data (the client's shard or the public split), its loss terms (added to
+  cross-entropy unless ``cross_entropy=False``) and optionally a custom step (:class:`StepRule`,
+  e.g. SAM's ascent-then-descent or SCAFFOLD's corrected gradient). Simple methods only list
+  loss terms (``gm_terms``): one phase over the whole model for ``local_epochs``;
+* **per-client state** that persists across rounds and restarts: ``ctx.client_state`` (saved
+  with the client's state file after every phase), and the non-travelling part of the model;
+* **data besides the shard**: ``public_size`` samples of the train split, drawn
+  deterministically from the seed and removed from every client's partition;
+* **the personal model** (:attr:`Algorithm.personal`): ``"none"``; ``"local"`` (the local model
+  right after local training, or after its personal phase); ``"separate"`` (a second model that
+  never travels, as Ditto's and SCD's PM). A personal phase (``pm_phase``) trains it batch after
+  batch until the next broadcast (wait-free) or for ``pm_epochs`` (compute-and-wait);
+  ``pm_from_global`` restarts it from each received global model (FedBABU's fine-tuning),
+  ``pm_view`` picks what is evaluated (FedRoD's generic + personal logits), and
+  ``pm_when_unselected`` says whether a client that was not selected for a round trains its
+  personal part on the model it received (README, "Partial participation");
+* **the knowledge** it shares per class (FedHKD, FedProto), weighted by counts or uniformly
+  over the clients that hold the class (``knowledge_weighting``).
 """
 
 from __future__ import annotations
 
 import copy
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -41,19 +70,25 @@ class RoundContext:
         label_freq: torch.Tensor,
         client_state: dict[str, Any],
         knowledge: Knowledge | None = None,
+        extras: Mapping[str, torch.Tensor] | None = None,
+        selected: bool = True,
+        public: Any = None,
     ) -> None:
         self.round = round
-        self.global_state = global_state
+        self.global_state = global_state  # the received model tensors (the shared part of the model)
         self.gm = gm
         self.pm = pm
         self.label_freq = label_freq
         self.client_state = client_state
         self.knowledge = knowledge or {}
+        self.extras: dict[str, torch.Tensor] = dict(extras or {})  # the received extra tensors, by short name
+        self.selected = selected
+        self.public = public  # the public split's batches factory, for algorithms that declare one
 
     @cached_property
     def teacher(self) -> SplitModel:
         t = copy.deepcopy(self.gm)
-        t.load_state_dict(self.global_state)
+        t.load_state_dict(self.global_state, strict=False)
         t.eval()
         for p in t.parameters():
             p.requires_grad_(False)
@@ -95,10 +130,92 @@ class LossTerm(ABC):
         """Updates client state once the phase has trained ``model``."""
 
 
+class StepRule:
+    """How one batch turns into an update; the default is ``zero_grad, backward, step``.
+
+    ``closure()`` recomputes the batch's forward pass and loss at the current weights (SAM
+    calls it twice). ``begin``/``end`` run once per phase, like a loss term's.
+    """
+
+    def begin(self, ctx: RoundContext, model: nn.Module, params: list[nn.Parameter]) -> None:
+        pass
+
+    def step(
+        self,
+        model: nn.Module,
+        params: list[nn.Parameter],
+        closure: Callable[[], torch.Tensor],
+        opt: torch.optim.Optimizer,
+    ) -> torch.Tensor:
+        loss = closure()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return loss
+
+    def end(self, ctx: RoundContext, model: nn.Module, params: list[nn.Parameter]) -> None:
+        pass
+
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+ParamSet = Literal["all", "body", "head"] | Callable[[nn.Module], list[nn.Parameter]]
+
+
+@dataclass
+class Phase:
+    """One local training phase of a client.
+
+    ``params``: which parameters train (the others are frozen for the phase). ``epochs``: passes
+    over the phase's data (None: the run's ``local_epochs``); ``steps``: a number of batches
+    instead. ``optimizer``: a factory over the trained parameters (None: the run's optimizer,
+    fresh each phase). ``main``: composed regularizers (``+asd``) join this phase's terms.
+    ``forward``: ``model -> (x -> (h, logits))`` when the phase's logits are not the model's own
+    (FedRoD's personal head).
+    """
+
+    name: str = "gm"
+    terms: list[LossTerm] = field(default_factory=list)
+    params: ParamSet = "all"
+    epochs: float | None = None
+    steps: int | None = None
+    optimizer: OptimizerFactory | None = None
+    step: StepRule | None = None
+    cross_entropy: bool = True
+    data: Literal["local", "public"] = "local"
+    main: bool = True
+    forward: Callable[[nn.Module], Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] | None = None
+    labels: bool = True  # False: the public split's labels are not used (the terms read ``out.x`` only)
+
+
+def parameters_of(model: nn.Module, which: ParamSet) -> list[nn.Parameter]:
+    """The trainable parameters of ``which`` part of a :class:`SplitModel` (``all``: every one, in order;
+    a callable picks them itself)."""
+    if callable(which):
+        return list(which(model))
+    if which == "all":
+        return [p for p in model.parameters() if p.requires_grad]
+    part = model.features if which == "body" else model.classifier  # type: ignore[union-attr]
+    return [p for p in part.parameters() if p.requires_grad]
+
+
+class ClientHooks:
+    """Client work outside the phases: before them (``begin``), and the extra tensors uploaded
+    after them (``upload``: every name of :attr:`Algorithm.extras`, as the values the server
+    averages)."""
+
+    def begin(self, ctx: RoundContext) -> None:
+        pass
+
+    def upload(self, ctx: RoundContext) -> dict[str, torch.Tensor]:
+        return {}
+
+
 class ServerUpdate:
     """The server side: how uploads are weighted and how their mean becomes the next global model.
 
     The default is FedAvg: weights are sample counts and the new global is the weighted mean.
+    ``prev`` and ``mean`` hold every tensor that travels, extra tensors included (names from
+    :func:`extra_name`); ``finalize`` is the server's work between rounds.
     State kept across rounds goes through ``state_dict``/``load_state_dict`` into checkpoints.
     ``buffered_ok`` is False for updates that need one round's full models (their state would
     be built from stale deltas under buffered aggregation, which refuses them).
@@ -126,22 +243,111 @@ KnowledgeExtractor = Callable[
 ]
 
 
+EXTRA_PREFIX = "extra."
+
+
+def extra_name(name: str) -> str:
+    """The travelling name of an extra tensor (never a model ``state_dict`` name)."""
+    return EXTRA_PREFIX + name
+
+
+def MODEL(name: str) -> bool:
+    return True
+
+
+def BODY(name: str) -> bool:
+    return name.startswith("features.")
+
+
+def HEAD(name: str) -> bool:
+    return name.startswith("classifier.")
+
+
+def NOTHING(name: str) -> bool:
+    return False
+
+
 @dataclass
 class Algorithm:
-    """A resolved algorithm: its name, validated parameters and parts."""
+    """A resolved algorithm: its name, validated parameters and parts (see the module docstring)."""
 
     name: str
     params: dict[str, Any]
     gm_terms: list[LossTerm] = field(default_factory=list)
-    pm_terms: list[LossTerm] | None = None  # not None: the client keeps and trains a PM
+    pm_terms: list[LossTerm] | None = None  # not None: a separate PM trained with these terms (Ditto, SCD)
     knowledge: KnowledgeExtractor | None = None  # shared after local training (FedHKD, FedProto)
     server: ServerUpdate = field(default_factory=ServerUpdate)
-    local_model_is_personal: bool = False  # PM accuracy = the local model right after training
+    local_model_is_personal: bool = False  # shorthand for personal="local" without a personal phase
     privacy: Callable[[int], dict[str, Any]] | None = None  # releases -> the DP guarantee, for the record
+    # what travels
+    shares: Callable[[str], bool] = MODEL
+    extras: Callable[[SplitModel], dict[str, torch.Tensor]] | None = None  # initial global values
+    evaluates_global: bool = True  # False: the shared tensors make no model worth testing (gm_accuracy null)
+    wrap: Callable[[SplitModel], SplitModel] | None = None  # the model the clients and the server build
+    # the client
+    phases: list[Phase] | None = None  # None: one phase over the whole model with gm_terms
+    hooks: ClientHooks = field(default_factory=ClientHooks)
+    public_size: int = 0  # samples of the train split held out as a public split
+    # the personal model
+    personal: Literal["none", "local", "separate"] | None = None
+    pm_phase: Phase | None = None
+    pm_from_global: bool = False
+    pm_view: Callable[[SplitModel], nn.Module] | None = None
+    pm_when_unselected: bool = False
+    knowledge_weighting: Literal["count", "uniform"] = "count"
+
+    def __post_init__(self) -> None:
+        if self.personal is None:
+            if self.pm_terms is not None:
+                self.personal = "separate"
+            elif self.local_model_is_personal or self.pm_phase is not None:
+                self.personal = "local"
+            else:
+                self.personal = "none"
+        if self.personal == "separate" and self.pm_phase is None:
+            self.pm_phase = Phase("pm", terms=self.pm_terms if self.pm_terms is not None else [], main=False)
+        if self.pm_phase is not None and self.pm_terms is None:
+            self.pm_terms = self.pm_phase.terms
+        if self.personal == "local" and self.pm_phase is None:
+            self.local_model_is_personal = True
+        if self.phases is None:
+            self.phases = [Phase("gm", terms=self.gm_terms)]  # the same list: composed terms join it
 
     @property
     def personalized(self) -> bool:
-        return self.pm_terms is not None
+        """A personal phase trains the PM (wait-free: until the next broadcast; reported after it)."""
+        return self.pm_phase is not None
+
+    def add_terms(self, terms: list[LossTerm]) -> None:
+        """Composition (``+asd``): the terms join every main phase."""
+        seen: set[int] = set()
+        for ph in self.phases or []:
+            if ph.main and id(ph.terms) not in seen:
+                seen.add(id(ph.terms))
+                if ph.terms is not self.gm_terms:
+                    ph.terms.extend(terms)
+        self.gm_terms.extend(terms)
+
+    def build(self, model: SplitModel) -> SplitModel:
+        return self.wrap(model) if self.wrap is not None else model
+
+    def payload(self, model: SplitModel) -> OrderedDict[str, torch.Tensor]:
+        """The tensors that travel, by name, with their current values in ``model`` (plus the
+        extras' initial values)."""
+        out: OrderedDict[str, torch.Tensor] = OrderedDict(
+            (k, v.detach().clone()) for k, v in model.state_dict().items() if self.shares(k)
+        )
+        if self.extras is not None:
+            for k, v in self.extras(model).items():
+                out[extra_name(k)] = v.detach().clone().contiguous()
+        return out
+
+
+def split_payload(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``(model tensors, extra tensors by short name)`` of a received or global payload."""
+    model = {k: v for k, v in state.items() if not k.startswith(EXTRA_PREFIX)}
+    extras = {k[len(EXTRA_PREFIX) :]: v for k, v in state.items() if k.startswith(EXTRA_PREFIX)}
+    return model, extras
 
 
 def cross_entropy(out: Forward) -> torch.Tensor:

@@ -1,5 +1,19 @@
-"""FedProto: class prototypes (mean representations) shared on the knowledge channel; the local
-loss is ``CE + lambda * MSE(h, prototype_y)``; accuracy is the local model's."""
+"""FedProto (Tan et al., AAAI 2022), as in its paper, and the variant FedHKD's paper reports.
+
+``fedproto`` (the paper): clients exchange class prototypes only, never model weights. Client
+``i`` trains its own model on ``CE + lambda * (1/(B d)) sum_b ||h_b - C^{y_b}||^2`` (the mean
+squared distance over every sample of the batch and every dimension; a sample whose class has
+no global prototype yet contributes 0, as in the authors' code), then sends its prototypes
+``C_i^j = mean_{x in D_i^j} f_i(x)`` (eval mode, after local training); the server averages
+each class's prototypes uniformly over the clients that hold the class,
+``C^j = (1/|N_j|) sum_{i in N_j} C_i^j``. There is no global model (``gm_accuracy`` is
+null); the personal model is the local model right after local training, tested on the local
+test set. The local model and the prototypes are the only state, both persisted by the client.
+
+``fedproto-avg`` (kept from before, FedProto as FedHKD's paper runs it): the same client loss
+averaged over the samples that have a prototype, count-weighted prototypes, and a FedAvg global
+model besides.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +21,8 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
-from wafl.common.algorithms.base import Algorithm, Forward, LossTerm, RoundContext
-from wafl.common.algorithms.prototypes import extract_prototypes, fedproto_term
+from wafl.common.algorithms.base import NOTHING, Algorithm, Forward, LossTerm, RoundContext
+from wafl.common.algorithms.prototypes import extract_prototypes, fedproto_paper_term, fedproto_term
 from wafl.common.algorithms.registry import Param, register
 from wafl.common.knowledge import Knowledge
 from wafl.common.models.base import SplitModel
@@ -17,11 +31,12 @@ from wafl.common.models.base import SplitModel
 class PrototypeLoss(LossTerm):
     name = "fedproto"
 
-    def __init__(self, lam: float) -> None:
-        self.lam = lam
+    def __init__(self, lam: float, over_all_samples: bool) -> None:
+        self.lam, self.over_all_samples = lam, over_all_samples
 
     def __call__(self, model: nn.Module, out: Forward, ctx: RoundContext) -> torch.Tensor:
-        return self.lam * fedproto_term(out.h, out.y, ctx.knowledge)
+        term = fedproto_paper_term if self.over_all_samples else fedproto_term
+        return self.lam * term(out.h, out.y, ctx.knowledge)
 
 
 def _prototypes(
@@ -34,6 +49,25 @@ register(
     "fedproto",
     {"proto_lambda": Param(1.0, ">= 0")},
     lambda p, run: Algorithm(
-        "fedproto", p, gm_terms=[PrototypeLoss(p["proto_lambda"])], knowledge=_prototypes, local_model_is_personal=True
+        "fedproto",
+        p,
+        gm_terms=[PrototypeLoss(p["proto_lambda"], over_all_samples=True)],
+        knowledge=_prototypes,
+        knowledge_weighting="uniform",
+        shares=NOTHING,
+        evaluates_global=False,
+        local_model_is_personal=True,
+    ),
+)
+
+register(
+    "fedproto-avg",
+    {"proto_lambda": Param(1.0, ">= 0")},
+    lambda p, run: Algorithm(
+        "fedproto-avg",
+        p,
+        gm_terms=[PrototypeLoss(p["proto_lambda"], over_all_samples=False)],
+        knowledge=_prototypes,
+        local_model_is_personal=True,
     ),
 )

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from wafl.common.algorithms.hyperknowledge import class_sums, knowledge_rows, stack_knowledge
 from wafl.common.knowledge import ClassKnowledge, Knowledge
 
-__all__ = ["extract_prototypes", "fedproto_term"]
+__all__ = ["extract_prototypes", "fedproto_paper_term", "fedproto_term"]
 
 
 def extract_prototypes(model: nn.Module, batches: Iterable[tuple[Tensor, Tensor]], num_classes: int) -> Knowledge:
@@ -41,3 +41,18 @@ def fedproto_term(h: Tensor, targets: Tensor, global_knowledge: Knowledge) -> Te
     if not bool(mask.any()):
         return zero
     return ((h[mask] - protos[rows[mask]]) ** 2).mean()
+
+
+def fedproto_paper_term(h: Tensor, targets: Tensor, global_knowledge: Knowledge) -> Tensor:
+    """FedProto's regulariser as in its paper: ``(1/(B d)) sum_b ||h_b - proto_{y_b}||^2`` over
+    every sample and dimension, a sample whose class has no prototype contributing 0."""
+    h = h.reshape(h.shape[0], -1)
+    zero = h[:0].sum()
+    if not global_knowledge or h.shape[0] == 0:
+        return zero
+    ids, protos, _ = stack_knowledge(global_knowledge, h)
+    rows = knowledge_rows(ids, targets.to(h.device))
+    mask = rows >= 0
+    if not bool(mask.any()):
+        return zero
+    return ((h[mask] - protos[rows[mask]]) ** 2).sum() / h.numel()

@@ -1,0 +1,44 @@
+"""FedRep (Collins et al., ICML 2021): a shared representation, personal heads.
+
+Client ``i`` holds the global body ``phi`` and its own head ``h_i``. In a round it first trains
+the head with the body frozen, ``h_i <- argmin_h f_i(phi, h)`` by SGD for ``tau_h`` epochs, then
+the body with the head frozen, ``phi_i <- phi - eta grad_phi f_i(phi, h_i)`` for ``tau_phi``
+epochs; only the body travels and the server averages it, ``phi <- sum_i p_i phi_i`` (sample
+weights, as FedAvg). Following the authors' code, the round's local epochs are split: the
+body trains for ``rep_epochs`` (their ``local_rep_ep``, 1) and the head for the rest of
+``local_epochs`` (at least one).
+
+The personal model is the local model (global body, personal head). Its personal phase trains
+the head alone on the body it holds: wait-free until the next broadcast, ``pm_epochs`` under
+compute-and-wait, and also for a client that was not selected (its head adapts to the body it
+received). The head never travels and persists across restarts; there is no meaningful global
+model to test (``gm_accuracy`` is null).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from wafl.common.algorithms.base import BODY, Algorithm, Phase
+from wafl.common.algorithms.registry import Param, register
+
+
+def build(p: dict[str, Any], run: dict[str, Any]) -> Algorithm:
+    body_epochs = p["rep_epochs"]
+    head_epochs = max(1.0, float(run.get("local_epochs", 2)) - body_epochs)
+    return Algorithm(
+        "fedrep",
+        p,
+        phases=[
+            Phase("head", params="head", epochs=head_epochs, main=False),
+            Phase("body", params="body", epochs=body_epochs),
+        ],
+        shares=BODY,
+        evaluates_global=False,
+        personal="local",
+        pm_phase=Phase("pm", params="head", main=False),
+        pm_when_unselected=True,
+    )
+
+
+register("fedrep", {"rep_epochs": Param(1.0, "> 0")}, build)
