@@ -1,0 +1,36 @@
+"""FedBABU (Oh et al., ICLR 2022): train and average the body only, the head frozen at its initialisation.
+
+During federated training every client's head stays at the common random initialisation
+``h_0`` (never updated, never sent: every process builds it from the seed); a client trains the
+body ``phi_i <- phi - eta grad_phi f_i(phi, h_0)`` for ``local_epochs`` and the server averages
+the bodies, ``phi <- sum_i p_i phi_i``. The global model is ``(phi, h_0)`` and is tested as is.
+
+Personalisation is fine-tuning: the personal model restarts from each received global model and
+is fine-tuned on the local data (the whole network by default, as the paper's main results;
+``finetune = head`` fine-tunes the head only), wait-free until the next broadcast or for
+``pm_epochs`` under compute-and-wait, with a fresh optimizer each time. Any client fine-tunes
+the model it received, selected or not.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from wafl.common.algorithms.base import BODY, Algorithm, Phase
+from wafl.common.algorithms.registry import Param, register
+
+
+def build(p: dict[str, Any], run: dict[str, Any]) -> Algorithm:
+    return Algorithm(
+        "fedbabu",
+        p,
+        phases=[Phase("body", params="body")],
+        shares=BODY,
+        personal="separate",
+        pm_phase=Phase("finetune", params="all" if p["finetune"] == "full" else "head", main=False),
+        pm_from_global=True,
+        pm_when_unselected=True,
+    )
+
+
+register("fedbabu", {"finetune": Param("full", "full|head")}, build)
