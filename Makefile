@@ -13,6 +13,7 @@ run:  ## a whole federation on the embedded digits data (server + 10 client proc
 test:  ## style (ruff check, ruff format --check), then the whole test suite
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	bash scripts/node_modules.sh >/dev/null  # the Node.js conformance client's npm packages (cached outside the clone)
 	$(VENV)/bin/python -m pytest -q $(ARGS)
 
 protos:  ## regenerate common/proto from protos/

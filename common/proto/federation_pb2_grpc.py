@@ -26,17 +26,7 @@ if _version_not_supported:
 
 
 class FederationStub:
-    """Credentials. `Join` proves the client may join: `JoinRequest.token` holds the run token
-    (`wafl server --token`), or, when the server was started with `--enrollment FILE`, the
-    enrollment secret of the `client_index` it joins as. A registering Join (num_samples > 0)
-    returns `JoinReply.session_credential`, bound to this run, client_id and client_index.
-    Every `Broadcasts`, `Upload` and `Report` call must carry it in the gRPC metadata entry
-    `wafl-credential` (ASCII, as issued); the message's client_id must be the one it was issued
-    to. No credential, or one that is not valid: UNAUTHENTICATED; the credential of another
-    client: PERMISSION_DENIED; nothing is streamed or recorded then. A registered index joins
-    again (reconnect, server restarted with --resume) only with its credential in the same
-    metadata entry (or its enrollment secret); anyone else gets ALREADY_EXISTS or
-    PERMISSION_DENIED. Credentials stay valid for the run, across server restarts.
+    """One run's federation; the comment at the top of this file is its contract.
     """
 
     def __init__(self, channel):
@@ -68,46 +58,41 @@ class FederationStub:
 
 
 class FederationServicer:
-    """Credentials. `Join` proves the client may join: `JoinRequest.token` holds the run token
-    (`wafl server --token`), or, when the server was started with `--enrollment FILE`, the
-    enrollment secret of the `client_index` it joins as. A registering Join (num_samples > 0)
-    returns `JoinReply.session_credential`, bound to this run, client_id and client_index.
-    Every `Broadcasts`, `Upload` and `Report` call must carry it in the gRPC metadata entry
-    `wafl-credential` (ASCII, as issued); the message's client_id must be the one it was issued
-    to. No credential, or one that is not valid: UNAUTHENTICATED; the credential of another
-    client: PERMISSION_DENIED; nothing is streamed or recorded then. A registered index joins
-    again (reconnect, server restarted with --resume) only with its credential in the same
-    metadata entry (or its enrollment secret); anyone else gets ALREADY_EXISTS or
-    PERMISSION_DENIED. Credentials stay valid for the run, across server restarts.
+    """One run's federation; the comment at the top of this file is its contract.
     """
 
     def Join(self, request, context):
-        """Registers a client for the run; returns the run's configuration, tensor manifest and the
-        client's session credential.
+        """Registers a client for the run (or, with num_samples = 0, only returns the configuration);
+        returns the run's configuration, tensor manifest and the client's session credential.
+        Joining again with the same client_id and index (and the credential) re-registers it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Broadcasts(self, request, context):
-        """Long-lived push of each new global model (and global knowledge), then a final message.
-        Needs the session credential of `client_id` (metadata `wafl-credential`).
+        """Long-lived push of each global model meant for this client (and global knowledge), until the
+        final one; then the stream ends with OK. A (re)subscriber first gets the newest model meant
+        for it, so a model can arrive twice after a reconnect; a model superseded before the stream
+        got to it is skipped (its successor's header says which round it is). Needs the session
+        credential of `client_id` (metadata `wafl-credential`).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Upload(self, request_iterator, context):
-        """One client update: header, tensor chunks, knowledge, trailer. Needs the session credential
-        of the header's `client_id` (metadata `wafl-credential`).
+        """One client update: header, tensor chunks, knowledge, trailer, then the client half-closes;
+        the reply comes once the upload is committed (see EXACTLY-ONCE UPLOADS). Needs the session
+        credential of the header's `client_id` (metadata `wafl-credential`).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Report(self, request, context):
-        """Metrics and phase timeline of a client (personalized-model accuracy, timings). Needs the
-        session credential of `client_id` (metadata `wafl-credential`).
+        """Metrics and phase timeline of a client (personalized-model accuracy, the final Report: see
+        END OF RUN). Needs the session credential of `client_id` (metadata `wafl-credential`).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -145,17 +130,7 @@ def add_FederationServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Federation:
-    """Credentials. `Join` proves the client may join: `JoinRequest.token` holds the run token
-    (`wafl server --token`), or, when the server was started with `--enrollment FILE`, the
-    enrollment secret of the `client_index` it joins as. A registering Join (num_samples > 0)
-    returns `JoinReply.session_credential`, bound to this run, client_id and client_index.
-    Every `Broadcasts`, `Upload` and `Report` call must carry it in the gRPC metadata entry
-    `wafl-credential` (ASCII, as issued); the message's client_id must be the one it was issued
-    to. No credential, or one that is not valid: UNAUTHENTICATED; the credential of another
-    client: PERMISSION_DENIED; nothing is streamed or recorded then. A registered index joins
-    again (reconnect, server restarted with --resume) only with its credential in the same
-    metadata entry (or its enrollment secret); anyone else gets ALREADY_EXISTS or
-    PERMISSION_DENIED. Credentials stay valid for the run, across server restarts.
+    """One run's federation; the comment at the top of this file is its contract.
     """
 
     @staticmethod
