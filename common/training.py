@@ -153,7 +153,7 @@ def run_phase(
             assert loss is not None, "a phase without cross-entropy needs a loss term"
             return loss
 
-        loss = rule.step(model, trained, closure, optimizer)
+        loss = rule.step(model, trained, closure, optimizer, (x, y))
         stats.steps += 1
         stats.samples += len(y)
         stats.loss_sum += float(loss.detach())

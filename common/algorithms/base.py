@@ -134,7 +134,8 @@ class StepRule:
     """How one batch turns into an update; the default is ``zero_grad, backward, step``.
 
     ``closure()`` recomputes the batch's forward pass and loss at the current weights (SAM
-    calls it twice). ``begin``/``end`` run once per phase, like a loss term's.
+    calls it twice); ``batch`` is the ``(x, y)`` it reads, for rules that evaluate another model
+    on it (pFedMe's personal model). ``begin``/``end`` run once per phase, like a loss term's.
     """
 
     def begin(self, ctx: RoundContext, model: nn.Module, params: list[nn.Parameter]) -> None:
@@ -146,6 +147,7 @@ class StepRule:
         params: list[nn.Parameter],
         closure: Callable[[], torch.Tensor],
         opt: torch.optim.Optimizer,
+        batch: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         loss = closure()
         opt.zero_grad(set_to_none=True)

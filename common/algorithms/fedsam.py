@@ -1,0 +1,68 @@
+"""FedSAM (Qu et al., ICML 2022): FedAvg whose local optimizer is sharpness-aware minimisation.
+
+Each local step, on one batch with loss ``f``: ``g = grad f(w)``, the ascent
+``e = rho * g / ||g||_2`` (one norm over every trained parameter), then the descent with the
+gradient at the perturbed point, ``w <- w - eta * grad f(w + e)`` (through the run's optimizer,
+so momentum and weight decay apply to that gradient as in the authors' SAM wrapper). ``rho``
+0.05. The server is FedAvg. The step rule (:class:`SamStep`) is shared with FedSpeed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from wafl.common.algorithms.base import Algorithm, Phase, StepRule
+from wafl.common.algorithms.registry import Param, register
+
+
+def ascent(params: list[nn.Parameter], grads: list[torch.Tensor | None], rho: float) -> list[torch.Tensor]:
+    """Adds ``e = rho g / ||g||`` to ``params`` in place and returns ``e`` per parameter."""
+    norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads if g is not None))
+    scale = rho / (float(norm) + 1e-12)
+    out = []
+    with torch.no_grad():
+        for p, g in zip(params, grads):
+            e = torch.zeros_like(p) if g is None else g * scale
+            p.add_(e)
+            out.append(e)
+    return out
+
+
+def gradients(loss: torch.Tensor, params: list[nn.Parameter]) -> list[torch.Tensor | None]:
+    return list(torch.autograd.grad(loss, params, allow_unused=True))
+
+
+class SamStep(StepRule):
+    def __init__(self, rho: float) -> None:
+        self.rho = rho
+
+    def step(
+        self,
+        model: nn.Module,
+        params: list[nn.Parameter],
+        closure: Callable[[], torch.Tensor],
+        opt: torch.optim.Optimizer,
+        batch: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        loss = closure()
+        saved = [p.detach().clone() for p in params]
+        ascent(params, gradients(loss, params), self.rho)
+        perturbed = gradients(closure(), params)
+        with torch.no_grad():
+            for p, w in zip(params, saved):
+                p.copy_(w)
+        opt.zero_grad(set_to_none=True)
+        for p, g in zip(params, perturbed):
+            p.grad = None if g is None else g.detach()
+        opt.step()
+        return loss
+
+
+def build(p: dict[str, Any], run: dict[str, Any]) -> Algorithm:
+    return Algorithm("fedsam", p, phases=[Phase("gm", step=SamStep(p["rho"]))])
+
+
+register("fedsam", {"rho": Param(0.05, "> 0")}, build)

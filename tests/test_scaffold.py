@@ -1,0 +1,62 @@
+"""SCAFFOLD (option II): corrected local steps, the control-variate update and the server's, by hand."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from algorithm_checks import client, close, future_batches, global_payload
+from wafl.common.algorithms.base import extra_name
+from wafl.common.algorithms.scaffold import STATE_KEY
+from wafl.common.datasets import load_dataset
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_dataset("digits")
+
+
+def test_scaffold_client_round_by_hand(digits, tmp_path) -> None:
+    lr = 0.05
+    t = client(digits, "scaffold", state_dir=tmp_path)
+    g = global_payload(t)
+    names = [n for n, _ in t.gm.named_parameters()]
+    assert [k for k in g if k.startswith("extra.")] == [extra_name("c." + n) for n in names]
+    gen = torch.Generator().manual_seed(0)
+    c = {n: 0.01 * torch.randn(p.shape, generator=gen) for n, p in t.gm.named_parameters()}
+    c_i = {n: 0.01 * torch.randn(p.shape, generator=gen) for n, p in t.gm.named_parameters()}
+    for n in names:
+        g[extra_name("c." + n)] = c[n]
+    t.client_state[STATE_KEY] = {n: v.clone() for n, v in c_i.items()}
+    t.begin_round(1, g)
+    slow = copy.deepcopy(t.gm)
+    x0 = {n: p.detach().clone() for n, p in slow.named_parameters()}
+    (batches,) = future_batches(t, 1)
+    for xb, yb in batches:
+        grads = torch.autograd.grad(F.cross_entropy(slow(xb), yb), list(slow.parameters()))
+        with torch.no_grad():
+            for (n, p), gr in zip(slow.named_parameters(), grads):
+                p.sub_(lr * (gr - c_i[n] + c[n]))
+    t.train_gm()
+    assert close(t.gm, slow)
+    k = len(batches)
+    up = t.gm_upload_state()
+    for n, p in slow.named_parameters():
+        c_new = c_i[n] - c[n] + (x0[n] - p.detach()) / (k * lr)
+        assert torch.allclose(up[extra_name("c." + n)], c_new - c_i[n], atol=1e-5)
+        assert torch.allclose(t.client_state[STATE_KEY][n], c_new, atol=1e-5)
+        assert torch.equal(up[n], t.gm.state_dict()[n])
+    again = client(digits, "scaffold", state_dir=tmp_path)  # c_i survives a restart
+    assert all(torch.equal(again.client_state[STATE_KEY][n], t.client_state[STATE_KEY][n]) for n in names)
+
+
+def test_scaffold_server_update() -> None:
+    from wafl.common.algorithms import registry
+
+    algo = registry.resolve("scaffold", {}, {"num_clients": 10, "lr": 0.05})
+    assert algo.server.weight(123) == 1.0  # the paper's uniform mean over the round's clients
+    prev = {"w": torch.ones(3), extra_name("c.w"): torch.full((3,), 2.0)}
+    mean = {"w": torch.tensor([0.5, 1.0, 1.5]), extra_name("c.w"): torch.tensor([1.0, -1.0, 0.0])}
+    out = algo.server.finalize(prev, mean, participants=4)
+    assert torch.equal(out["w"], mean["w"])
+    assert torch.allclose(out[extra_name("c.w")], torch.tensor([2.4, 1.6, 2.0]))
