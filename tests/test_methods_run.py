@@ -1,5 +1,6 @@
 """Every method of the comparisons runs a short federation in process (the engine, strategy, client
-protocol and trainer of ``wafl run``), under both protocols where it has a personal model, and reports the accuracies it defines."""
+protocol and trainer of ``wafl run``), under both protocols where it has a personal model, and
+reports the accuracies it defines."""
 
 import pytest
 from wafl.cli.simulate import simulate

@@ -3,7 +3,8 @@
 With ``z = R(x)`` the local model's representation, ``z_glob`` the received global model's and
 ``z_prev`` the client's own model from the end of its previous round (both frozen),
 
-    L = CE + mu * (1/B) sum_b -log( e^{cos(z_b, z_glob,b)/tau} / (e^{cos(z_b, z_glob,b)/tau} + e^{cos(z_b, z_prev,b)/tau}) )
+    L = CE + mu * (1/B) sum_b -log( e^{s_glob,b} / (e^{s_glob,b} + e^{s_prev,b}) ),
+    s_glob,b = cos(z_b, z_glob,b) / tau,  s_prev,b = cos(z_b, z_prev,b) / tau
 
 ``tau`` 0.5; ``mu`` 1 (the paper's CIFAR-100 value; 5 for CIFAR-10). ``R`` is wafl's
 feature extractor, which ends in the ``code_len`` projection (MOON's projection head). Before
