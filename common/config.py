@@ -54,6 +54,10 @@ class RunConfig:
     staleness_b: int = 4  # hinge: the age up to which updates count fully
     max_staleness: int = 20  # buffered: older updates are refused
     server_lr: float = 1.0  # buffered: step size of the averaged update
+    # bounded influence of any one client
+    aggregator: str = "mean"  # how uploads combine: mean (weighted), trimmed_mean, median (coordinate-wise)
+    trim_fraction: float = 0.1  # trimmed_mean: share of the values dropped at each end of every coordinate
+    clip_norm: float | None = None  # L2 bound on each upload's update (difference to the model it trained from)
     # heterogeneous clients (reproducible from the seed)
     slowdown: str = "none"  # compute slow-down per client: none, "1,2,4,...", lognormal:sigma=S
     dropout: float = 0.0  # probability that a client asked to train goes offline until the next model
@@ -163,6 +167,12 @@ class RunConfig:
         _int_at_least("staleness_b", self.staleness_b, 0)
         _int_at_least("max_staleness", self.max_staleness, 0)
         _positive("server_lr", self.server_lr)
+        from wafl.server.aggregator import CENTERS
+
+        _one_of("aggregator", self.aggregator, CENTERS)
+        _in_range("trim_fraction", self.trim_fraction, 0.0, 0.5, high_open=True)
+        if self.clip_norm is not None:
+            _positive("clip_norm", self.clip_norm)
         STRATEGIES[self.aggregation].check_config(self)
 
     @property
@@ -268,7 +278,7 @@ def _int_at_least(name: str, value: int, low: int) -> None:
 def _in_range(
     name: str, value: float, low: float, high: float, low_open: bool = False, high_open: bool = False
 ) -> None:
-    ok = isinstance(value, (int, float)) and not math.isnan(value)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if ok:
         ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
     if not ok:

@@ -6,6 +6,15 @@ chunk bytes to an unlinked spill file on disk (the page cache, not the server's 
 upload that fails after some folds is subtracted back out from that file, so it leaves no
 trace beyond float64 rounding (a relative 1e-16, far below the float32 the model is stored
 in). The global model itself is never touched until the round closes.
+
+Bounded influence (:class:`Rule`): with ``clip_norm`` an upload whose update (its floating-point
+tensors minus the reference, the global model it was trained from; buffered uploads are
+updates already) has an L2 norm above the bound is scaled down to it when it commits, by
+subtracting the excess back out from its spill file. With ``center`` ``trimmed_mean`` or
+``median`` the committed uploads' spill files are kept until the round is aggregated and read
+back one tensor at a time (memory O(uploads x largest tensor), the rest stays on disk):
+coordinate-wise median, or mean after dropping the ``floor(trim * k)`` largest and smallest
+values of each coordinate; these two ignore the weights.
 """
 
 from __future__ import annotations
@@ -13,6 +22,8 @@ from __future__ import annotations
 import math
 import tempfile
 import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import IO
 
 import numpy as np
@@ -28,6 +39,21 @@ from wafl.common.codec import (
     torch_dtype,
 )
 from wafl.common.errors import Code
+
+CENTERS = ("mean", "trimmed_mean", "median")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How uploads combine: ``center`` (weighted mean, trimmed mean, median), optional update-norm clipping."""
+
+    center: str = "mean"
+    trim: float = 0.1  # trimmed_mean: share of the values dropped at each end of every coordinate
+    clip_norm: float | None = None  # L2 bound on each upload's update (floating-point tensors)
+
+    @property
+    def keeps_uploads(self) -> bool:
+        return self.center != "mean"
 
 
 class SpillPool:
@@ -67,14 +93,27 @@ class Accumulator:
     once instead of at the first fold of every round.
     """
 
-    def __init__(self, manifest: Manifest, spill_dir: str | None = None) -> None:
+    def __init__(self, manifest: Manifest, spill_dir: str | None = None, rule: Rule = Rule()) -> None:
         self.manifest = manifest
+        self.rule = rule
         self.sums = {s.name: np.zeros(s.numel, dtype=np.float64) for s in manifest}
         self.lock = threading.Lock()
         self.total_weight = 0.0
         self.count = 0
         self.spills = SpillPool(spill_dir)
         self.open_folds: set[UploadFold] = set()
+        self.kept: list[UploadFold] = []  # committed uploads whose values a robust center reads back
+        # what an update is measured against (flat float64 per tensor); None: the uploads are updates
+        self.reference: dict[str, np.ndarray] | None = None
+
+    def set_reference(self, state: Mapping[str, torch.Tensor] | None) -> None:
+        """The model the next uploads were trained from (None: they are updates already)."""
+        if state is None or self.rule.clip_norm is None and not self.rule.keeps_uploads:
+            self.reference = None
+            return
+        self.reference = {
+            s.name: state[s.name].detach().cpu().reshape(-1).to(torch.float64).numpy().copy() for s in self.manifest
+        }
 
     def reset(self) -> None:
         """Zeroes the sums for a new round; no fold may be open."""
@@ -85,6 +124,9 @@ class Accumulator:
                 v.fill(0.0)
             self.total_weight = 0.0
             self.count = 0
+            kept, self.kept = self.kept, []
+        for f in kept:
+            f._release()
 
     def begin(self, weight: float) -> UploadFold:
         if not (math.isfinite(weight) and weight > 0):
@@ -101,6 +143,29 @@ class Accumulator:
         for f in folds:
             f.rollback()
         return len(folds)
+
+    def center(self) -> dict[str, torch.Tensor]:
+        """What the rule makes of the committed uploads: the weighted mean, or a robust center."""
+        return self.mean() if not self.rule.keeps_uploads else self.robust()
+
+    def robust(self) -> dict[str, torch.Tensor]:
+        """Coordinate-wise median or trimmed mean of the (clipped) committed uploads, tensor by tensor."""
+        if not self.kept:
+            raise ValueError("no upload was aggregated")
+        out: dict[str, torch.Tensor] = {}
+        k = len(self.kept)
+        cut = int(math.floor(self.rule.trim * k)) if self.rule.center == "trimmed_mean" else 0
+        for s in self.manifest:
+            values = np.stack([f.values(s.name, s.numel) for f in self.kept])  # (k, numel) float64
+            if self.rule.center == "median":
+                c = np.median(values, axis=0)
+            else:
+                values.sort(axis=0)
+                c = values[cut : k - cut].mean(axis=0)
+            dt = torch_dtype(s.dtype)
+            t = torch.from_numpy(c.reshape(s.shape))
+            out[s.name] = t.to(dt) if dt.is_floating_point else torch.round(t).to(dt)
+        return out
 
     def mean(self) -> dict[str, torch.Tensor]:
         """The weighted mean in each tensor's own dtype (integers rounded)."""
@@ -129,6 +194,8 @@ class UploadFold:
         self.scratch = np.empty(0, dtype=np.float64)  # weight * values, reused chunk after chunk
         self.folded: list[tuple[str, int, int, int]] = []  # (name, start element, elements, wire dtype)
         self.state = "open"
+        self.sq_norm = 0.0  # squared L2 norm of the update so far (with clipping)
+        self.scale = 1.0  # the update's factor once committed (clipping)
 
     def _contribution(self, values: np.ndarray) -> np.ndarray:
         if self.scratch.size < values.size:
@@ -146,6 +213,9 @@ class UploadFold:
             bad = "NaN" if np.isnan(values).any() else "Inf"
             raise ChunkError(f"tensor {spec.name!r}: {bad} value in chunk at byte {chunk.offset}")
         start = chunk.offset // itemsize(spec.dtype)
+        if self.acc.rule.clip_norm is not None and spec.dtype in FLOAT_WIRE_DTYPES:
+            d = self._update(spec.name, start, values)
+            self.sq_norm += float(np.dot(d, d))
         with self.acc.lock:  # the spill write too: a rollback must never interleave with it
             if self.state != "open":
                 raise ChunkError("the round closed while this upload was streaming", Code.ABORTED)
@@ -154,15 +224,58 @@ class UploadFold:
             np.add(target, contribution, out=target)
             self.folded.append((spec.name, start, values.size, spec.dtype))
 
+    def _update(self, name: str, start: int, values: np.ndarray) -> np.ndarray:
+        """``values`` minus the reference at ``start`` (float64; the values themselves without one)."""
+        ref = self.acc.reference
+        v = values.astype(np.float64)
+        return v if ref is None else np.subtract(v, ref[name][start : start + values.size], out=v)
+
     def commit(self) -> None:
+        """Adds the upload to the collection; with clipping its update is scaled to the bound first."""
+        clip = self.acc.rule.clip_norm
+        norm = math.sqrt(self.sq_norm)
         with self.acc.lock:
             if self.state != "open":
                 raise ChunkError("the round closed while this upload was streaming", Code.ABORTED)
+            if clip is not None and norm > clip:
+                self.scale = clip / norm
+                self._replay(lambda name, start, v: (1.0 - self.scale) * self.weight * self._update(name, start, v))
             self.acc.total_weight += self.weight
             self.acc.count += 1
             self.state = "committed"
             self.acc.open_folds.discard(self)
+            if self.acc.rule.keeps_uploads:
+                self.acc.kept.append(self)
+                self.scratch = np.empty(0, dtype=np.float64)
+                return
         self._release()
+
+    def _replay(self, amount: object) -> None:
+        """Subtracts ``amount(name, start, float values)`` of every folded float chunk (lock held)."""
+        self.spill.seek(0)
+        for name, start, n, wire in self.folded:
+            data = self.spill.read(n * itemsize(wire))
+            if wire in FLOAT_WIRE_DTYPES:
+                target = self.acc.sums[name][start : start + n]
+                np.subtract(target, amount(name, start, numpy_view(data, wire)), out=target)  # type: ignore[operator]
+        self.spill.seek(0, 2)
+
+    def values(self, name: str, numel: int) -> np.ndarray:
+        """A committed upload's tensor as float64, clipped: ``ref + scale * (x - ref)``."""
+        out = np.empty(numel, dtype=np.float64)
+        pos = 0
+        for n_, start, n, wire in self.folded:
+            nbytes = n * itemsize(wire)
+            if n_ == name:
+                self.spill.seek(pos)
+                v = numpy_view(self.spill.read(nbytes), wire).astype(np.float64)
+                if self.scale != 1.0 and wire in FLOAT_WIRE_DTYPES:
+                    ref = self.acc.reference
+                    base = 0.0 if ref is None else ref[name][start : start + n]
+                    v = base + self.scale * (v - base)
+                out[start : start + n] = v
+            pos += nbytes
+        return out
 
     def rollback(self) -> None:
         """Subtracts what was folded (read back from the spill file); idempotent."""

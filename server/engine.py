@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 import uuid
 from collections import OrderedDict
@@ -24,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import structlog
 import torch
+from wafl.client.timeline import PHASES
 from wafl.common import metrics as M
 from wafl.common.algorithms import registry
 from wafl.common.algorithms.base import split_payload
@@ -31,12 +33,14 @@ from wafl.common.codec import CHUNK_BYTES, Manifest, manifest_of
 from wafl.common.config import RunConfig
 from wafl.common.datasets import load_dataset
 from wafl.common.errors import Code, Refused
+from wafl.common.jsonsafe import dumps
 from wafl.common.knowledge import Knowledge, to_proto
 from wafl.common.models import build_model
+from wafl.common.partition import partition, public_split
 from wafl.common.proto import federation_pb2 as pb
 from wafl.common.training import evaluate
 from wafl.common.wire import PreEncoded, encode_tensors, write_transfer
-from wafl.server.aggregator import Accumulator
+from wafl.server.aggregator import Accumulator, Rule
 from wafl.server.auth import CREDENTIAL_KEY, Credentials, JoinSecrets, check_id, load_or_create_key
 from wafl.server.checkpoint import load_checkpoint, save_checkpoint
 from wafl.server.results import ResultsLog, round_
@@ -110,6 +114,8 @@ class RoundEngine:
         self.clients: dict[str, ClientInfo] = {}
         self.index_owner: dict[int, str] = {}
         self.accumulators: list[Accumulator] = []  # zeroed sums, ready for the next collection
+        self.rule = Rule(cfg.aggregator, cfg.trim_fraction, cfg.clip_norm)
+        self.shard_sizes = self._shard_sizes()
         self.strategy = make_strategy(cfg, self.algorithm, self.dataset.num_classes, self._accumulator)
         self.publication: Publication | None = None
         self.mailbox: dict[str, Delivery] = {}
@@ -133,10 +139,10 @@ class RoundEngine:
         if resume:
             self._resume()
         self.credentials = Credentials(load_or_create_key(out_dir), self.run_id)
-        (out_dir / "config.json").write_text(json.dumps(json.loads(cfg.to_json()), indent=2))
+        (out_dir / "config.json").write_text(dumps(json.loads(cfg.to_json()), indent=2))
         if self.algorithm.privacy is not None:
             report = {"per_release": self.algorithm.privacy(1), "per_run": self.algorithm.privacy(cfg.rounds)}
-            (out_dir / "privacy.json").write_text(json.dumps(report, indent=2))
+            (out_dir / "privacy.json").write_text(dumps(report, indent=2))
             log.info(
                 "privacy",
                 epsilon_per_release=report["per_release"]["epsilon_per_release"],
@@ -146,7 +152,18 @@ class RoundEngine:
             )
 
     def _accumulator(self) -> Accumulator:
-        return self.accumulators.pop() if self.accumulators else Accumulator(self.manifest)
+        acc = self.accumulators.pop() if self.accumulators else Accumulator(self.manifest, rule=self.rule)
+        acc.set_reference(None if self.strategy.uploads_are_deltas else self.global_state)
+        return acc
+
+    def _shard_sizes(self) -> list[int]:
+        """Each client's training-set size, rebuilt from the seed as the clients build their shards
+        (over what a public split leaves): the server, not the client, owns the aggregation weights."""
+        cfg = self.cfg
+        labels = np.asarray(self.dataset.train_labels)
+        if self.algorithm.public_size:
+            labels = labels[public_split(labels, self.algorithm.public_size, cfg.seed)[1]]
+        return [len(s) for s in partition(labels, cfg.num_clients, cfg.partition, cfg.alpha, cfg.delta, cfg.seed)]
 
     # ----------------------------------------------------------------- state
     def _resume(self) -> None:
@@ -205,9 +222,10 @@ class RoundEngine:
         issued = ""
         if req.num_samples > 0:
             rejoin = req.client_id in self.clients
-            self.clients[req.client_id] = ClientInfo(req.client_id, req.client_index, req.num_samples)
+            samples = self.shard_sizes[req.client_index]  # what it declared plays no part
+            self.clients[req.client_id] = ClientInfo(req.client_id, req.client_index, samples)
             self.index_owner[req.client_index] = req.client_id
-            self.strategy.join(req.client_id, req.client_index, req.num_samples)
+            self.strategy.join(req.client_id, req.client_index, samples)
             issued = self.credentials.issue(req.client_id, req.client_index)
             log.info(
                 "client.join",
@@ -320,6 +338,8 @@ class RoundEngine:
         )
         if state is not None:
             self.global_state = state
+        if "refused" in fields:
+            log.error("round.refused", round=c.number, reason=fields["refused"])
         if knowledge is not None:
             self.global_knowledge = knowledge
         await loop.run_in_executor(self.executor, c.accumulator.reset)
@@ -335,6 +355,7 @@ class RoundEngine:
         r = c.number
         self.results.close_before(r)
         row = {
+            "run_id": self.run_id,
             "round": r,
             "gm_accuracy": round_(acc),
             "gm_loss": round_(loss),
@@ -489,6 +510,7 @@ class RoundEngine:
         if not 1 <= req.round <= self.cfg.rounds:
             raise Refused(f"report round {req.round} is outside 1..{self.cfg.rounds}")
         M.check(req.metrics, M.REPORT, "report")
+        _check_timeline(req, self.cfg.rounds)
         timeline = [{"phase": e.phase, "round": e.round, "start_s": e.start_s, "end_s": e.end_s} for e in req.timeline]
         self.results.add_report(req.client_id, req.round, dict(req.metrics), timeline, req.client_start_unix or None)
         if req.metrics.get(M.FINAL, 0.0) == 1.0:
@@ -499,3 +521,16 @@ class RoundEngine:
 
 def _attempt(h: pb.UploadHeader) -> tuple[str, int, str]:
     return (h.client_id, h.round, h.idempotency_key)
+
+
+def _check_timeline(req: pb.ReportRequest, rounds: int) -> None:
+    """A report's timeline: known phases, rounds of this run, finite times; raises :class:`Refused`."""
+    if not math.isfinite(req.client_start_unix) or req.client_start_unix < 0:
+        raise Refused("client_start_unix must be a finite, non-negative number")
+    for e in req.timeline:
+        if e.phase not in PHASES:
+            raise Refused(f"timeline phase {e.phase[:32]!r} is not one of {', '.join(PHASES)}")
+        if not 0 <= e.round <= rounds + 1:
+            raise Refused(f"timeline round {e.round} is outside 0..{rounds + 1}")
+        if not (math.isfinite(e.start_s) and math.isfinite(e.end_s) and 0 <= e.start_s <= e.end_s):
+            raise Refused("timeline times must be finite with 0 <= start_s <= end_s")

@@ -9,13 +9,14 @@ does not wait and its ``pm_accuracy`` is the mean of every client's latest repor
 
 from __future__ import annotations
 
-import json
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from wafl.common import metrics as M
+from wafl.common.jsonsafe import dumps
 
 
 class ResultsLog:
@@ -48,7 +49,7 @@ class ResultsLog:
         now = time.monotonic() - self.run_start
         with self.reports_path.open("a") as f:
             f.write(
-                json.dumps(
+                dumps(
                     {
                         "client": client_id,
                         "round": round,
@@ -62,7 +63,7 @@ class ResultsLog:
             self.add_pm(round, client_id, metrics[M.PM_ACCURACY], int(metrics.get(M.PM_TEST_SAMPLES, 1)))
         if timeline:
             self.timelines[client_id] = {"client_start_unix": client_start_unix, "events": timeline}
-            (self.out_dir / "timelines.json").write_text(json.dumps(self.timelines, indent=1))
+            (self.out_dir / "timelines.json").write_text(dumps(self.timelines, indent=1))
         self._flush()
 
     def add_pm(self, round: int, client_id: str, accuracy: float, test_samples: int) -> None:
@@ -95,8 +96,9 @@ class ResultsLog:
             for listener in self.listeners:
                 listener(row)
             with self.results_path.open("a") as f:
-                f.write(json.dumps(row) + "\n")
+                f.write(dumps(row) + "\n")
 
 
 def round_(v: float | None, digits: int = 6) -> float | None:
-    return None if v is None else round(float(v), digits)
+    """``v`` rounded to ``digits``; None for None and for non-finite values."""
+    return None if v is None or not math.isfinite(v) else round(float(v), digits)

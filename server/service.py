@@ -10,7 +10,9 @@ refused with ``INVALID_ARGUMENT`` and a fixed message.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
 import structlog
@@ -42,6 +44,26 @@ def _credential(ctx: grpc.aio.ServicerContext) -> str:
     return ""
 
 
+@dataclass
+class RateLimit:
+    """A token bucket per client: ``burst`` calls at once, ``per_s`` more each second."""
+
+    burst: float = 30.0
+    per_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        self.buckets: dict[str, tuple[float, float]] = {}  # client -> (tokens, when)
+
+    def allow(self, client_id: str, now: float) -> bool:
+        tokens, then = self.buckets.get(client_id, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - then) * self.per_s)
+        if tokens < 1.0:
+            self.buckets[client_id] = (tokens, now)
+            return False
+        self.buckets[client_id] = (tokens - 1.0, now)
+        return True
+
+
 def _well_formed(req: object) -> None:
     if req is MALFORMED:
         raise Refused("malformed message")
@@ -50,6 +72,7 @@ def _well_formed(req: object) -> None:
 class FederationService:
     def __init__(self, engine: RoundEngine) -> None:
         self.engine = engine
+        self.report_rate = RateLimit()  # a client reports about once per round: far below this
 
     async def join(self, req: pb.JoinRequest, ctx: grpc.aio.ServicerContext) -> pb.JoinReply:
         try:
@@ -111,6 +134,9 @@ class FederationService:
     async def report(self, req: pb.ReportRequest, ctx: grpc.aio.ServicerContext) -> pb.ReportReply:
         try:
             _well_formed(req)
+            self.engine.authorize(req.client_id, _credential(ctx))  # a bucket only for a joined client
+            if not self.report_rate.allow(req.client_id, time.monotonic()):
+                raise Refused("too many reports from this client; slow down", Code.RESOURCE_EXHAUSTED)
             self.engine.report(req, _credential(ctx))
         except Refused as e:
             await _abort(ctx, e)

@@ -29,6 +29,7 @@ engine only calls the methods of :class:`Strategy`, and the configuration asks t
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from abc import ABC, abstractmethod
@@ -94,6 +95,9 @@ class ClientSlot:
 
 class Strategy(ABC):
     """The round policy the engine runs; see the module docstring."""
+
+    #: whether uploads are differences to the model they were trained from (else whole models)
+    uploads_are_deltas: bool = False
 
     #: what the engine does with uploads still streaming into a collection that closes:
     #: "cancel" rolls them back, "wait" lets them finish into it
@@ -233,8 +237,14 @@ class Strategy(ABC):
         row = self.row(collection)
         if collection.accumulator.count == 0:
             return None, None, row
+        saved = copy.deepcopy(self.algorithm.server.state_dict())
         new = self.combine(prev, collection)
         state = OrderedDict((k, new[k].detach().to(v.dtype).contiguous()) for k, v in prev.items())
+        bad = [k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+        if bad:  # never published: the previous model (and server state) stay
+            self.algorithm.server.load_state_dict(saved)
+            row["refused"] = f"non-finite next model ({len(bad)} tensors, first {bad[0]!r})"
+            return None, None, row
         knowledge = collection.knowledge.result() if collection.knowledge is not None else None
         return state, knowledge, row
 
@@ -337,7 +347,7 @@ class SyncStrategy(Strategy):
 
     def combine(self, prev: State, collection: Collection) -> dict[str, torch.Tensor]:
         acc = collection.accumulator
-        return self.algorithm.server.finalize(prev, acc.mean(), acc.count)
+        return self.algorithm.server.finalize(prev, acc.center(), acc.count)
 
     def row(self, c: Collection) -> dict[str, Any]:
         return {**super().row(c), "selected": len(self.selected)}
@@ -364,6 +374,7 @@ def staleness_function(cfg: RunConfig) -> Callable[[int], float]:
 
 class BufferedStrategy(Strategy):
     drain = "wait"
+    uploads_are_deltas = True
 
     @classmethod
     def check_config(cls, cfg: RunConfig) -> None:
@@ -491,8 +502,11 @@ class BufferedStrategy(Strategy):
 
     def combine(self, prev: State, collection: Collection) -> dict[str, torch.Tensor]:
         acc = collection.accumulator
-        mean = acc.mean()  # sum_i w_i delta_i / sum_i w_i, w_i = s(age_i) n_i
-        scale = self.cfg.server_lr * acc.total_weight / collection.samples
+        if acc.rule.keeps_uploads:  # a robust center of the deltas, unweighted
+            mean, scale = acc.center(), self.cfg.server_lr
+        else:
+            mean = acc.mean()  # sum_i w_i delta_i / sum_i w_i, w_i = s(age_i) n_i
+            scale = self.cfg.server_lr * acc.total_weight / collection.samples
         out: dict[str, torch.Tensor] = {}
         for k, x in prev.items():
             step = mean[k].to(torch.float64) * scale

@@ -118,6 +118,11 @@ class Upload:
             validate_knowledge(k, e.dataset.num_classes, e.cfg.code_len)
         except ValueError as err:
             raise ChunkError(f"knowledge: {err}") from None
+        total = sum(ck.count for ck in k.values())
+        if total > self.ticket.samples:  # the counts weight the knowledge: no more than the upload's samples
+            raise ChunkError(
+                f"knowledge: class counts sum to {total}, more than the upload's {self.ticket.samples} samples"
+            )
         return k
 
     async def close(self) -> None:

@@ -1,0 +1,163 @@
+"""Bounded influence: update-norm clipping, coordinate-wise trimmed mean and median against numpy
+re-computations, and a next model that is not finite never replacing the previous one."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from wafl.common.algorithms import registry
+from wafl.common.codec import iter_chunks, manifest_of
+from wafl.common.config import ConfigError, load_config
+from wafl.server.aggregator import Accumulator, Rule
+from wafl.server.strategy import make_strategy
+
+
+def make_state(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "conv.weight": torch.randn(4, 3, 3, 3, generator=g) * scale,
+        "fc.weight": torch.randn(60, 50, generator=g) * scale,  # several chunks at 4 KiB
+        "fc.bias": (torch.randn(50, generator=g) * min(scale, 1e3)).to(torch.float16),  # float16 ends at 65504
+        "bn.num_batches_tracked": torch.tensor(seed * 10, dtype=torch.int64),
+    }
+
+
+def fold(acc: Accumulator, state: dict[str, torch.Tensor], weight: float, commit: bool = True):
+    specs = {s.name: s for s in acc.manifest}
+    f = acc.begin(weight)
+    for c in iter_chunks(state.items(), 4096):
+        f.add(specs[c.name], c)
+    if commit:
+        f.commit()
+    return f
+
+
+def as_np(state: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    return {k: v.double().numpy() for k, v in state.items()}
+
+
+def close(got: torch.Tensor, want: np.ndarray) -> None:
+    if got.is_floating_point():
+        tol = 2e-3 if got.dtype == torch.float16 else 1e-5
+        np.testing.assert_allclose(got.double().numpy(), want, rtol=tol, atol=tol)
+    else:
+        np.testing.assert_array_equal(got.numpy(), np.round(want).astype(np.int64))
+
+
+def clipped(states, ref, bound):
+    """Each state's floating-point update scaled to L2 norm <= bound (integers unchanged)."""
+    out = []
+    for st in states:
+        x = as_np(st)
+        floats = [k for k, v in st.items() if v.is_floating_point()]
+        norm = math.sqrt(sum(float(((x[k] - ref[k]) ** 2).sum()) for k in floats))
+        s = min(1.0, bound / norm)
+        out.append({k: (ref[k] + s * (x[k] - ref[k])) if k in floats else x[k] for k in x})
+    return out
+
+
+def test_clipped_mean_matches_numpy() -> None:
+    ref_state = make_state(100)
+    states = [make_state(1), make_state(2, scale=50.0), make_state(3, scale=1e6)]  # the last two are clipped
+    weights = [3.0, 5.0, 2.0]
+    acc = Accumulator(manifest_of(ref_state), rule=Rule(clip_norm=4.0))
+    acc.set_reference(ref_state)
+    for st, w in zip(states, weights):
+        fold(acc, st, w)
+    ref = as_np(ref_state)
+    want = clipped(states, ref, 4.0)
+    got = acc.center()
+    for k in ref:
+        close(got[k], sum(w * x[k] for w, x in zip(weights, want)) / sum(weights))
+    # no client moved the model by more than the bound: the mean's update is within it too
+    floats = [k for k, v in ref_state.items() if v.is_floating_point()]
+    moved = math.sqrt(sum(float(((got[k].double().numpy() - ref[k]) ** 2).sum()) for k in floats))
+    assert moved <= 4.0 + 1e-3
+
+
+def test_clipping_leaves_small_updates_and_rollbacks_exact() -> None:
+    ref_state = make_state(100)
+    small = {k: (v + 0.001).to(v.dtype) if v.is_floating_point() else v for k, v in ref_state.items()}
+    acc = Accumulator(manifest_of(ref_state), rule=Rule(clip_norm=100.0))
+    acc.set_reference(ref_state)
+    fold(acc, make_state(7, scale=1e4), 1.0, commit=False).rollback()  # never counts
+    fold(acc, small, 1.0)
+    got = acc.center()
+    for k, v in as_np(small).items():
+        close(got[k], v)
+
+
+@pytest.mark.parametrize("center", ["median", "trimmed_mean"])
+def test_robust_centers_match_numpy(center: str) -> None:
+    states = [make_state(s) for s in range(5)] + [make_state(9, scale=1e8)]  # one poisoned upload
+    acc = Accumulator(manifest_of(states[0]), rule=Rule(center=center, trim=0.2))
+    for i, st in enumerate(states):
+        fold(acc, st, float(i + 1))  # weights play no part in these centers
+    got = acc.center()
+    for k in states[0]:
+        stack = np.stack([as_np(st)[k] for st in states])
+        if center == "median":
+            want = np.median(stack, axis=0)
+        else:
+            cut = math.floor(0.2 * len(states))  # 1 of 6 dropped at each end of every coordinate
+            want = np.sort(stack, axis=0)[cut : len(states) - cut].mean(axis=0)
+        close(got[k], want)
+        if got[k].is_floating_point():
+            assert float(got[k].abs().max()) < 100  # the poisoned values never reach the result
+    acc.reset()  # the kept uploads are released; the accumulator serves the next round
+    fold(acc, states[0], 1.0)
+    for k, v in as_np(states[0]).items():
+        close(acc.center()[k], v)
+
+
+def test_trimmed_mean_with_clipping_matches_numpy() -> None:
+    ref_state = make_state(100)
+    states = [make_state(s, scale=1.0 + s) for s in range(4)]
+    acc = Accumulator(manifest_of(ref_state), rule=Rule(center="trimmed_mean", trim=0.25, clip_norm=10.0))
+    acc.set_reference(ref_state)
+    for st in states:
+        fold(acc, st, 1.0)
+    want = clipped(states, as_np(ref_state), 10.0)
+    got = acc.center()
+    for k in ref_state:
+        stack = np.sort(np.stack([x[k] for x in want]), axis=0)
+        close(got[k], stack[1:3].mean(axis=0))
+
+
+def upload(s, cid: str, round: int, tensors, samples: int) -> None:
+    t = s.open(cid, round, samples, f"{cid}-{round}", 0.0)
+    fold(t.collection.accumulator, tensors, t.weight)
+    s.commit(t, {"train_loss": 1.0}, None, 100, 0.0)
+
+
+def test_a_non_finite_next_model_is_never_published() -> None:
+    # FedDyn's server update w = mean - h/alpha overflows float32 for uploads near its largest value
+    cfg = load_config(None, {"num_clients": 2, "algorithm": "feddyn", "params": {"alpha": 0.01}})
+    prev = {"w": torch.zeros(3, 2), "b": torch.zeros(2)}
+    algo = registry.resolve(cfg.algorithm, cfg.params, vars(cfg))
+    s = make_strategy(cfg, algo, 10, lambda: Accumulator(manifest_of(prev)))
+    s.join("a", 0, 10)
+    s.join("b", 1, 10)
+    s.start(0.0)
+    huge = {k: torch.full_like(v, 3.0e38) for k, v in prev.items()}
+    upload(s, "a", 1, huge, 10)
+    upload(s, "b", 1, huge, 10)
+    state, knowledge, row = s.aggregate(prev, s.close(1.0))
+    assert state is None and knowledge is None
+    assert row["refused"].startswith("non-finite next model")
+    assert algo.server.state_dict()["h"] == {}  # the server state of the refused round was rolled back
+    assert s.aggregations == 1  # the round counts; the previous model stays
+
+
+def test_robust_options_are_validated() -> None:
+    cfg = load_config(None, {"aggregator": "median", "clip_norm": 2.5, "trim_fraction": 0.3})
+    assert (cfg.aggregator, cfg.clip_norm, cfg.trim_fraction) == ("median", 2.5, 0.3)
+    for bad, match in [
+        ({"aggregator": "mode"}, "aggregator="),
+        ({"trim_fraction": 0.5}, "trim_fraction="),
+        ({"clip_norm": 0.0}, "clip_norm="),
+        ({"clip_norm": float("inf")}, "clip_norm="),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            load_config(None, bad)
