@@ -3,12 +3,13 @@
 
 The server and the ``wafl client`` run as processes; the Node.js client joins as index 0, checks
 every broadcast (manifest order, byte offsets, chunk count, CRC-32), uploads for every round it
-is asked to train in, ignores the reply of one upload and cancels another right after its
-trailer, retrying both under the same idempotency key, and sends its final report. The test then
-re-computes every aggregate: the ``wafl client``'s updates by replaying its training in this
-process (the same configuration, index and received models), the Node.js client's from the bytes
-it uploaded, FedAvg by their declared sample counts; and the results' ``train_loss`` as the mean
-of both clients' losses weighted by samples.
+is asked to train in (clients are activated at random: some rounds select it alone, some the
+``wafl client`` alone, some both), ignores the reply of one upload and cancels another right
+after its trailer, retrying both under the same idempotency key, and sends its final report. The
+test then re-computes every aggregate: the ``wafl client``'s updates by replaying its training in
+this process (the same configuration, index and received models), the Node.js client's from the
+bytes it uploaded, FedAvg of the selected clients by their declared sample counts; and the
+results' ``train_loss`` as the mean of the selected clients' losses weighted by samples.
 
 The npm packages come from ``scripts/node_modules.sh`` (a cache outside the clone, keyed by the
 lockfile, installed with ``npm ci`` from the registry when missing).
@@ -29,19 +30,21 @@ import torch
 from independent_client import NUMPY_BY_DTYPE_NAME, REPO, ServerProcess
 from wafl.client.trainer import Trainer
 from wafl.common.config import RunConfig
+from wafl.server.selection import select_clients
 
-ROUNDS = 3
+ROUNDS = 4
 NODE_SAMPLES = 300
 CONFIG = {
     "num_clients": 2,
     "rounds": ROUNDS,
+    "act_prob": 0.6,  # with seed 0: the Node.js client alone, both twice, the wafl client alone
     "dataset": "synthetic-cifar10",  # its cnn has an 8 MiB tensor: broadcasts mix single chunks and batches
     "model": "cnn",
     "algorithm": "fedavg",
     "local_epochs": 1,
     "eval_every": 0,
     "checkpoint": False,
-    "seed": 3,
+    "seed": 0,
     "join_timeout_s": 180,
     "round_deadline_s": 180,
 }
@@ -68,6 +71,11 @@ def read_tensors(path: Path, manifest: list[dict[str, Any]]) -> dict[str, np.nda
 
 
 def test_node_client_finishes_a_federation_beside_a_wafl_client(tmp_path: Path) -> None:
+    ids = ["node-0", "client-1"]  # in index order
+    selected = {r: select_clients(CONFIG["seed"], r, ids, 1.0, CONFIG["act_prob"]) for r in range(1, ROUNDS + 1)}
+    assert {frozenset(s) for s in selected.values()} == {frozenset(ids), frozenset(ids[:1]), frozenset(ids[1:])}
+    both = [r for r in range(1, ROUNDS + 1) if selected[r] == set(ids)]
+    drop_round, cancel_round = both[0], both[1]
     modules = node_modules()
     server = ServerProcess(CONFIG, tmp_path / "server")
     node_out = tmp_path / "node"
@@ -80,7 +88,8 @@ def test_node_client_finishes_a_federation_beside_a_wafl_client(tmp_path: Path) 
                 str(REPO / "tests" / "node_client" / "client.js"),
                 *("--server", server.address, "--proto", str(REPO / "protos" / "wafl" / "v1" / "federation.proto")),
                 *("--index", "0", "--client-id", "node-0", "--num-samples", str(NODE_SAMPLES)),
-                *("--out", str(node_out), "--drop-reply-round", "1", "--cancel-round", "2"),
+                *("--out", str(node_out), "--drop-reply-round", str(drop_round)),
+                *("--cancel-round", str(cancel_round)),
             ],
             env=dict(env, NODE_PATH=modules),
             stdout=subprocess.PIPE,
@@ -115,42 +124,48 @@ def test_node_client_finishes_a_federation_beside_a_wafl_client(tmp_path: Path) 
     assert sorted(models) == list(range(1, ROUNDS + 2)), sorted(models)
     assert models[ROUNDS + 1]["final"] and not models[ROUNDS + 1]["train"]
     for r in range(1, ROUNDS + 1):
-        assert models[r]["train"] and not models[r]["final"]
+        assert models[r]["train"] == ("node-0" in selected[r]) and not models[r]["final"]
     for m in models.values():
         assert m["singles"] > 0 and m["batches"] > 0, m  # both kinds of tensor message arrived
         assert zlib.crc32((node_out / f"recv-{m['round']}.bin").read_bytes()) == m["crc32"]
     uploads = {u["round"]: u for u in summary["uploads"]}
-    assert sorted(uploads) == list(range(1, ROUNDS + 1))
+    assert sorted(uploads) == [r for r in range(1, ROUNDS + 1) if "node-0" in selected[r]]
     for u in uploads.values():
         assert u["singles"] > 0 and u["batches"] > 0, u
         assert u["attempts"][-1]["status"] == "OK"
-    # round 1: the first reply was dropped; the retry under the same key got the same answer
-    dropped = uploads[1]["attempts"]
+    # the first reply was dropped; the retry under the same key got the same answer
+    dropped = uploads[drop_round]["attempts"]
     assert [a["status"] for a in dropped] == ["OK", "OK"], dropped
-    # round 2: cancelled after the trailer; committed or rolled back, the retry is answered OK
-    cancelled = uploads[2]["attempts"]
+    # cancelled after the trailer; committed or rolled back, the retry is answered OK
+    cancelled = uploads[cancel_round]["attempts"]
     assert cancelled[0]["mode"] == "cancel" and cancelled[-1]["status"] == "OK", cancelled
     assert summary["final_reported"]
 
-    # re-computation: the wafl client's training replayed here, FedAvg by declared samples
+    # re-computation: the wafl client's training replayed here (it trains only when selected), the
+    # FedAvg of the selected clients' updates by their declared samples
     cfg = RunConfig.from_json((server.out_dir / "config.json").read_text()).validate()
     trainer = Trainer(cfg, 1, device="cpu")
-    n_node, n_wafl = float(NODE_SAMPLES), float(trainer.num_samples)
     losses = []
     for r in range(1, ROUNDS + 1):
         received = read_tensors(node_out / f"recv-{r}.bin", manifest)
-        trainer.begin_round(r, {k: torch.from_numpy(v.copy()) for k, v in received.items()})
-        stats = trainer.train_gm()
-        losses.append((n_node * (1 / (r + 1)) + n_wafl * stats.mean_loss) / (n_node + n_wafl))
-        wafl_update = {k: v.numpy() for k, v in trainer.gm_upload_state().items()}
-        node_update = read_tensors(node_out / f"up-{r}.bin", manifest)
+        updates: list[tuple[float, dict[str, np.ndarray], float]] = []  # (samples, tensors, train_loss)
+        if "node-0" in selected[r]:
+            updates.append((float(NODE_SAMPLES), read_tensors(node_out / f"up-{r}.bin", manifest), 1 / (r + 1)))
+        if "client-1" in selected[r]:
+            trainer.begin_round(r, {k: torch.from_numpy(v.copy()) for k, v in received.items()})
+            stats = trainer.train_gm()
+            wafl_update = {k: v.numpy() for k, v in trainer.gm_upload_state().items()}
+            updates.append((float(trainer.num_samples), wafl_update, stats.mean_loss))
+        total_samples = sum(n for n, _, _ in updates)
+        losses.append(sum(n * loss for n, _, loss in updates) / total_samples)
         got = read_tensors(node_out / f"recv-{r + 1}.bin", manifest)
         for name, value in got.items():
-            total = n_node * node_update[name].astype(np.float64) + n_wafl * wafl_update[name].astype(np.float64)
-            expected = (total * (1.0 / (n_node + n_wafl))).astype(value.dtype)
-            np.testing.assert_array_max_ulp(value, expected, maxulp=1)
+            total = sum(n * t[name].astype(np.float64) for n, t, _ in updates)
+            expected = (total * (1.0 / total_samples)).astype(value.dtype)
+            np.testing.assert_array_max_ulp(value, expected, maxulp=1)  # the server sums in float64
     rows = [json.loads(line) for line in (server.out_dir / "results.jsonl").read_text().splitlines()]
     assert [row["round"] for row in rows] == list(range(1, ROUNDS + 1))
-    assert [row["clients"] for row in rows] == [2] * ROUNDS  # the retried uploads counted once
+    # the retried uploads counted once
+    assert [row["clients"] for row in rows] == [len(selected[r]) for r in range(1, ROUNDS + 1)]
     for row, loss in zip(rows, losses, strict=True):
         assert abs(row["train_loss"] - loss) < 1e-5, (row["train_loss"], loss)
