@@ -7,8 +7,8 @@ from wafl.cli.simulate import simulate
 from wafl.common.algorithms import registry
 from wafl.common.config import load_config
 
-PERSONAL = ["fedrep", "fedbabu", "fedrod"]
-GLOBAL = ["moon", "fedsam", "scaffold"]
+PERSONAL = ["fedrep", "fedbabu", "fedrod", "pfedme"]
+GLOBAL = ["moon", "fedsam", "scaffold", "fedspeed"]
 CASES = [(a, p) for a in PERSONAL for p in ("wait-free", "compute-and-wait")] + [(a, "wait-free") for a in GLOBAL]
 
 
