@@ -171,6 +171,8 @@ class Trainer:
         assert self.ctx is not None and self.algorithm.phases is not None
         stats = PhaseStats()
         for phase in self.algorithm.phases:
+            if phase.when is not None and not phase.when(self.ctx):
+                continue
             data = self._data(phase, phase.epochs if phase.epochs is not None else self.cfg.local_epochs)
             opt = self._optimizer(parameters_of(self.gm, phase.params), phase)
             stats = stats.add(train_phase(self.gm, phase, self.ctx, data, opt))

@@ -172,7 +172,8 @@ class Phase:
     instead. ``optimizer``: a factory over the trained parameters (None: the run's optimizer,
     fresh each phase). ``main``: composed regularizers (``+asd``) join this phase's terms.
     ``forward``: ``model -> (x -> (h, logits))`` when the phase's logits are not the model's own
-    (FedRoD's personal head).
+    (FedRoD's personal head). On the public split (``data="public"``) a batch's ``y`` is each
+    sample's position in the split, not its label (FedMD's consensus rows).
     """
 
     name: str = "gm"
@@ -186,7 +187,7 @@ class Phase:
     data: Literal["local", "public"] = "local"
     main: bool = True
     forward: Callable[[nn.Module], Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] | None = None
-    labels: bool = True  # False: the public split's labels are not used (the terms read ``out.x`` only)
+    when: Callable[[RoundContext], bool] | None = None  # None: every round; else the phase runs when true
 
 
 def parameters_of(model: nn.Module, which: ParamSet) -> list[nn.Parameter]:
