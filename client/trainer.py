@@ -75,6 +75,7 @@ class Trainer:
         self.test_idx = shard.test
         counts = np.bincount(self.data.train_labels[self.train_idx], minlength=self.data.num_classes)
         self.label_freq = torch.as_tensor(counts / counts.sum(), dtype=torch.float32, device=self.device)
+        self.label_counts = torch.as_tensor(counts, dtype=torch.float32)
         torch.manual_seed(cfg.seed)  # every process starts from the same initial weights
         self.gm = self.algorithm.build(
             build_model(cfg.model, self.data.num_classes, self.data.in_channels, self.data.image_size, cfg.code_len)
@@ -129,6 +130,8 @@ class Trainer:
             extras,
             selected,
             self.public_batches if self.algorithm.public_size else None,
+            self.index,
+            self.label_counts,
         )
         self.algorithm.hooks.begin(self.ctx)
         return self.ctx

@@ -73,6 +73,8 @@ class RoundContext:
         extras: Mapping[str, torch.Tensor] | None = None,
         selected: bool = True,
         public: Any = None,
+        index: int = 0,
+        label_counts: torch.Tensor | None = None,
     ) -> None:
         self.round = round
         self.global_state = global_state  # the received model tensors (the shared part of the model)
@@ -83,6 +85,8 @@ class RoundContext:
         self.knowledge = knowledge or {}
         self.extras: dict[str, torch.Tensor] = dict(extras or {})  # the received extra tensors, by short name
         self.selected = selected
+        self.index = index  # the client's index (seeds for a method's own sampling)
+        self.label_counts = label_counts if label_counts is not None else label_freq  # per-class train counts
         self.public = public  # the public split's batches factory, for algorithms that declare one
 
     @cached_property
