@@ -248,6 +248,7 @@ class RoundEngine:
             num_classes=self.dataset.num_classes,
             code_len=self.cfg.code_len,
             session_credential=issued,
+            max_samples=self.shard_sizes[req.client_index],
         )
 
     def authorize(self, client_id: str, credential: str) -> None:

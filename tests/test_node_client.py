@@ -145,12 +145,14 @@ def test_node_client_finishes_a_federation_beside_a_wafl_client(tmp_path: Path) 
     # FedAvg of the selected clients' updates by their declared samples
     cfg = RunConfig.from_json((server.out_dir / "config.json").read_text()).validate()
     trainer = Trainer(cfg, 1, device="cpu")
+    node_samples = float(summary["num_samples"])  # --num-samples, at most JoinReply.max_samples
+    assert 0 < node_samples <= NODE_SAMPLES
     losses = []
     for r in range(1, ROUNDS + 1):
         received = read_tensors(node_out / f"recv-{r}.bin", manifest)
         updates: list[tuple[float, dict[str, np.ndarray], float]] = []  # (samples, tensors, train_loss)
         if "node-0" in selected[r]:
-            updates.append((float(NODE_SAMPLES), read_tensors(node_out / f"up-{r}.bin", manifest), 1 / (r + 1)))
+            updates.append((node_samples, read_tensors(node_out / f"up-{r}.bin", manifest), 1 / (r + 1)))
         if "client-1" in selected[r]:
             trainer.begin_round(r, {k: torch.from_numpy(v.copy()) for k, v in received.items()})
             stats = trainer.train_gm()

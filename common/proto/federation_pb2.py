@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18wafl/v1/federation.proto\x12\x07wafl.v1\"H\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1d\n\x05\x64type\x18\x02 \x01(\x0e\x32\x0e.wafl.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\"g\n\x0bTensorChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1d\n\x05\x64type\x18\x02 \x01(\x0e\x32\x0e.wafl.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x0f \x01(\x0c\"8\n\x10TensorChunkBatch\x12$\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x14.wafl.v1.TensorChunk\"b\n\x0e\x43lassKnowledge\x12\x10\n\x08\x63lass_id\x18\x01 \x01(\x05\x12\r\n\x05\x63ount\x18\x02 \x01(\x03\x12\x16\n\x0erepresentation\x18\x03 \x03(\x02\x12\x17\n\x0fsoft_prediction\x18\x04 \x03(\x02\"\x8a\x01\n\x0bJoinRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\x12\x18\n\x10protocol_version\x18\x03 \x01(\r\x12\x14\n\x0c\x63lient_index\x18\x04 \x01(\x05\x12\x13\n\x0bnum_samples\x18\x05 \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\tJ\x04\x08\x06\x10\x07\"\xcb\x01\n\tJoinReply\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\talgorithm\x18\x02 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12%\n\x08manifest\x18\x05 \x03(\x0b\x32\x13.wafl.v1.TensorSpec\x12\r\n\x05round\x18\x06 \x01(\x03\x12\x13\n\x0bnum_classes\x18\x07 \x01(\x05\x12\x10\n\x08\x63ode_len\x18\x08 \x01(\x05\x12\x1a\n\x12session_credential\x18\t \x01(\t\"5\n\x10\x42roadcastRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tclient_id\x18\x02 \x01(\t\"\x84\x01\n\x0f\x42roadcastHeader\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\r\n\x05\x66inal\x18\x04 \x01(\x08\x12\x13\n\x0bnum_tensors\x18\x05 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x06 \x01(\x03\x12\r\n\x05train\x18\x08 \x01(\x08J\x04\x08\x03\x10\x04J\x04\x08\x07\x10\x08\"5\n\x10\x42roadcastTrailer\x12\r\n\x05\x63rc32\x18\x01 \x01(\r\x12\x12\n\nnum_chunks\x18\x02 \x01(\x03\"\xf5\x01\n\x10\x42roadcastMessage\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x18.wafl.v1.BroadcastHeaderH\x00\x12%\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x14.wafl.v1.TensorChunkH\x00\x12,\n\tknowledge\x18\x03 \x01(\x0b\x32\x17.wafl.v1.ClassKnowledgeH\x00\x12,\n\x07trailer\x18\x04 \x01(\x0b\x32\x19.wafl.v1.BroadcastTrailerH\x00\x12*\n\x05\x62\x61tch\x18\x05 \x01(\x0b\x32\x19.wafl.v1.TensorChunkBatchH\x00\x42\x06\n\x04kind\"\xd3\x01\n\x0cUploadHeader\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x11\n\tclient_id\x18\x03 \x01(\t\x12\x13\n\x0bnum_samples\x18\x04 \x01(\x03\x12\x17\n\x0fidempotency_key\x18\x05 \x01(\t\x12\x33\n\x07metrics\x18\x06 \x03(\x0b\x32\".wafl.v1.UploadHeader.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"2\n\rUploadTrailer\x12\r\n\x05\x63rc32\x18\x01 \x01(\r\x12\x12\n\nnum_chunks\x18\x02 \x01(\x03\"\xec\x01\n\rUploadMessage\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.wafl.v1.UploadHeaderH\x00\x12%\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x14.wafl.v1.TensorChunkH\x00\x12,\n\tknowledge\x18\x03 \x01(\x0b\x32\x17.wafl.v1.ClassKnowledgeH\x00\x12)\n\x07trailer\x18\x04 \x01(\x0b\x32\x16.wafl.v1.UploadTrailerH\x00\x12*\n\x05\x62\x61tch\x18\x05 \x01(\x0b\x32\x19.wafl.v1.TensorChunkBatchH\x00\x42\x06\n\x04kind\"F\n\x0bUploadReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\x03 \x01(\x03\"J\n\nPhaseEvent\x12\r\n\x05phase\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x0f\n\x07start_s\x18\x03 \x01(\x01\x12\r\n\x05\x65nd_s\x18\x04 \x01(\x01\"\xe9\x01\n\rReportRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tclient_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x03\x12\x34\n\x07metrics\x18\x04 \x03(\x0b\x32#.wafl.v1.ReportRequest.MetricsEntry\x12%\n\x08timeline\x18\x05 \x03(\x0b\x32\x13.wafl.v1.PhaseEvent\x12\x19\n\x11\x63lient_start_unix\x18\x06 \x01(\x01\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\r\n\x0bReportReply*~\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x12\x0b\n\x07\x46LOAT64\x10\x04\x12\t\n\x05INT64\x10\x05\x12\t\n\x05INT32\x10\x06\x12\t\n\x05UINT8\x10\x07\x12\x08\n\x04\x42OOL\x10\x08\x32\xf6\x01\n\nFederation\x12\x30\n\x04Join\x12\x14.wafl.v1.JoinRequest\x1a\x12.wafl.v1.JoinReply\x12\x44\n\nBroadcasts\x12\x19.wafl.v1.BroadcastRequest\x1a\x19.wafl.v1.BroadcastMessage0\x01\x12\x38\n\x06Upload\x12\x16.wafl.v1.UploadMessage\x1a\x14.wafl.v1.UploadReply(\x01\x12\x36\n\x06Report\x12\x16.wafl.v1.ReportRequest\x1a\x14.wafl.v1.ReportReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18wafl/v1/federation.proto\x12\x07wafl.v1\"H\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1d\n\x05\x64type\x18\x02 \x01(\x0e\x32\x0e.wafl.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\"g\n\x0bTensorChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1d\n\x05\x64type\x18\x02 \x01(\x0e\x32\x0e.wafl.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x0f \x01(\x0c\"8\n\x10TensorChunkBatch\x12$\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x14.wafl.v1.TensorChunk\"b\n\x0e\x43lassKnowledge\x12\x10\n\x08\x63lass_id\x18\x01 \x01(\x05\x12\r\n\x05\x63ount\x18\x02 \x01(\x03\x12\x16\n\x0erepresentation\x18\x03 \x03(\x02\x12\x17\n\x0fsoft_prediction\x18\x04 \x03(\x02\"\x8a\x01\n\x0bJoinRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\x12\x18\n\x10protocol_version\x18\x03 \x01(\r\x12\x14\n\x0c\x63lient_index\x18\x04 \x01(\x05\x12\x13\n\x0bnum_samples\x18\x05 \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\tJ\x04\x08\x06\x10\x07\"\xe0\x01\n\tJoinReply\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\talgorithm\x18\x02 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12%\n\x08manifest\x18\x05 \x03(\x0b\x32\x13.wafl.v1.TensorSpec\x12\r\n\x05round\x18\x06 \x01(\x03\x12\x13\n\x0bnum_classes\x18\x07 \x01(\x05\x12\x10\n\x08\x63ode_len\x18\x08 \x01(\x05\x12\x1a\n\x12session_credential\x18\t \x01(\t\x12\x13\n\x0bmax_samples\x18\n \x01(\x03\"5\n\x10\x42roadcastRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tclient_id\x18\x02 \x01(\t\"\x84\x01\n\x0f\x42roadcastHeader\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\r\n\x05\x66inal\x18\x04 \x01(\x08\x12\x13\n\x0bnum_tensors\x18\x05 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x06 \x01(\x03\x12\r\n\x05train\x18\x08 \x01(\x08J\x04\x08\x03\x10\x04J\x04\x08\x07\x10\x08\"5\n\x10\x42roadcastTrailer\x12\r\n\x05\x63rc32\x18\x01 \x01(\r\x12\x12\n\nnum_chunks\x18\x02 \x01(\x03\"\xf5\x01\n\x10\x42roadcastMessage\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x18.wafl.v1.BroadcastHeaderH\x00\x12%\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x14.wafl.v1.TensorChunkH\x00\x12,\n\tknowledge\x18\x03 \x01(\x0b\x32\x17.wafl.v1.ClassKnowledgeH\x00\x12,\n\x07trailer\x18\x04 \x01(\x0b\x32\x19.wafl.v1.BroadcastTrailerH\x00\x12*\n\x05\x62\x61tch\x18\x05 \x01(\x0b\x32\x19.wafl.v1.TensorChunkBatchH\x00\x42\x06\n\x04kind\"\xd3\x01\n\x0cUploadHeader\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x11\n\tclient_id\x18\x03 \x01(\t\x12\x13\n\x0bnum_samples\x18\x04 \x01(\x03\x12\x17\n\x0fidempotency_key\x18\x05 \x01(\t\x12\x33\n\x07metrics\x18\x06 \x03(\x0b\x32\".wafl.v1.UploadHeader.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"2\n\rUploadTrailer\x12\r\n\x05\x63rc32\x18\x01 \x01(\r\x12\x12\n\nnum_chunks\x18\x02 \x01(\x03\"\xec\x01\n\rUploadMessage\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.wafl.v1.UploadHeaderH\x00\x12%\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x14.wafl.v1.TensorChunkH\x00\x12,\n\tknowledge\x18\x03 \x01(\x0b\x32\x17.wafl.v1.ClassKnowledgeH\x00\x12)\n\x07trailer\x18\x04 \x01(\x0b\x32\x16.wafl.v1.UploadTrailerH\x00\x12*\n\x05\x62\x61tch\x18\x05 \x01(\x0b\x32\x19.wafl.v1.TensorChunkBatchH\x00\x42\x06\n\x04kind\"F\n\x0bUploadReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\x03 \x01(\x03\"J\n\nPhaseEvent\x12\r\n\x05phase\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x0f\n\x07start_s\x18\x03 \x01(\x01\x12\r\n\x05\x65nd_s\x18\x04 \x01(\x01\"\xe9\x01\n\rReportRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tclient_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x03\x12\x34\n\x07metrics\x18\x04 \x03(\x0b\x32#.wafl.v1.ReportRequest.MetricsEntry\x12%\n\x08timeline\x18\x05 \x03(\x0b\x32\x13.wafl.v1.PhaseEvent\x12\x19\n\x11\x63lient_start_unix\x18\x06 \x01(\x01\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\r\n\x0bReportReply*~\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x12\x0b\n\x07\x46LOAT64\x10\x04\x12\t\n\x05INT64\x10\x05\x12\t\n\x05INT32\x10\x06\x12\t\n\x05UINT8\x10\x07\x12\x08\n\x04\x42OOL\x10\x08\x32\xf6\x01\n\nFederation\x12\x30\n\x04Join\x12\x14.wafl.v1.JoinRequest\x1a\x12.wafl.v1.JoinReply\x12\x44\n\nBroadcasts\x12\x19.wafl.v1.BroadcastRequest\x1a\x19.wafl.v1.BroadcastMessage0\x01\x12\x38\n\x06Upload\x12\x16.wafl.v1.UploadMessage\x1a\x14.wafl.v1.UploadReply(\x01\x12\x36\n\x06Report\x12\x16.wafl.v1.ReportRequest\x1a\x14.wafl.v1.ReportReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,8 +35,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_UPLOADHEADER_METRICSENTRY']._serialized_options = b'8\001'
   _globals['_REPORTREQUEST_METRICSENTRY']._loaded_options = None
   _globals['_REPORTREQUEST_METRICSENTRY']._serialized_options = b'8\001'
-  _globals['_DTYPE']._serialized_start=2118
-  _globals['_DTYPE']._serialized_end=2244
+  _globals['_DTYPE']._serialized_start=2139
+  _globals['_DTYPE']._serialized_end=2265
   _globals['_TENSORSPEC']._serialized_start=37
   _globals['_TENSORSPEC']._serialized_end=109
   _globals['_TENSORCHUNK']._serialized_start=111
@@ -48,33 +48,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_JOINREQUEST']._serialized_start=375
   _globals['_JOINREQUEST']._serialized_end=513
   _globals['_JOINREPLY']._serialized_start=516
-  _globals['_JOINREPLY']._serialized_end=719
-  _globals['_BROADCASTREQUEST']._serialized_start=721
-  _globals['_BROADCASTREQUEST']._serialized_end=774
-  _globals['_BROADCASTHEADER']._serialized_start=777
-  _globals['_BROADCASTHEADER']._serialized_end=909
-  _globals['_BROADCASTTRAILER']._serialized_start=911
-  _globals['_BROADCASTTRAILER']._serialized_end=964
-  _globals['_BROADCASTMESSAGE']._serialized_start=967
-  _globals['_BROADCASTMESSAGE']._serialized_end=1212
-  _globals['_UPLOADHEADER']._serialized_start=1215
-  _globals['_UPLOADHEADER']._serialized_end=1426
-  _globals['_UPLOADHEADER_METRICSENTRY']._serialized_start=1380
-  _globals['_UPLOADHEADER_METRICSENTRY']._serialized_end=1426
-  _globals['_UPLOADTRAILER']._serialized_start=1428
-  _globals['_UPLOADTRAILER']._serialized_end=1478
-  _globals['_UPLOADMESSAGE']._serialized_start=1481
-  _globals['_UPLOADMESSAGE']._serialized_end=1717
-  _globals['_UPLOADREPLY']._serialized_start=1719
-  _globals['_UPLOADREPLY']._serialized_end=1789
-  _globals['_PHASEEVENT']._serialized_start=1791
-  _globals['_PHASEEVENT']._serialized_end=1865
-  _globals['_REPORTREQUEST']._serialized_start=1868
-  _globals['_REPORTREQUEST']._serialized_end=2101
-  _globals['_REPORTREQUEST_METRICSENTRY']._serialized_start=1380
-  _globals['_REPORTREQUEST_METRICSENTRY']._serialized_end=1426
-  _globals['_REPORTREPLY']._serialized_start=2103
-  _globals['_REPORTREPLY']._serialized_end=2116
-  _globals['_FEDERATION']._serialized_start=2247
-  _globals['_FEDERATION']._serialized_end=2493
+  _globals['_JOINREPLY']._serialized_end=740
+  _globals['_BROADCASTREQUEST']._serialized_start=742
+  _globals['_BROADCASTREQUEST']._serialized_end=795
+  _globals['_BROADCASTHEADER']._serialized_start=798
+  _globals['_BROADCASTHEADER']._serialized_end=930
+  _globals['_BROADCASTTRAILER']._serialized_start=932
+  _globals['_BROADCASTTRAILER']._serialized_end=985
+  _globals['_BROADCASTMESSAGE']._serialized_start=988
+  _globals['_BROADCASTMESSAGE']._serialized_end=1233
+  _globals['_UPLOADHEADER']._serialized_start=1236
+  _globals['_UPLOADHEADER']._serialized_end=1447
+  _globals['_UPLOADHEADER_METRICSENTRY']._serialized_start=1401
+  _globals['_UPLOADHEADER_METRICSENTRY']._serialized_end=1447
+  _globals['_UPLOADTRAILER']._serialized_start=1449
+  _globals['_UPLOADTRAILER']._serialized_end=1499
+  _globals['_UPLOADMESSAGE']._serialized_start=1502
+  _globals['_UPLOADMESSAGE']._serialized_end=1738
+  _globals['_UPLOADREPLY']._serialized_start=1740
+  _globals['_UPLOADREPLY']._serialized_end=1810
+  _globals['_PHASEEVENT']._serialized_start=1812
+  _globals['_PHASEEVENT']._serialized_end=1886
+  _globals['_REPORTREQUEST']._serialized_start=1889
+  _globals['_REPORTREQUEST']._serialized_end=2122
+  _globals['_REPORTREQUEST_METRICSENTRY']._serialized_start=1401
+  _globals['_REPORTREQUEST_METRICSENTRY']._serialized_end=1447
+  _globals['_REPORTREPLY']._serialized_start=2124
+  _globals['_REPORTREPLY']._serialized_end=2137
+  _globals['_FEDERATION']._serialized_start=2268
+  _globals['_FEDERATION']._serialized_end=2514
 # @@protoc_insertion_point(module_scope)

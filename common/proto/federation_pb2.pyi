@@ -87,7 +87,7 @@ class JoinRequest(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., token: _Optional[str] = ..., protocol_version: _Optional[int] = ..., client_index: _Optional[int] = ..., num_samples: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("run_id", "algorithm", "config_json", "model", "manifest", "round", "num_classes", "code_len", "session_credential")
+    __slots__ = ("run_id", "algorithm", "config_json", "model", "manifest", "round", "num_classes", "code_len", "session_credential", "max_samples")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,7 @@ class JoinReply(_message.Message):
     NUM_CLASSES_FIELD_NUMBER: _ClassVar[int]
     CODE_LEN_FIELD_NUMBER: _ClassVar[int]
     SESSION_CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
+    MAX_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     algorithm: str
     config_json: str
@@ -106,7 +107,8 @@ class JoinReply(_message.Message):
     num_classes: int
     code_len: int
     session_credential: str
-    def __init__(self, run_id: _Optional[str] = ..., algorithm: _Optional[str] = ..., config_json: _Optional[str] = ..., model: _Optional[str] = ..., manifest: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., round: _Optional[int] = ..., num_classes: _Optional[int] = ..., code_len: _Optional[int] = ..., session_credential: _Optional[str] = ...) -> None: ...
+    max_samples: int
+    def __init__(self, run_id: _Optional[str] = ..., algorithm: _Optional[str] = ..., config_json: _Optional[str] = ..., model: _Optional[str] = ..., manifest: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., round: _Optional[int] = ..., num_classes: _Optional[int] = ..., code_len: _Optional[int] = ..., session_credential: _Optional[str] = ..., max_samples: _Optional[int] = ...) -> None: ...
 
 class BroadcastRequest(_message.Message):
     __slots__ = ("run_id", "client_id")

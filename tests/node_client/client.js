@@ -225,6 +225,10 @@ class Client {
     this.manifest = reply.manifest.map((s) => ({ name: s.name, dtype: s.dtype, shape: s.shape.map(Number) }));
     if (!this.manifest.length) fail("empty manifest");
     if (reply.session_credential) this.metadata.set("wafl-credential", reply.session_credential);
+    // an upload may declare at most this index's share of the data
+    if (!(Number(reply.max_samples) > 0)) fail(`max_samples ${reply.max_samples} in the Join reply`);
+    this.samples = Math.min(this.args.numSamples, Number(reply.max_samples));
+    this.summary.num_samples = this.samples;
     this.summary.run_id = this.runId;
     this.summary.manifest = this.manifest;
     this.summary.config = JSON.parse(reply.config_json);
@@ -262,7 +266,7 @@ class Client {
       run_id: this.runId,
       round,
       client_id: this.args.clientId,
-      num_samples: this.args.numSamples,
+      num_samples: this.samples,
       idempotency_key: key,
       metrics: { train_loss: 1 / (round + 1), train_steps: 1 },
     };
