@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
 import os
 import sys
 import threading
@@ -161,12 +162,16 @@ class RoundProtocol:
             with self.timeline.phase("gm_train", r):
                 stats = await asyncio.to_thread(t.train_gm)
                 knowledge = await asyncio.to_thread(t.knowledge)
-                metrics = {M.TRAIN_LOSS: stats.mean_loss, M.TRAIN_STEPS: float(stats.steps)}
+                # only declared, finite values travel (the server refuses others): no steps, no loss
+                metrics = {M.TRAIN_STEPS: float(stats.steps)}
+                if math.isfinite(stats.mean_loss):
+                    metrics[M.TRAIN_LOSS] = stats.mean_loss
                 if t.algorithm.knowledge is not None:
                     metrics[M.KNOWLEDGE_RECEIVED] = float(len(model.knowledge))
                 if t.algorithm.local_model_is_personal:
                     acc, n = await asyncio.to_thread(t.evaluate_personal)
-                    metrics.update({M.PM_ACCURACY: acc, M.PM_TEST_SAMPLES: float(n)})
+                    if n:  # an empty local test set has no accuracy
+                        metrics.update({M.PM_ACCURACY: acc, M.PM_TEST_SAMPLES: float(n)})
                 state = await asyncio.to_thread(t.gm_upload_state, model.state if self.deltas else None)
             await self._slow_down(self.timeline.now() - start, r)
         # the personal phase: after the GM (selected), or alone when the algorithm trains the personal
@@ -206,6 +211,8 @@ class RoundProtocol:
         with self.timeline.phase("evaluate", r):
             acc, n = await asyncio.to_thread(self.trainer.evaluate_personal)
         self.pm_trained_round = None
+        if not n:  # an empty local test set has no accuracy to report
+            return
         report = asyncio.create_task(self.session.report(r, {M.PM_ACCURACY: acc, M.PM_TEST_SAMPLES: float(n)}))
         self.reports.add(report)
         report.add_done_callback(self.reports.discard)
