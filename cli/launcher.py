@@ -72,7 +72,7 @@ def launch(
     out = out_dir or default_out(cfg)
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    for stale in ("results.jsonl", "reports.jsonl", "timelines.json", "server.json"):
+    for stale in ("results.jsonl", "reports.jsonl", "timelines.json", "server.json", "checkpoint.pt"):
         (out / stale).unlink(missing_ok=True)
     shutil.rmtree(out / "clients", ignore_errors=True)  # PMs of an earlier run in this folder would be resumed
     (out / "host_cpus.json").unlink(missing_ok=True)

@@ -14,6 +14,7 @@ from typing import Any
 from wafl.cli.cgroups import CpuQuotaUnavailable
 from wafl.cli.netns import LinkShapingUnavailable
 from wafl.common.config import ConfigError, RunConfig, load_config
+from wafl.common.errors import UsageError
 
 
 def _kv(text: str) -> tuple[str, Any]:
@@ -25,6 +26,16 @@ def _kv(text: str) -> tuple[str, Any]:
     except ValueError:
         value = v
     return k.strip(), value
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is outside 0..65535")
+    return port
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -110,6 +121,8 @@ def cmd_run(a: argparse.Namespace) -> int:
     from wafl.client.trainer import resolve_device
 
     cfg = _resolve_config(a)
+    if a.out and (Path(a.out) / "results.jsonl").exists():
+        raise UsageError(f"--out {a.out} already holds a run (results.jsonl): choose another folder")
     resolve_device(cfg.device)  # every client runs here: a missing GPU is an error now, not at join
     _check_link_rate(a.link_rate, cfg)
     _check_host_cpus(a.host_cpus, cfg)
@@ -146,14 +159,14 @@ def _check_host_cpus(spec: str | None, cfg: RunConfig) -> None:
 
 
 def cmd_server(a: argparse.Namespace) -> int:
-    from wafl.server.app import serve
+    from wafl.server.app import check_out_dir, serve
 
     cfg = _resolve_config(a)
     out = Path(a.out)
+    check_out_dir(out, a.resume)
     _setup_logging("server", a.log_file or str(out / "logs" / "server.jsonl"), a.quiet)
     _threads(a.threads)
     from wafl.common.tls import server_tls
-
     from wafl.server.auth import load_enrollment
 
     tls = server_tls(a.tls_cert, a.tls_key)
@@ -332,7 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("server", help="the aggregation server of one run")
     _config_args(s)
     s.add_argument("--host", default=os.environ.get("WAFL_HOST", "0.0.0.0"))
-    s.add_argument("--port", type=int, default=int(os.environ.get("WAFL_PORT", "50051")))
+    s.add_argument("--port", type=_port, default=os.environ.get("WAFL_PORT", "50051"), help="0: any free port")
     s.add_argument("--out", default=os.environ.get("WAFL_OUT", "runs/server"))
     s.add_argument("--token", help="shared secret clients must present (or WAFL_TOKEN)")
     s.add_argument(
@@ -437,6 +450,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.fn(args) or 0)
     except ConfigError as e:
         print(f"wafl: configuration error: {e}", file=sys.stderr)
+        return 2
+    except UsageError as e:
+        print(f"wafl: {e}", file=sys.stderr)
         return 2
     except (LinkShapingUnavailable, CpuQuotaUnavailable) as e:
         print(f"wafl: {e}", file=sys.stderr)

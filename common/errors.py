@@ -34,6 +34,11 @@ class Refused(Exception):
         self.code = code
 
 
+class UsageError(Exception):
+    """A mistake in how wafl was started (a file, a folder, an address); its message is one line
+    for the user, printed without a traceback."""
+
+
 class AlreadyAccepted(Exception):
     """A retry of an upload that was already committed (same client, version and idempotency key)."""
 

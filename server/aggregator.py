@@ -196,6 +196,9 @@ class UploadFold:
         self.state = "open"
         self.sq_norm = 0.0  # squared L2 norm of the update so far (with clipping)
         self.scale = 1.0  # the update's factor once committed (clipping)
+        # with clipping or a robust center nothing reaches the sums before the commit: the spill file
+        # holds the upload until its norm is known (or the center reads it back)
+        self.deferred = acc.rule.clip_norm is not None or acc.rule.keeps_uploads
 
     def _contribution(self, values: np.ndarray) -> np.ndarray:
         if self.scratch.size < values.size:
@@ -220,8 +223,9 @@ class UploadFold:
             if self.state != "open":
                 raise ChunkError("the round closed while this upload was streaming", Code.ABORTED)
             self.spill.write(chunk.data)
-            target = self.acc.sums[spec.name][start : start + values.size]
-            np.add(target, contribution, out=target)
+            if not self.deferred:
+                target = self.acc.sums[spec.name][start : start + values.size]
+                np.add(target, contribution, out=target)
             self.folded.append((spec.name, start, values.size, spec.dtype))
 
     def _update(self, name: str, start: int, values: np.ndarray) -> np.ndarray:
@@ -239,7 +243,8 @@ class UploadFold:
                 raise ChunkError("the round closed while this upload was streaming", Code.ABORTED)
             if clip is not None and norm > clip:
                 self.scale = clip / norm
-                self._replay(lambda name, start, v: (1.0 - self.scale) * self.weight * self._update(name, start, v))
+            if self.deferred and not self.acc.rule.keeps_uploads:
+                self._fold_spilled()
             self.acc.total_weight += self.weight
             self.acc.count += 1
             self.state = "committed"
@@ -250,15 +255,23 @@ class UploadFold:
                 return
         self._release()
 
-    def _replay(self, amount: object) -> None:
-        """Subtracts ``amount(name, start, float values)`` of every folded float chunk (lock held)."""
+    def _fold_spilled(self) -> None:
+        """Adds ``weight * (ref + scale * (x - ref))`` of every spilled chunk to the sums (lock held)."""
         self.spill.seek(0)
         for name, start, n, wire in self.folded:
-            data = self.spill.read(n * itemsize(wire))
-            if wire in FLOAT_WIRE_DTYPES:
-                target = self.acc.sums[name][start : start + n]
-                np.subtract(target, amount(name, start, numpy_view(data, wire)), out=target)  # type: ignore[operator]
-        self.spill.seek(0, 2)
+            target = self.acc.sums[name][start : start + n]
+            target += self.weight * self._clipped(
+                name, start, numpy_view(self.spill.read(n * itemsize(wire)), wire), wire
+            )
+
+    def _clipped(self, name: str, start: int, values: np.ndarray, wire: int) -> np.ndarray:
+        """Float64 values with the update scaled by ``scale`` (floating-point tensors only)."""
+        v = values.astype(np.float64)
+        if self.scale == 1.0 or wire not in FLOAT_WIRE_DTYPES:
+            return v
+        ref = self.acc.reference
+        base = 0.0 if ref is None else ref[name][start : start + v.size]
+        return base + self.scale * (v - base)
 
     def values(self, name: str, numel: int) -> np.ndarray:
         """A committed upload's tensor as float64, clipped: ``ref + scale * (x - ref)``."""
@@ -268,12 +281,7 @@ class UploadFold:
             nbytes = n * itemsize(wire)
             if n_ == name:
                 self.spill.seek(pos)
-                v = numpy_view(self.spill.read(nbytes), wire).astype(np.float64)
-                if self.scale != 1.0 and wire in FLOAT_WIRE_DTYPES:
-                    ref = self.acc.reference
-                    base = 0.0 if ref is None else ref[name][start : start + n]
-                    v = base + self.scale * (v - base)
-                out[start : start + n] = v
+                out[start : start + n] = self._clipped(name, start, numpy_view(self.spill.read(nbytes), wire), wire)
             pos += nbytes
         return out
 
@@ -285,7 +293,7 @@ class UploadFold:
             self.state = "rolled back"
             self.acc.open_folds.discard(self)
             self.spill.seek(0)
-            for name, start, n, wire in self.folded:
+            for name, start, n, wire in [] if self.deferred else self.folded:
                 nbytes = n * itemsize(wire)
                 data = self.spill.read(nbytes)
                 target = self.acc.sums[name][start : start + n]

@@ -11,6 +11,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from wafl.common.codec import MAX_CHUNK_BYTES
 from wafl.common.config import ConfigError, RunConfig
+from wafl.common.errors import UsageError
 from wafl.common.proto import federation_pb2 as pb
 from wafl.common.tls import ServerTls
 from wafl.server.auth import JoinSecrets
@@ -60,6 +61,23 @@ def check_exposure(host: str, secrets: JoinSecrets, allow_open: bool) -> None:
         )
 
 
+def check_out_dir(out_dir: Path, resume: bool) -> None:
+    """A new run never writes into a folder that holds another run's record (``UsageError``)."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UsageError(f"--out {out_dir} is not a folder")
+    if not resume:
+        for name in ("results.jsonl", "checkpoint.pt"):
+            if (out_dir / name).exists():
+                raise UsageError(
+                    f"--out {out_dir} already holds a run ({name}): "
+                    "pass --resume to continue it, or choose another folder"
+                )
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--out {out_dir} cannot be created: {e.strerror}") from None
+
+
 async def serve(
     cfg: RunConfig,
     host: str,
@@ -78,6 +96,7 @@ async def serve(
 
     log = structlog.get_logger("server")
     check_exposure(host, JoinSecrets(token, dict(enrollment or {})), allow_open)
+    check_out_dir(out_dir, resume)
     engine = RoundEngine(cfg, out_dir, token=token, resume=resume, enrollment=enrollment)
     if engine.secrets.open:
         log.warning("server.open", message="no --token or --enrollment: any client that reaches the server may join")
@@ -87,7 +106,11 @@ async def serve(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     address = f"{host}:{port}"
-    bound = server.add_insecure_port(address) if tls is None else server.add_secure_port(address, tls.credentials())
+    try:
+        bound = server.add_insecure_port(address) if tls is None else server.add_secure_port(address, tls.credentials())
+    except RuntimeError:
+        engine.executor.shutdown(wait=False)
+        raise UsageError(f"cannot listen on {address}: the port is in use or the address is not this host's") from None
     await server.start()
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -34,7 +34,7 @@ from wafl.common.config import RunConfig
 from wafl.common.datasets import load_dataset
 from wafl.common.errors import Code, Refused
 from wafl.common.jsonsafe import dumps
-from wafl.common.knowledge import Knowledge, to_proto
+from wafl.common.knowledge import ClassKnowledge, Knowledge, to_proto, validate_knowledge
 from wafl.common.models import build_model
 from wafl.common.partition import partition, public_split
 from wafl.common.proto import federation_pb2 as pb
@@ -42,7 +42,7 @@ from wafl.common.training import evaluate
 from wafl.common.wire import PreEncoded, encode_tensors, write_transfer
 from wafl.server.aggregator import Accumulator, Rule
 from wafl.server.auth import CREDENTIAL_KEY, Credentials, JoinSecrets, check_id, load_or_create_key
-from wafl.server.checkpoint import load_checkpoint, save_checkpoint
+from wafl.server.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from wafl.server.results import ResultsLog, round_
 from wafl.server.strategy import Collection, Deliveries, RunAborted, make_strategy
 from wafl.server.tensorboard import TensorBoardLog
@@ -171,11 +171,24 @@ class RoundEngine:
         if ck is None:
             log.info("resume.none", path=str(self.checkpoint_path))
             return
+        path = self.checkpoint_path
         if ck["config"] != json.loads(self.cfg.to_json()):
-            raise RunAborted(f"checkpoint {self.checkpoint_path} was written by a different configuration")
-        self.global_state = OrderedDict(ck["global_state"])
+            raise CheckpointError(f"checkpoint {path}: written by a different configuration")
+        state = ck["global_state"]
+        if not isinstance(state, dict) or manifest_of(state) != self.manifest:
+            raise CheckpointError(f"checkpoint {path}: its model does not match this run's tensor manifest")
+        if not (isinstance(ck["round"], int) and 0 <= ck["round"] <= self.cfg.rounds and isinstance(ck["run_id"], str)):
+            raise CheckpointError(f"checkpoint {path}: round or run id out of range")
+        try:
+            knowledge = {
+                int(j): ClassKnowledge(int(j), int(k["count"]), k["rep"], k["soft"]) for j, k in ck["knowledge"].items()
+            }
+            validate_knowledge(knowledge, self.dataset.num_classes, self.cfg.code_len)
+        except (TypeError, KeyError, ValueError, AttributeError):
+            raise CheckpointError(f"checkpoint {path}: its knowledge is malformed") from None
+        self.global_state = OrderedDict(state)
         self.algorithm.server.load_state_dict(ck["server_state"])
-        self.global_knowledge = ck.get("knowledge", {})
+        self.global_knowledge = knowledge
         self.run_id = ck["run_id"]
         self.strategy.resume(ck["round"])
         log.info("resume", round=ck["round"], run_id=self.run_id)
@@ -189,7 +202,9 @@ class RoundEngine:
                 "config": json.loads(self.cfg.to_json()),
                 "global_state": self.global_state,
                 "server_state": self.algorithm.server.state_dict(),
-                "knowledge": self.global_knowledge,
+                "knowledge": {
+                    j: {"count": k.count, "rep": k.rep, "soft": k.soft} for j, k in self.global_knowledge.items()
+                },
             },
         )
 

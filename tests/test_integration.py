@@ -2,10 +2,10 @@
 
 import json
 
-import torch
 from wafl.cli.launcher import launch
 from wafl.common.codec import crc32_of
 from wafl.common.config import load_config
+from wafl.server.checkpoint import load_checkpoint
 
 
 def reports(out):
@@ -20,7 +20,7 @@ def test_fedavg_three_clients_three_rounds(tmp_path) -> None:
     assert s.rows[-1]["gm_accuracy"] > 0.3  # chance is 0.1
     assert all(r["clients"] == 3 and r["bytes_up"] > 0 for r in s.rows)
     # every client ends holding the identical global model: the server's own
-    ck = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
+    ck = load_checkpoint(tmp_path / "run" / "checkpoint.pt")
     server_crc = crc32_of(ck["global_state"].values())
     finals = [r for r in reports(tmp_path / "run") if r.get("final") == 1.0]
     assert len(finals) == 3

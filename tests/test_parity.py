@@ -5,10 +5,11 @@ import torch
 from wafl.cli.launcher import launch
 from wafl.cli.simulate import simulate
 from wafl.common.config import load_config
+from wafl.server.checkpoint import load_checkpoint
 
 
 def _global(run_dir):
-    return torch.load(run_dir / "checkpoint.pt", weights_only=False)["global_state"]
+    return load_checkpoint(run_dir / "checkpoint.pt")["global_state"]
 
 
 def test_in_process_and_grpc_build_identical_models(tmp_path) -> None:

@@ -59,7 +59,7 @@ def clipped(states, ref, bound):
 
 def test_clipped_mean_matches_numpy() -> None:
     ref_state = make_state(100)
-    states = [make_state(1), make_state(2, scale=50.0), make_state(3, scale=1e6)]  # the last two are clipped
+    states = [make_state(1), make_state(2, scale=50.0), make_state(3, scale=1e30)]  # the last two are clipped
     weights = [3.0, 5.0, 2.0]
     acc = Accumulator(manifest_of(ref_state), rule=Rule(clip_norm=4.0))
     acc.set_reference(ref_state)
