@@ -3,18 +3,24 @@
 The same federation (``wafl.cli.launch``: a server and N client processes, optionally behind
 shaped links) runs four times, into ``OUT/<aggregation>-<protocol>``: sync and buffered
 aggregation, each with wait-free and with compute-and-wait clients. Buffered runs publish
-``rounds * N / buffer_size`` versions, so both aggregations process the same number of client
-updates. ``OUT/async.json`` holds per run:
+``versions_factor`` times ``E = rounds * N / buffer_size`` versions: ``E`` versions hold as many
+client updates as sync's ``rounds``, the rest let buffered run about as long as sync does.
+``OUT/async.json`` holds per run:
 
 * ``time_to_target_s``: seconds from the first model's publication (every client joined) until
   the global model's test accuracy first reaches ``target`` (``null`` if it never does);
 * ``final_gm_accuracy``, ``best_gm_accuracy``, ``total_s`` (first publication to last version),
   ``versions`` and, for buffered runs, the mean and maximum staleness of the updates;
+* for buffered runs, ``gm_at_equal_updates`` (the accuracy of version ``E``: as many client
+  updates as the sync run) and ``gm_at_sync_time`` (of the last version published within the
+  same-protocol sync run's ``total_s``: the same wall-clock budget);
 * ``idle_fraction`` (clients' ``idle`` time / their wall time, as in ``wafl bench protocols``),
   ``slowdown_fraction`` and ``offline_fraction`` (the same for those phases);
 
 and at the top level, per protocol, ``speedup_to_target`` = sync's time to target / buffered's,
-and ``final_difference`` = buffered's final accuracy - sync's (in accuracy units).
+``final_difference_equal_updates`` and ``final_difference_equal_time`` = buffered's accuracy at
+equal updates / at equal wall-clock - sync's final accuracy (in accuracy units), and whether the
+target holds (``speedup_to_target >= 1.5`` and a difference of at least -0.01) for each budget.
 ``OUT/accuracy.png`` draws GM accuracy against wall-clock for the four runs, ``OUT/timelines.png``
 every client's phases. Model files are deleted afterwards; records and logs stay.
 """
@@ -67,11 +73,27 @@ def _r(v: float | None, digits: int = 4) -> float | None:
     return None if v is None or not math.isfinite(v) else round(float(v), digits)
 
 
-def summarize(run_dir: Path, target: float) -> dict[str, Any]:
+def accuracy_at(curve: Sequence[tuple[float, float]], seconds: float) -> float | None:
+    """The accuracy of the last version published within ``seconds`` (None before the first)."""
+    reached = [a for t, a in curve if t <= seconds + 1e-9]
+    return reached[-1] if reached else None
+
+
+def summarize(
+    run_dir: Path, target: float, equal_updates: int | None = None, sync_total_s: float | None = None
+) -> dict[str, Any]:
+    """One run's figures; ``equal_updates`` / ``sync_total_s`` (buffered runs): the version with as
+    many client updates as the sync run, and the sync run's wall-clock, at which its accuracy is read."""
     rows = read_jsonl(run_dir / "results.jsonl")
     timelines = read_timelines(run_dir / "timelines.json")
     curve = accuracy_curve(rows)
     stale = [r["staleness_mean"] for r in rows if r.get("staleness_mean") is not None]
+    budgets: dict[str, Any] = {}
+    if equal_updates is not None:
+        at = [r["gm_accuracy"] for r in rows if r.get("round") == equal_updates and r.get("gm_accuracy") is not None]
+        budgets["gm_at_equal_updates"] = _r(at[0] if at else None)
+    if sync_total_s is not None:
+        budgets["gm_at_sync_time"] = _r(accuracy_at(curve, sync_total_s))
     return {
         "versions": len(rows),
         "total_s": _r(curve[-1][0] if curve else None, 3),
@@ -83,6 +105,7 @@ def summarize(run_dir: Path, target: float) -> dict[str, Any]:
         "offline_fraction": _r(_phase_fraction(timelines, "offline")),
         "staleness_mean": _r(sum(stale) / len(stale) if stale else None),
         "staleness_max": max((r["staleness_max"] for r in rows if r.get("staleness_max") is not None), default=None),
+        **budgets,
         "curve": [(_r(t, 3), _r(a)) for t, a in curve],
     }
 
@@ -94,11 +117,16 @@ def compare(runs: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
         if s is None or b is None:
             continue
         ts, tb = s["time_to_target_s"], b["time_to_target_s"]
-        fs, fb = s["final_gm_accuracy"], b["final_gm_accuracy"]
-        out[p] = {
-            "speedup_to_target": _r(ts / tb) if ts is not None and tb else None,
-            "final_difference": _r(fb - fs) if fs is not None and fb is not None else None,
-        }
+        fs = s["final_gm_accuracy"]
+        speedup = _r(ts / tb) if ts is not None and tb else None
+        entry: dict[str, Any] = {"speedup_to_target": speedup}
+        for budget, key in (("equal_updates", "gm_at_equal_updates"), ("equal_time", "gm_at_sync_time")):
+            fb = b.get(key)
+            diff = _r(fb - fs) if fs is not None and fb is not None else None
+            entry[f"final_difference_{budget}"] = diff
+            met = speedup is not None and speedup >= 1.5 and diff is not None and diff >= -0.01
+            entry[f"target_met_{budget}"] = met
+        out[p] = entry
     return out
 
 
@@ -127,6 +155,7 @@ def bench_async(
     show_progress: bool = True,
     timeout_s: float = 3600.0,
     host_cpus: str | None = None,
+    versions_factor: int = 5,
 ) -> int:
     """Runs the four federations; writes ``async.json`` and the PNGs; 0 when every run finished.
 
@@ -143,10 +172,11 @@ def bench_async(
     plan = [(a, p) for a in AGGREGATIONS for p in PROTOCOLS]
     for i, (aggregation, protocol) in enumerate(plan, 1):
         name = f"{aggregation}-{protocol}"
-        rounds = cfg.rounds
+        rounds, equal = cfg.rounds, None
         if aggregation == "buffered":
             probe = dataclasses.replace(cfg, aggregation="buffered", params=dict(cfg.params)).validate()
-            rounds = math.ceil(cfg.rounds * cfg.num_clients / probe.buffered_size)
+            equal = math.ceil(cfg.rounds * cfg.num_clients / probe.buffered_size)
+            rounds = equal * versions_factor
         run_cfg = dataclasses.replace(
             cfg, aggregation=aggregation, protocol=protocol, rounds=rounds, params=dict(cfg.params)
         ).validate()
@@ -175,7 +205,12 @@ def bench_async(
             "rounds_configured": rounds,
             "host_load_1m": {"before": round(load_before, 2), "after": round(load_after, 2), "cpus": os.cpu_count()},
             "host_cpus": summary.host_cpus,
-            **summarize(run_dir, target),
+            **summarize(
+                run_dir,
+                target,
+                equal_updates=equal,
+                sync_total_s=runs.get(f"sync-{protocol}", {}).get("total_s") if equal is not None else None,
+            ),
         }
         timelines[name] = read_timelines(run_dir / "timelines.json")
     doc = {
@@ -183,6 +218,7 @@ def bench_async(
         "config": {
             **{k: v for k, v in json.loads(cfg.to_json()).items() if k not in ("aggregation", "protocol", "rounds")},
             "sync_rounds": cfg.rounds,
+            "versions_factor": versions_factor,
             "link_rate": link_rate,
             "host_cpus": host_cpus or "auto",
             "target": target,
@@ -200,15 +236,25 @@ def bench_async(
 
 
 def format_table(doc: Mapping[str, Any]) -> str:
-    keys = ("versions", "total_s", "time_to_target_s", "final_gm_accuracy", "idle_fraction", "staleness_mean")
+    keys = (
+        "versions",
+        "total_s",
+        "time_to_target_s",
+        "final_gm_accuracy",
+        "gm_at_equal_updates",
+        "gm_at_sync_time",
+        "idle_fraction",
+        "staleness_mean",
+    )
     names = list(doc["runs"])
     lines = [f"{'':<20}" + "".join(f"{n:>28}" for n in names)]
     for k in keys:
         lines.append(f"{k:<20}" + "".join(f"{_fmt(doc['runs'][n].get(k)):>28}" for n in names))
     for p, c in doc["comparison"].items():
         lines.append(
-            f"{p}: buffered reaches the target {_fmt(c['speedup_to_target'])}x sooner; "
-            f"final accuracy difference {_fmt(c['final_difference'])}"
+            f"{p}: buffered reaches the target {_fmt(c['speedup_to_target'])}x sooner; accuracy - sync's final: "
+            f"{_fmt(c['final_difference_equal_updates'])} at equal updates, {_fmt(c['final_difference_equal_time'])} "
+            f"at equal wall-clock"
         )
     return "\n".join(lines)
 

@@ -276,8 +276,16 @@ def cmd_bench_async(a: argparse.Namespace) -> int:
     cfg = _resolve_config(a)
     _check_link_rate(a.link_rate, cfg)
     _check_host_cpus(a.host_cpus, cfg)
+    if a.versions_factor < 1:
+        raise ConfigError(f"--versions-factor={a.versions_factor} must be >= 1")
     return bench_async(
-        cfg, Path(a.out), link_rate=a.link_rate, target=a.target, show_progress=not a.quiet, host_cpus=a.host_cpus
+        cfg,
+        Path(a.out),
+        link_rate=a.link_rate,
+        target=a.target,
+        show_progress=not a.quiet,
+        host_cpus=a.host_cpus,
+        versions_factor=a.versions_factor,
     )
 
 
@@ -413,6 +421,12 @@ def build_parser() -> argparse.ArgumentParser:
     ba.add_argument("--link-rate", help="shape links (root only): a rate, a list or lognormal:median=RATE,sigma=S")
     ba.add_argument("--target", type=float, default=0.9, help="GM accuracy whose time to reach is compared")
     _bench_host_cpus_arg(ba)
+    ba.add_argument(
+        "--versions-factor",
+        type=int,
+        default=5,
+        help="buffered runs publish this many times the versions that hold sync's client updates (default 5)",
+    )
     ba.add_argument("--quiet", action="store_true")
     ba.set_defaults(
         fn=cmd_bench_async,
