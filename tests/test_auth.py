@@ -80,7 +80,7 @@ def test_an_open_server_stays_on_loopback(tmp_path: Path) -> None:
         check_exposure(host, JoinSecrets("t"), allow_open=False)
         check_exposure(host, JoinSecrets(enrollment=SECRETS), allow_open=False)
     done = subprocess.run(
-        [sys.executable, "-m", "wafl.cli.main", "server", "--host", "0.0.0.0", "--port", "0", "--quiet", "--out", str(tmp_path)],
+        [sys.executable, "-m", "wafl.cli.main", "server", "--host", "0.0.0.0", "--port", "0", "--out", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=120,
