@@ -186,6 +186,10 @@ class RoundEngine:
             validate_knowledge(knowledge, self.dataset.num_classes, self.cfg.code_len)
         except (TypeError, KeyError, ValueError, AttributeError):
             raise CheckpointError(f"checkpoint {path}: its knowledge is malformed") from None
+        try:
+            self.strategy.restore_uploads(ck.get("uploads", []))  # retries of them are answered as before
+        except (TypeError, ValueError):
+            raise CheckpointError(f"checkpoint {path}: its committed uploads are malformed") from None
         self.global_state = OrderedDict(state)
         self.algorithm.server.load_state_dict(ck["server_state"])
         self.global_knowledge = knowledge
@@ -202,6 +206,7 @@ class RoundEngine:
                 "config": json.loads(self.cfg.to_json()),
                 "global_state": self.global_state,
                 "server_state": self.algorithm.server.state_dict(),
+                "uploads": self.strategy.committed_uploads(),
                 "knowledge": {
                     j: {"count": k.count, "rep": k.rep, "soft": k.soft} for j, k in self.global_knowledge.items()
                 },

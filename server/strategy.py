@@ -111,7 +111,8 @@ class Strategy(ABC):
         self.num_classes = num_classes
         self.new_accumulator = new_accumulator
         self.clients: dict[str, ClientSlot] = {}
-        self.accepted: dict[tuple[str, int], tuple[str, int]] = {}  # (client, round) -> (idempotency key, bytes)
+        # (client, round) -> (idempotency key, bytes, number of the collection it went into)
+        self.accepted: dict[tuple[str, int], tuple[str, int, int]] = {}
         self.aggregations = 0  # versions built so far (the initial model is version 1)
 
     @classmethod
@@ -201,8 +202,21 @@ class Strategy(ABC):
         c.bytes_up += nbytes
         if c.knowledge is not None and knowledge:
             c.knowledge.add(knowledge)
-        self.accepted[(ticket.client_id, ticket.round)] = (ticket.key, nbytes)
+        self.accepted[(ticket.client_id, ticket.round)] = (ticket.key, nbytes, c.number)
         return self._freed(ticket.client_id, now)
+
+    def committed_uploads(self) -> list[list[Any]]:
+        """The committed uploads of the versions built so far, ``[client, round, key, bytes]`` each
+        (plain values for a checkpoint), so that a resumed server answers their retries as before."""
+        return [[cid, r, key, n] for (cid, r), (key, n, number) in self.accepted.items() if number <= self.aggregations]
+
+    def restore_uploads(self, entries: list[list[Any]]) -> None:
+        """Takes :meth:`committed_uploads` back after a resume; raises ``ValueError`` for a malformed entry."""
+        for entry in entries:
+            cid, r, key, n = entry
+            if not (isinstance(cid, str) and isinstance(key, str) and isinstance(r, int) and isinstance(n, int)):
+                raise ValueError(f"malformed committed upload {entry!r}")
+            self.accepted[(cid, r)] = (key, n, 0)
 
     def release(self, ticket: Ticket) -> None:
         """An admitted upload failed (it was rolled back); the client may retry."""

@@ -17,12 +17,14 @@ import json
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import grpc
 import numpy as np
 import pytest
 from independent_client import (
+    BroadcastListener,
     IndependentClient,
     Model,
     ServerProcess,
@@ -51,6 +53,7 @@ Code = grpc.StatusCode
 class Run:
     def __init__(self, pb: Any, pb_grpc: Any, server: ServerProcess) -> None:
         self.pb = pb
+        self.pb_grpc = pb_grpc
         self.server = server
         self.clients = [
             IndependentClient(pb, pb_grpc, server.address, f"once-{i}-{uuid.uuid4().hex[:6]}", i, n)
@@ -97,8 +100,13 @@ class Run:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory):
-    pb, pb_grpc = generate_stubs(tmp_path_factory.mktemp("once-stubs"))
+def stubs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
+    return generate_stubs(tmp_path_factory.mktemp("once-stubs"))
+
+
+@pytest.fixture(scope="module")
+def run(stubs: tuple[Any, Any], tmp_path_factory: pytest.TempPathFactory):
+    pb, pb_grpc = stubs
     server = ServerProcess(CONFIG, tmp_path_factory.mktemp("once-server"))
     r = None
     try:
@@ -254,3 +262,56 @@ def test_retry_after_the_run_ended_and_final_reports_end_the_server(run: Run) ->
     assert run.server.events("final_reports.missing") == []
     reports = [json.loads(line) for line in (run.server.out_dir / "reports.jsonl").read_text().splitlines()]
     assert {x["client"] for x in reports if x.get("final") == 1.0} == {c.client_id for c in run.clients}
+
+
+# --------------------------------------------------------------------------- a resumed server
+
+
+def test_a_resumed_server_answers_retries_of_uploads_committed_before(stubs: tuple[Any, Any], tmp_path: Path) -> None:
+    pb, pb_grpc = stubs
+    cfg = {**CONFIG, "rounds": 3, "checkpoint": True}
+    first = ServerProcess(cfg, tmp_path / "first")
+    second = r1 = None
+    again: list[IndependentClient] = []
+    try:
+        r1 = Run(pb, pb_grpc, first)
+        base = r1.model(1)
+        ta, tb = r1.update(base, r1.a), r1.update(base, r1.b)
+        msgs_a = r1.messages(r1.a, 1, ta, uuid.uuid4().hex)
+        r1.a.upload(msgs_a)
+        r1.b.upload(r1.messages(r1.b, 1, tb, uuid.uuid4().hex))
+        base = r1.check_fedavg(1, {0: ta, 1: tb})  # round 1 is checkpointed before model 2 goes out
+        ta2 = r1.update(base, r1.a)
+        msgs_a2 = r1.messages(r1.a, 2, ta2, uuid.uuid4().hex)
+        r1.a.upload(msgs_a2)  # committed to round 2, which the server will not finish
+        first.proc.kill()
+        first.proc.wait(timeout=30)
+        second = ServerProcess(cfg, tmp_path / "second", extra_args=["--resume", "--out", str(first.out_dir)])
+        assert second.run_id == first.run_id
+        for c in r1.clients:
+            c2 = IndependentClient(pb, pb_grpc, second.address, c.client_id, c.index, c.num_samples)
+            c2.credential = c.credential  # a registered index re-joins with its credential
+            c2.reply = c2.join(metadata=c2.metadata())
+            manifest = list(c2.reply.manifest)
+            c2.listener = BroadcastListener(pb, c2.stub, c2.reply.run_id, c2.client_id, manifest, c2.metadata())
+            again.append(c2)
+        late = again[0].upload(msgs_a)  # the retry of an upload to a round the first server finished
+        assert (late.accepted, late.round, late.bytes_received) == (True, 1, r1.nbytes())
+        # round 2 was not finished: its upload is gone, and its retry is a new upload
+        model2 = again[0].listener.wait(2, timeout=120)
+        assert model2.computed_crc == base.computed_crc  # the checkpointed model, sent again
+        retry = again[0].upload(msgs_a2)
+        assert (retry.accepted, retry.round) == (True, 2)
+        tb2 = r1.update(base, r1.b)
+        again[1].upload(r1.messages(again[1], 2, tb2, uuid.uuid4().hex))
+        model3 = again[0].listener.wait(3, timeout=120)
+        total = float(sum(NUM_SAMPLES))
+        for name, got in model3.tensors.items():
+            acc = NUM_SAMPLES[0] * ta2[name].astype(np.float64) + NUM_SAMPLES[1] * tb2[name].astype(np.float64)
+            np.testing.assert_allclose(got, (acc / total).astype(got.dtype), rtol=1e-6, atol=1e-7, err_msg=name)
+    finally:
+        for c in (r1.clients if r1 is not None else []) + again:
+            c.close()
+        first.stop()
+        if second is not None:
+            second.stop()
