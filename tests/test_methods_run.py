@@ -8,7 +8,7 @@ from wafl.common.algorithms import registry
 from wafl.common.config import load_config
 
 PERSONAL = ["fedrep", "fedbabu", "fedrod", "pfedme"]
-GLOBAL = ["moon", "fedsam", "scaffold", "fedspeed", "fedmd", "fedproto", "fedgen"]
+GLOBAL = ["moon", "fedsam", "scaffold", "fedspeed", "fedmd", "fedproto", "fedgen", "fedalign"]
 CASES = [(a, p) for a in PERSONAL for p in ("wait-free", "compute-and-wait")] + [(a, "wait-free") for a in GLOBAL]
 
 

@@ -1,0 +1,122 @@
+"""FedAlign (Mendieta et al., CVPR 2022): local learning generality through Lipschitz alignment
+of the final block between the full network and a width-reduced sub-network.
+
+On a batch, with ``x`` the input of the feature extractor's final block ``B`` and ``h = B(x)`` its
+output (the full network), and ``h_s = B_w(x.detach())`` the same block at width ``w`` (its hidden
+units sliced to the first ``ceil(w * hidden)``, as the slimmable networks of the authors' code),
+
+    FSP(a, b) = a b^T / (spatial size)                              (per sample; 1 for a vector)
+    L(a, b)   = sqrt(lambda_max(FSP(a, b) FSP(a, b)^T))              (10 power iterations from ones, on
+                                                                     the smaller Gram matrix)
+    L_lip     = (1/B) sum_b (L(x_b, h_s,b) - L(x_b, h_b.detach()))^2
+    loss      = CE + mu * (CE / L_lip).detach() * L_lip
+
+(the authors' code: the Lipschitz term is rescaled to ``mu`` times the cross-entropy's value and
+only trains the sub-network's slice; gradients are clipped to norm 10 before the step). ``mu``
+0.45 and ``w`` 0.25, the paper's. The final block here is the last ``Linear - ReLU - Linear`` of
+the feature extractor (the digits CNN's; other models are refused with a message saying so).
+The server is FedAvg.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from wafl.common.algorithms.base import Algorithm, Forward, LossTerm, Phase, RoundContext, StepRule
+from wafl.common.algorithms.registry import Param, register
+
+
+def final_block(model: nn.Module) -> tuple[nn.Module, nn.Linear, nn.Linear]:
+    """``(everything before the block, its first Linear, its last Linear)``."""
+    f = model.features  # type: ignore[attr-defined]
+    ok = isinstance(f, nn.Sequential) and len(f) >= 3
+    if ok:
+        a, act, b = f[-3], f[-2], f[-1]
+        ok = isinstance(a, nn.Linear) and isinstance(act, nn.ReLU) and isinstance(b, nn.Linear)
+    if not ok:
+        raise ValueError("fedalign needs a feature extractor ending in Linear - ReLU - Linear (the digits cnn)")
+    return f[:-3], f[-3], f[-1]
+
+
+def transmitting_matrix(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a b^T / spatial size`` per sample, for ``(B, C1[, H, W])`` and ``(B, C2[, H, W])``."""
+    a = a.reshape(a.shape[0], a.shape[1], -1)
+    b = b.reshape(b.shape[0], b.shape[1], -1)
+    return torch.bmm(a, b.transpose(1, 2)) / a.shape[2]
+
+
+def top_singular_value(m: torch.Tensor, iterations: int = 10) -> torch.Tensor:
+    """``sqrt(lambda_max(M M^T))`` per sample by power iteration from ones, shape ``(B,)``; it runs on
+    the smaller of ``M M^T`` and ``M^T M`` (the same top eigenvalue)."""
+    k = torch.bmm(m, m.transpose(1, 2)) if m.shape[1] <= m.shape[2] else torch.bmm(m.transpose(1, 2), m)
+    v = torch.ones(k.shape[0], k.shape[1], 1, dtype=k.dtype, device=k.device)
+    n = torch.ones(k.shape[0], 1, 1, dtype=k.dtype, device=k.device)
+    for _ in range(iterations):
+        w = torch.bmm(k, v)
+        n = torch.linalg.vector_norm(w, dim=1, keepdim=True)
+        v = w / n
+    return torch.sqrt(n / torch.linalg.vector_norm(v, dim=1, keepdim=True)).reshape(-1)
+
+
+def sub_block(first: nn.Linear, last: nn.Linear, x: torch.Tensor, width: float) -> torch.Tensor:
+    k = max(1, math.ceil(width * first.out_features))
+    hidden = F.relu(F.linear(x, first.weight[:k], first.bias[:k] if first.bias is not None else None))
+    return F.linear(hidden, last.weight[:, :k], last.bias)
+
+
+def lipschitz_gap(x: torch.Tensor, h: torch.Tensor, h_sub: torch.Tensor) -> torch.Tensor:
+    """``L_lip`` above: the mean squared gap of the two blocks' Lipschitz estimates."""
+    full = top_singular_value(transmitting_matrix(x, h))
+    sub = top_singular_value(transmitting_matrix(x, h_sub))
+    return F.mse_loss(sub, full)
+
+
+class LipschitzAlignment(LossTerm):
+    name = "fedalign"
+
+    def __init__(self, mu: float, width: float) -> None:
+        self.mu, self.width = mu, width
+
+    def __call__(self, model: nn.Module, out: Forward, ctx: RoundContext) -> torch.Tensor:
+        pre, first, last = final_block(model)
+        with torch.no_grad():
+            x = pre(out.x)
+        gap = lipschitz_gap(x, out.h.detach(), sub_block(first, last, x, self.width))
+        ce = F.cross_entropy(out.logits, out.y).detach()
+        return self.mu * (ce / gap.detach().clamp_min(1e-12)) * gap
+
+
+class ClippedStep(StepRule):
+    def __init__(self, max_norm: float) -> None:
+        self.max_norm = max_norm
+
+    def step(
+        self,
+        model: nn.Module,
+        params: list[nn.Parameter],
+        closure: Callable[[], torch.Tensor],
+        opt: torch.optim.Optimizer,
+        batch: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        loss = closure()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, self.max_norm)
+        opt.step()
+        return loss
+
+
+def build(p: dict[str, Any], run: dict[str, Any]) -> Algorithm:
+    return Algorithm(
+        "fedalign",
+        p,
+        phases=[Phase("gm", terms=[LipschitzAlignment(p["mu"], p["width"])], step=ClippedStep(10.0))],
+    )
+
+
+register("fedalign", {"mu": Param(0.45, ">= 0"), "width": Param(0.25, "(0, 1]")}, build)

@@ -1,0 +1,65 @@
+"""FedAlign: the Lipschitz estimate, the sub-network and the rescaled term, against closed forms."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from algorithm_checks import client, global_payload
+from wafl.common.algorithms.base import Forward
+from wafl.common.algorithms.fedalign import (
+    LipschitzAlignment,
+    lipschitz_gap,
+    sub_block,
+    top_singular_value,
+    transmitting_matrix,
+)
+from wafl.common.datasets import load_dataset
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_dataset("digits")
+
+
+def test_lipschitz_estimate_is_the_top_singular_value() -> None:
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(3, 4, 2, 2, generator=gen), torch.randn(3, 5, 2, 2, generator=gen)
+    m = transmitting_matrix(a, b)
+    for i in range(3):
+        want = torch.einsum("cs,ds->cd", a[i].reshape(4, 4), b[i].reshape(5, 4)) / 4
+        assert torch.allclose(m[i], want, atol=1e-6)
+    got = top_singular_value(m, iterations=200)
+    assert torch.allclose(got, torch.linalg.matrix_norm(m, ord=2), rtol=1e-4)
+    # vectors (a fully connected block): the estimate is ||a|| ||b||
+    u, v = torch.randn(3, 6, generator=gen), torch.randn(3, 2, generator=gen)
+    assert torch.allclose(top_singular_value(transmitting_matrix(u, v)), u.norm(dim=1) * v.norm(dim=1), rtol=1e-5)
+
+
+def test_term_matches_a_slow_recomputation(digits) -> None:
+    t = client(digits, "fedalign")
+    ctx = t.begin_round(1, global_payload(t))
+    x = torch.as_tensor(digits.train.tensors[0][:6])
+    y = torch.as_tensor(digits.train.tensors[1][:6])
+    h, logits = t.gm.forward_split(x)
+    term = LipschitzAlignment(0.45, 0.25)
+    value = term(t.gm, Forward(x, y, h, logits, ctx), ctx)
+    f = t.gm.features
+    with torch.no_grad():
+        xin = f[:-3](x)
+        w1, b1, w2, b2 = f[-3].weight[:32], f[-3].bias[:32], f[-1].weight[:, :32], f[-1].bias
+        gap = 0.0
+        for i in range(6):
+            hs = w2 @ torch.relu(w1 @ xin[i] + b1) + b2
+            full = float(xin[i].norm() * h[i].norm())
+            sub = float(xin[i].norm() * hs.norm())
+            gap += (sub - full) ** 2 / 6
+        ce = float(F.cross_entropy(logits, y))
+    assert value.item() == pytest.approx(0.45 * ce, rel=1e-4)  # rescaled to mu * CE
+    assert gap > 0 and math.isfinite(gap)
+    with torch.no_grad():
+        got = lipschitz_gap(xin, h, sub_block(f[-3], f[-1], xin, 0.25))
+    assert got.item() == pytest.approx(gap, rel=1e-4)
+    grads = torch.autograd.grad(value, [f[-3].weight, f[0].weight], allow_unused=True)
+    assert grads[0] is not None and float(grads[0][32:].abs().sum()) == 0  # only the slice
+    assert grads[1] is None  # nothing before the block
