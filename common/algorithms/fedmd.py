@@ -73,7 +73,9 @@ class Hooks(ClientHooks):
 
 
 class Consensus(ServerUpdate):
-    """The uniform mean of the clients' scores."""
+    """The uniform mean of the clients' scores (a round's, so not under buffered aggregation)."""
+
+    buffered_ok = False
 
     def weight(self, num_samples: int) -> float:
         return 1.0
