@@ -11,7 +11,7 @@ so an in-process run and a networked one of the same seeded configuration build 
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import structlog
@@ -37,6 +37,7 @@ class LocalSession:
         self.client_index = client_index
         self.num_samples = num_samples
         self.credential = ""
+        self.on_header: Callable[[], None] | None = None  # called as each broadcast's header arrives
 
     def join(self) -> pb.JoinReply:
         req = pb.JoinRequest(
@@ -52,7 +53,7 @@ class LocalSession:
         return reply
 
     async def models(self) -> AsyncIterator[ReceivedModel]:
-        assembler = ModelAssembler(self.engine.manifest)
+        assembler = ModelAssembler(self.engine.manifest, self.on_header)
         async for msg in self.engine.deliveries(self.client_id, self.credential):
             model = assembler.feed(decode_broadcast(msg.data) if isinstance(msg, PreEncoded) else msg)
             if model is not None:

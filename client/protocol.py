@@ -4,10 +4,12 @@ Per broadcast: evaluate the PM trained in the round that just closed (and report
 if selected, train the GM for ``local_epochs`` and
 
 * wait-free: start the upload in the background at once and train the PM batch after batch
-  until the next broadcast has been received in full (checked between batches, so the PM stops
-  within one batch of it; ``pm_min_steps``/``pm_max_epochs`` bound the loop). The PM keeps
-  training while the broadcast streams in: stopping at its header would leave the client idle
-  for the whole download;
+  until the next broadcast has been received in full (the PM keeps training while the broadcast
+  streams in: stopping at its header would leave the client idle for the whole download). With
+  ``pm_yield_transfers`` the PM instead starts once the upload is done and stops as the next
+  broadcast's header arrives, so the client's own transfers, which the round waits for, never
+  share its CPU (its quota, and Python's GIL) with the PM. The stop is checked between batches,
+  so the PM stops within one batch; ``pm_min_steps``/``pm_max_epochs`` bound the loop;
 * compute-and-wait: train the PM for ``pm_epochs``, then upload, then idle.
 
 The same code serves both aggregations: under buffered aggregation a client receives a model
@@ -59,6 +61,7 @@ class Transport(Protocol):
     :class:`~wafl.client.session.Session` or the in-process :class:`~wafl.client.local.LocalSession`."""
 
     client_id: str
+    on_header: Callable[[], None] | None  # set by the protocol: called as each broadcast's header arrives
 
     def models(self) -> AsyncIterator[ReceivedModel]: ...
 
@@ -92,6 +95,8 @@ class RoundProtocol:
         self.reports: set[asyncio.Task[Any]] = set()  # PM reports, sent without holding up the next round
         self.bytes_up = 0
         self.arrived = 0  # complete broadcasts received; the wait-free PM loop watches this
+        self.headers = 0  # broadcast headers received (``pm_yield_transfers``: the PM stops at the next one)
+        session.on_header = self._on_header
         self.background: ThreadPoolExecutor | None = None
         if protocol == "wait-free" and trainer.algorithm.personalized:
             self.background = ThreadPoolExecutor(
@@ -128,6 +133,9 @@ class RoundProtocol:
     def _on_arrival(self) -> None:
         self.arrived += 1
 
+    def _on_header(self) -> None:
+        self.headers += 1
+
     async def _slow_down(self, phase_s: float, round: int) -> None:
         """A slower device: the phase just measured is stretched to ``slowdown`` times its length."""
         if self.slowdown > 1.0:
@@ -151,7 +159,7 @@ class RoundProtocol:
         t = self.trainer
         cfg = t.cfg
         r = model.round
-        seen = self.arrived
+        seen, heads = self.arrived, self.headers
         selected = model.train
         await asyncio.to_thread(t.begin_round, r, model.state, model.knowledge, selected)
         if selected and drops_out(cfg.seed, t.index, r, cfg.dropout):
@@ -190,9 +198,13 @@ class RoundProtocol:
             if self.protocol == "compute-and-wait":
                 await upload
         if trains_pm and self.protocol == "wait-free":
-            train = functools.partial(
-                t.train_pm, lambda: self.arrived > seen, cfg.pm_max_epochs, cfg.pm_min_steps, self._pacer()
-            )
+            if cfg.pm_yield_transfers:  # the client's own transfers get its CPU: PM after the upload, until a header
+                if selected:
+                    await asyncio.wait({upload})  # its outcome is the upload task's (drained at the end)
+                stop = lambda: self.headers > heads or self.arrived > seen  # noqa: E731
+            else:
+                stop = lambda: self.arrived > seen  # noqa: E731
+            train = functools.partial(t.train_pm, stop, cfg.pm_max_epochs, cfg.pm_min_steps, self._pacer())
             with self.timeline.phase("pm_train", r):
                 await asyncio.get_running_loop().run_in_executor(self.background, train)
             self.pm_trained_round = r

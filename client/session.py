@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import random
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,6 +94,7 @@ class Session:
     manifest: Manifest = ()
     tls: ClientTls | None = None  # None: plaintext
     credential: str = ""  # the session credential of the last Join (sent with every later call)
+    on_header: Callable[[], None] | None = None  # called as each broadcast's header arrives
     _channel: grpc.aio.Channel | None = field(default=None, repr=False)
 
     def _open(self) -> None:
@@ -167,7 +168,7 @@ class Session:
                 call = self._broadcasts(
                     pb.BroadcastRequest(run_id=self.run_id, client_id=self.client_id), metadata=self._metadata()
                 )
-                assembler = ModelAssembler(self.manifest)
+                assembler = ModelAssembler(self.manifest, self.on_header)
                 async for msg in call:
                     model = assembler.feed(msg)
                     if model is not None:
@@ -278,10 +279,12 @@ def report_request(
 
 class ModelAssembler:
     """Rebuilds the models of a broadcast stream (header, transfer) with the shared
-    :class:`~wafl.common.wire.TransferReader`; :meth:`feed` returns a model once its trailer passed."""
+    :class:`~wafl.common.wire.TransferReader`; :meth:`feed` returns a model once its trailer passed
+    and calls ``on_header`` as a header arrives (the wait-free PM yields the client's CPU to the download)."""
 
-    def __init__(self, manifest: Manifest) -> None:
+    def __init__(self, manifest: Manifest, on_header: Callable[[], None] | None = None) -> None:
         self.manifest = manifest
+        self.on_header = on_header
         self.header: pb.BroadcastHeader | None = None
         self.reader: TransferReader | None = None
         self.buffers: dict[str, bytearray] = {}
@@ -291,6 +294,8 @@ class ModelAssembler:
             self.header = msg.header
             self.reader = TransferReader(self.manifest, max_knowledge=1 << 16)
             self.buffers = {s.name: bytearray(s.nbytes) for s in self.manifest}
+            if self.on_header is not None:
+                self.on_header()
             return None
         if self.reader is None or self.header is None:
             raise ChunkError("broadcast message before a header")

@@ -78,6 +78,7 @@ class RunConfig:
     pm_min_steps: int = 0
     pm_max_epochs: float | None = None
     pm_nice: int = 19  # wait-free PM thread's nice value: it only fills time the federation would idle
+    pm_yield_transfers: bool = False  # wait-free PM: not during the client's own upload and download
     device: str = "auto"
     eval_batch_size: int = 256
     eval_every: int = 1  # evaluate the global model every N rounds (0: only after the last)
@@ -135,6 +136,8 @@ class RunConfig:
             raise ConfigError(
                 f"pm_nice={self.pm_nice!r} must be an integer in [0, 19] (0: the PM thread runs at normal priority)"
             )
+        if not isinstance(self.pm_yield_transfers, bool):
+            raise ConfigError(f"pm_yield_transfers={self.pm_yield_transfers!r} must be true or false")
         _int_at_least("eval_batch_size", self.eval_batch_size, 1)
         _int_at_least("eval_every", self.eval_every, 0)
         if not (
@@ -209,13 +212,20 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist")
-        text = p.read_text()
+        try:
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise ConfigError(f"config file {str(p)!r} is not UTF-8 text") from None
+        except OSError as e:
+            raise ConfigError(f"config file {str(p)!r} cannot be read: {e.strerror}") from None
         try:
             loaded = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
         except (ValueError, tomllib.TOMLDecodeError) as e:
             raise ConfigError(
                 f"config file {str(p)!r} is not valid {'JSON' if p.suffix == '.json' else 'TOML'}: {e}"
             ) from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a table of fields, not {type(loaded).__name__}")
         data.update(loaded)
     for k, v in (overrides or {}).items():
         if v is None:
@@ -228,35 +238,27 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
 
 
 def _coerce(name: str, value: Any) -> Any:
+    """``value`` for field ``name`` if its type fits (an int is a float too); no other conversion."""
     f = {f.name: f for f in dataclasses.fields(RunConfig)}[name]
     t = str(f.type)
-    try:
-        if value is None:
-            if "None" in t:
-                return None
-            raise ConfigError(f"{name} may not be empty")
-        if t.startswith("int"):
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError
-            return int(value)
-        if t.startswith("float"):
-            return float(value)
-        if t.startswith("bool"):
-            if isinstance(value, str):
-                if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                    raise ValueError
-                return value.lower() in ("true", "1", "yes")
-            return bool(value)
-        if t.startswith("dict"):
-            if not isinstance(value, Mapping):
-                raise ValueError
-            return dict(value)
-        if t.startswith("str"):
-            if not isinstance(value, str):
-                raise ValueError
-            return value
-    except (TypeError, ValueError):
-        raise ConfigError(f"{name}={value!r} is not a valid {t}") from None
+    if value is None:
+        if "None" in t:
+            return None
+        raise ConfigError(f"{name} may not be empty")
+    ok = {
+        "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+        "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        "bool": lambda v: isinstance(v, bool),
+        "dict": lambda v: isinstance(v, Mapping),
+        "str": lambda v: isinstance(v, str),
+    }
+    for prefix, fits in ok.items():
+        if t.startswith(prefix):
+            if not fits(value):
+                raise ConfigError(f"{name}={value!r} is not a valid {t}")
+            if prefix == "float":
+                return float(value)
+            return dict(value) if prefix == "dict" else value
     return value
 
 

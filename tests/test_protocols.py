@@ -234,6 +234,17 @@ async def test_wait_free_stop_signal_counts_complete_broadcasts() -> None:
     assert seen[-1][0] == 4
 
 
+def test_model_assembler_announces_each_header() -> None:
+    from wafl.client.session import ModelAssembler
+    from wafl.common.proto import federation_pb2 as pb
+
+    heads: list[int] = []
+    asm = ModelAssembler((), lambda: heads.append(1))
+    for r in (1, 2):
+        assert asm.feed(pb.BroadcastMessage(header=pb.BroadcastHeader(round=r))) is None
+        assert len(heads) == r  # announced at the header, before any of the transfer
+
+
 def _own_nice() -> int:
     import os
     import threading
@@ -252,11 +263,46 @@ def test_wait_free_pm_thread_runs_at_pm_nice_and_others_do_not() -> None:
         pm_nice=max(base, 15), slowdown="none", num_clients=1, seed=0, aggregation="sync", dropout=0.0
     )
     trainer = SimpleNamespace(algorithm=SimpleNamespace(personalized=True), cfg=cfg, index=0)
-    wf = RoundProtocol(None, trainer, "wait-free")  # type: ignore[arg-type]
-    caw = RoundProtocol(None, trainer, "compute-and-wait")  # type: ignore[arg-type]
+    wf = RoundProtocol(SimpleNamespace(), trainer, "wait-free")  # type: ignore[arg-type]
+    caw = RoundProtocol(SimpleNamespace(), trainer, "compute-and-wait")  # type: ignore[arg-type]
     try:
         assert wf.background is not None and caw.background is None
         assert wf.background.submit(_own_nice).result(timeout=10) == max(base, 15)
         assert _own_nice() == base  # the calling thread (the event loop's) is untouched
     finally:
         wf.background.shutdown()
+
+
+def test_wait_free_pm_yields_the_clients_own_transfers(tmp_path: Path) -> None:
+    """``pm_yield_transfers``: the PM starts once its client's upload is done (in process, real engine)."""
+    from wafl.cli.simulate import simulate
+
+    cfg = load_config(
+        None,
+        {
+            "dataset": "digits",
+            "algorithm": "ditto",
+            "num_clients": 2,
+            "rounds": 2,
+            "local_epochs": 1,
+            "protocol": "wait-free",
+            "pm_yield_transfers": True,
+            "checkpoint": False,
+            "device": "cpu",
+        },
+    )
+    assert len(simulate(cfg, tmp_path)) == 2
+    timelines = json.loads((tmp_path / "timelines.json").read_text())
+    assert len(timelines) == 2
+    for client, tl in timelines.items():
+        uploads, pms = _by_round(tl["events"], "upload"), _by_round(tl["events"], "pm_train")
+        assert set(uploads) == set(pms) == {1, 2}, client
+        for r in (1, 2):
+            assert pms[r]["start_s"] >= uploads[r]["end_s"], (client, r)
+
+
+def test_pm_yield_transfers_must_be_a_bool() -> None:
+    from wafl.common.config import ConfigError
+
+    with pytest.raises(ConfigError, match="pm_yield_transfers"):
+        load_config(None, {"pm_yield_transfers": "yes"})
