@@ -468,6 +468,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as e:
         print(f"wafl: {e}", file=sys.stderr)
         return 2
+    except ConnectionError as e:  # a client that gave up on the server (--reconnect-s)
+        print(f"wafl: {e}", file=sys.stderr)
+        return 1
     except (LinkShapingUnavailable, CpuQuotaUnavailable) as e:
         print(f"wafl: {e}", file=sys.stderr)
         return e.exit_code

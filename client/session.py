@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
@@ -48,17 +49,22 @@ log = structlog.get_logger("client")
 
 @dataclass
 class Backoff:
-    """Exponential backoff with full jitter; ``deadline_s`` bounds the total time spent retrying."""
+    """Exponential backoff with full jitter; ``deadline_s`` bounds the time since the first failure
+    (the attempts' own time included), after which :meth:`wait` raises ``ConnectionError``."""
 
     base_s: float = 0.2
     cap_s: float = 5.0
     deadline_s: float = 120.0
     attempt: int = 0
     waited: float = 0.0
+    since: float | None = None  # monotonic time of the first failure
 
     async def wait(self, reason: str) -> None:
-        if self.waited >= self.deadline_s:
-            raise ConnectionError(f"gave up after {self.waited:.0f}s of retries: {reason}")
+        now = time.monotonic()
+        if self.since is None:
+            self.since = now
+        if now - self.since >= self.deadline_s:
+            raise ConnectionError(f"gave up after {now - self.since:.0f} s of retries: {reason}")
         delay = random.uniform(0, min(self.cap_s, self.base_s * 2**self.attempt))
         self.attempt += 1
         self.waited += delay
@@ -68,6 +74,7 @@ class Backoff:
     def reset(self) -> None:
         self.attempt = 0
         self.waited = 0.0
+        self.since = None
 
 
 @dataclass
