@@ -111,7 +111,9 @@ def run_point(cfg_json: str, folder: str, network: bool) -> dict[str, Any]:
 
         configure_logging("sweep", out / "logs" / "run.jsonl", level="INFO", console=False)
         ok = len(simulate(cfg, out)) == cfg.rounds
-    result = {"ok": ok, "wall_s": round(time.monotonic() - t0, 3), "network": network}
+    from wafl.cli.bench import git_commit
+
+    result = {"ok": ok, "wall_s": round(time.monotonic() - t0, 3), "network": network, "commit": git_commit()}
     if ok:
         (out / DONE).write_text(json.dumps(result) + "\n")
     return result

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,10 +40,24 @@ class Run:
     path: Path
     config: dict[str, Any]
     rows: list[dict[str, Any]]
+    commit: str | None = None  # the code's commit, where the run folder records it (a sweep's point.json)
 
 
-def find_runs(paths: Iterable[Path]) -> list[Run]:
-    """Every run folder at or below ``paths`` (a folder with ``config.json`` and ``results.jsonl``)."""
+def unfinished(folder: Path, config: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> str | None:
+    """Why a run folder is not a finished run (None when it is): a sweep point without ``point.json``
+    (running, interrupted or failed), or fewer results rows than the configured rounds."""
+    if not (folder / "point.json").exists() and any(folder.parent.glob("*/point.json")):
+        return "a sweep point that has not finished"
+    rounds = config.get("rounds")
+    last = max((int(r.get("round", 0)) for r in rows), default=0)
+    if isinstance(rounds, int) and last < rounds:
+        return f"results up to round {last} of {rounds}"
+    return None
+
+
+def find_runs(paths: Iterable[Path], on_skip: Callable[[Path, str], None] | None = None) -> list[Run]:
+    """Every finished run folder at or below ``paths`` (a folder with ``config.json`` and ``results.jsonl``);
+    unfinished ones (see :func:`unfinished`) are left out and passed to ``on_skip`` with the reason."""
     found: list[Run] = []
     for p in paths:
         if not p.is_dir():
@@ -52,9 +67,17 @@ def find_runs(paths: Iterable[Path]) -> list[Run]:
             if not (f / "results.jsonl").exists():
                 continue
             rows = [json.loads(line) for line in (f / "results.jsonl").read_text().splitlines() if line.strip()]
-            found.append(Run(f, json.loads((f / "config.json").read_text()), rows))
+            config = json.loads((f / "config.json").read_text())
+            why = unfinished(f, config, rows)
+            if why is not None:
+                if on_skip is not None:
+                    on_skip(f, why)
+                continue
+            point = f / "point.json"
+            commit = json.loads(point.read_text()).get("commit") if point.exists() else None
+            found.append(Run(f, config, rows, commit))
     if not found:
-        raise TableError(f"no run folders (config.json + results.jsonl) under {', '.join(map(str, paths))}")
+        raise TableError(f"no finished run folders (config.json + results.jsonl) under {', '.join(map(str, paths))}")
     return found
 
 
@@ -157,7 +180,15 @@ def build(
                 )
                 for m in METRICS
             }
-    return {"by": list(by), "target": target, "baseline": baseline, "rows": table, "differences": diffs}
+    commits = sorted({r.commit for r in runs if r.commit})
+    return {
+        "by": list(by),
+        "target": target,
+        "baseline": baseline,
+        "commits": commits,
+        "rows": table,
+        "differences": diffs,
+    }
 
 
 def _cell(stats: Mapping[str, float] | None, metric: str, signed: bool = False) -> str:
@@ -195,7 +226,10 @@ def markdown(doc: Mapping[str, Any], metrics: Sequence[str] = METRICS) -> str:
 
 
 def main(paths: Sequence[str], by: str | None, target: float, baseline: str | None, json_out: str | None) -> int:
-    runs = find_runs([Path(p) for p in paths])
+    def skipped(folder: Path, why: str) -> None:
+        print(f"wafl table: leaving out {folder}: {why}", file=sys.stderr)
+
+    runs = find_runs([Path(p) for p in paths], on_skip=skipped)
     fields = tuple(f.strip() for f in by.split(",")) if by else DEFAULT_BY
     doc = build(runs, fields, target, baseline)
     print(markdown(doc))

@@ -44,6 +44,10 @@ def test_sweep_interrupted_resumed_and_tabulated(tmp_path: Path) -> None:
     first.wait()
     done = {p.parent.name: p.stat().st_mtime_ns for p in out.glob("*/point.json")}
     assert 2 <= len(done) < 6
+    skipped: list[Path] = []
+    partial = find_runs([out], on_skip=lambda folder, why: skipped.append(folder))
+    assert sorted(r.path.name for r in partial) == sorted(done)  # the killed point is left out, not tabulated
+    assert all(f.name not in done for f in skipped)
     second = subprocess.run(_wafl("sweep", str(spec)), env=env, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stderr
     assert f"{6 - len(done)} to run, {len(done)} already done" in second.stderr
@@ -73,7 +77,10 @@ def test_sweep_interrupted_resumed_and_tabulated(tmp_path: Path) -> None:
     assert "| fedavg | 3 |" in text and "Paired differences to fedavg" in text
     table = subprocess.run(_wafl("table", str(out), "--json", str(tmp_path / "t.json")), capture_output=True, text=True)
     assert table.returncode == 0 and "| fedprox mu=0.01 | 3 |" in table.stdout
-    assert json.loads((tmp_path / "t.json").read_text())["rows"]["fedavg"]["seeds"] == [0, 1, 2]
+    saved = json.loads((tmp_path / "t.json").read_text())
+    assert saved["rows"]["fedavg"]["seeds"] == [0, 1, 2]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent)
+    assert saved["commits"] == [head.stdout.strip()]  # each point records the commit it ran on
 
 
 def test_table_refuses_runs_of_different_settings(tmp_path: Path) -> None:
