@@ -302,7 +302,7 @@ def cmd_table(a: argparse.Namespace) -> int:
     from wafl.cli.table import TableError, main
 
     try:
-        return main(a.dirs, a.by, a.target, a.baseline, a.json)
+        return main(a.dirs, a.by, a.target, a.baseline, a.json, a.metrics)
     except TableError as e:
         print(f"wafl: {e}", file=sys.stderr)
         return 2
@@ -447,6 +447,11 @@ def build_parser() -> argparse.ArgumentParser:
     tb.add_argument("--baseline", help="row label to pair every other row with, seed by seed")
     tb.add_argument("--target", type=float, default=0.9, help="GM accuracy for the time-to-target column")
     tb.add_argument("--json", help="also write the table as JSON here")
+    tb.add_argument(
+        "--metrics",
+        help="columns shown, comma-separated (default: all with values): final_gm, best_gm, final_pm, best_pm, "
+        "time_to_target, mbytes",
+    )
     tb.set_defaults(fn=cmd_table)
 
     h = sub.add_parser("health", help="gRPC health check of a server (exit 0 when SERVING)")

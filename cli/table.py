@@ -225,14 +225,25 @@ def markdown(doc: Mapping[str, Any], metrics: Sequence[str] = METRICS) -> str:
     return "\n".join(lines)
 
 
-def main(paths: Sequence[str], by: str | None, target: float, baseline: str | None, json_out: str | None) -> int:
+def main(
+    paths: Sequence[str],
+    by: str | None,
+    target: float,
+    baseline: str | None,
+    json_out: str | None,
+    metrics: str | None = None,
+) -> int:
     def skipped(folder: Path, why: str) -> None:
         print(f"wafl table: leaving out {folder}: {why}", file=sys.stderr)
 
     runs = find_runs([Path(p) for p in paths], on_skip=skipped)
     fields = tuple(f.strip() for f in by.split(",")) if by else DEFAULT_BY
+    shown = tuple(m.strip() for m in metrics.split(",")) if metrics else METRICS
+    unknown = [m for m in shown if m not in METRICS]
+    if unknown:
+        raise TableError(f"--metrics: unknown {', '.join(unknown)}; known: {', '.join(METRICS)}")
     doc = build(runs, fields, target, baseline)
-    print(markdown(doc))
+    print(markdown(doc, shown))
     if json_out:
         Path(json_out).write_text(json.dumps(doc, indent=1) + "\n")
     return 0

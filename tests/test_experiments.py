@@ -90,7 +90,14 @@ def test_table_refuses_runs_of_different_settings(tmp_path: Path) -> None:
         build(find_runs([tmp_path]))
     r = subprocess.run(_wafl("table", str(tmp_path)), capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.startswith("wafl: the runs differ") and "Traceback" not in r.stderr
-    assert subprocess.run(_wafl("table", str(tmp_path), "--by", "rounds"), capture_output=True).returncode == 0
+    by_rounds = subprocess.run(_wafl("table", str(tmp_path), "--by", "rounds"), capture_output=True, text=True)
+    assert by_rounds.returncode == 0 and "MB moved" in by_rounds.stdout
+    only = subprocess.run(
+        _wafl("table", str(tmp_path), "--by", "rounds", "--metrics", "final_gm"), capture_output=True, text=True
+    )
+    assert only.returncode == 0 and only.stdout.splitlines()[0] == "| run | seeds | final GM acc. (%) |"
+    bad = subprocess.run(_wafl("table", str(tmp_path), "--metrics", "accuracy"), capture_output=True, text=True)
+    assert bad.returncode == 2 and "--metrics: unknown accuracy" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_sweep_file_mistakes_are_one_line(tmp_path: Path) -> None:
