@@ -385,6 +385,37 @@ def save_plot(fig: Any, ax: Any, path: Path, title: str = "") -> None:
 
 
 # ----------------------------------------------------------------------------- the command
+def launch_measured(
+    run_cfg: RunConfig,
+    run_dir: Path,
+    link_rate: str | None,
+    show_progress: bool,
+    timeout_s: float,
+    host_cpus: str | None,
+) -> tuple[Any, dict[str, Any]]:
+    """One federation of a benchmark (``wafl.cli.launch``): every host with its CPU share
+    (``host_cpus``; None: ``auto`` where control groups can be used, else shared cores with a
+    warning); returns the launcher's summary and the machine's load average before and after.
+    Model files are removed afterwards (weights are not a measurement)."""
+    from wafl.cli.launcher import launch
+
+    before = os.getloadavg()
+    summary = launch(
+        run_cfg,
+        run_dir,
+        link_rate=link_rate,
+        show_progress=show_progress,
+        timeout_s=timeout_s,
+        host_cpus=host_cpus or "auto",
+        quota_optional=host_cpus is None,
+    )
+    after = os.getloadavg()
+    (run_dir / "checkpoint.pt").unlink(missing_ok=True)
+    shutil.rmtree(run_dir / "clients", ignore_errors=True)
+    load = {"before_1m": round(before[0], 2), "after_1m": round(after[0], 2), "after_5m": round(after[1], 2)}
+    return summary, {**load, "cpus": os.cpu_count()}
+
+
 def bench_protocols(
     cfg: RunConfig,
     out: Path,
@@ -401,7 +432,6 @@ def bench_protocols(
     warning and shared cores. Each protocol's entry records the shares, the quotas read back
     from the groups and the CPU each process used (``host_cpus``).
     """
-    from wafl.cli.launcher import launch
 
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, Any]] = {}
@@ -419,29 +449,12 @@ def bench_protocols(
                 file=sys.stderr,
                 flush=True,
             )
-        load_before = os.getloadavg()[0]
-        summary = launch(
-            run_cfg,
-            run_dir,
-            link_rate=link_rate,
-            show_progress=show_progress,
-            timeout_s=timeout_s,
-            host_cpus=host_cpus or "auto",
-            quota_optional=host_cpus is None,
-        )
-        load_after = os.getloadavg()
+        summary, load = launch_measured(run_cfg, run_dir, link_rate, show_progress, timeout_s, host_cpus)
         ok = ok and summary.ok
-        (run_dir / "checkpoint.pt").unlink(missing_ok=True)  # model weights: not a measurement
-        shutil.rmtree(run_dir / "clients", ignore_errors=True)
         entry = summarize_run(run_dir, target)
         entry["ok"] = summary.ok
         entry["host_cpus"] = summary.host_cpus
-        entry["host_load_avg"] = {
-            "before_1m": round(load_before, 2),
-            "after_1m": round(load_after[0], 2),
-            "after_5m": round(load_after[1], 2),
-            "cpus": os.cpu_count(),
-        }
+        entry["host_load_avg"] = load
         results[protocol] = entry
         timelines[protocol] = read_timelines(run_dir / "timelines.json")
         t0 = training_start(read_jsonl(run_dir / "results.jsonl"))

@@ -30,8 +30,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-import shutil
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -41,6 +39,7 @@ from wafl.cli.bench import (
     _share_of_wall,
     git_commit,
     idle_fraction,
+    launch_measured,
     plot_timelines,
     read_jsonl,
     read_timelines,
@@ -163,8 +162,6 @@ def bench_async(
     ``auto`` where control groups can be used, else shared cores with a warning). Under quotas a
     client's slow-down divides its share instead of adding sleeps.
     """
-    from wafl.cli.launcher import launch
-
     out.mkdir(parents=True, exist_ok=True)
     runs: dict[str, dict[str, Any]] = {}
     timelines: dict[str, Any] = {}
@@ -186,24 +183,12 @@ def bench_async(
                 f"[{i}/{len(plan)}] {name}: {cfg.algorithm}, {cfg.num_clients} clients, {rounds} versions",
                 file=sys.stderr,
             )
-        load_before = os.getloadavg()[0]
-        summary = launch(
-            run_cfg,
-            run_dir,
-            link_rate=link_rate,
-            show_progress=show_progress,
-            timeout_s=timeout_s,
-            host_cpus=host_cpus or "auto",
-            quota_optional=host_cpus is None,
-        )
-        load_after = os.getloadavg()[0]
+        summary, load = launch_measured(run_cfg, run_dir, link_rate, show_progress, timeout_s, host_cpus)
         ok = ok and summary.ok
-        (run_dir / "checkpoint.pt").unlink(missing_ok=True)
-        shutil.rmtree(run_dir / "clients", ignore_errors=True)
         runs[name] = {
             "ok": summary.ok,
             "rounds_configured": rounds,
-            "host_load_1m": {"before": round(load_before, 2), "after": round(load_after, 2), "cpus": os.cpu_count()},
+            "host_load_avg": load,
             "host_cpus": summary.host_cpus,
             **summarize(
                 run_dir,
