@@ -455,3 +455,28 @@ def call_error(fn: Callable[[], Any]) -> grpc.RpcError:
     except grpc.RpcError as e:
         return e
     raise AssertionError(f"expected the call to fail with a gRPC status, it returned {result!r}")
+
+
+def expect_status(err: grpc.RpcError, code: grpc.StatusCode, *fragments: str, max_details: int | None = None) -> None:
+    """``err`` has status ``code``, its details hold every fragment (and at most ``max_details`` characters)."""
+    details = err.details() or ""
+    assert err.code() == code, f"expected {code.name}, got {err.code().name}: {details}"
+    for f in fragments:
+        assert f in details, f"{f!r} not in the details {details!r}"
+    if max_details is not None:
+        assert len(details) <= max_details, f"{len(details)} characters of details: {details!r}"
+
+
+def join_clients(
+    pb: ModuleType, pb_grpc: ModuleType, server: ServerProcess, prefix: str, num_samples: Sequence[int], token: str = ""
+) -> list[IndependentClient]:
+    """One joined, listening client per entry of ``num_samples`` (index ``i``, id ``prefix-i-<random>``)."""
+    import uuid
+
+    clients = []
+    for i, n in enumerate(num_samples):
+        c = IndependentClient(pb, pb_grpc, server.address, f"{prefix}-{i}-{uuid.uuid4().hex[:6]}", i, n)
+        c.token = token
+        c.join_and_listen()
+        clients.append(c)
+    return clients

@@ -26,7 +26,9 @@ from independent_client import (
     Model,
     ServerProcess,
     call_error,
+    expect_status,
     generate_stubs,
+    join_clients,
     tensor_chunks,
     upload_messages,
 )
@@ -58,12 +60,7 @@ def stubs(tmp_path_factory: pytest.TempPathFactory):
 class Fed:
     def __init__(self, pb: Any, pb_grpc: Any, server: ServerProcess) -> None:
         self.pb, self.pb_grpc, self.server = pb, pb_grpc, server
-        self.clients = []
-        for i, n in enumerate(NUM_SAMPLES):
-            c = IndependentClient(pb, pb_grpc, server.address, f"honest-{i}", i, n)
-            c.token = TOKEN
-            c.join_and_listen()
-            self.clients.append(c)
+        self.clients = join_clients(pb, pb_grpc, server, "honest", NUM_SAMPLES, TOKEN)
         self.manifest = list(self.clients[0].reply.manifest)
 
     @property
@@ -141,11 +138,7 @@ def fed(stubs, tmp_path_factory: pytest.TempPathFactory):
 
 
 def expect(err: grpc.RpcError, code: grpc.StatusCode, *fragments: str) -> None:
-    details = err.details() or ""
-    assert err.code() == code, f"expected {code.name}, got {err.code().name}: {details}"
-    for f in fragments:
-        assert f in details, f"{f!r} not in {details!r}"
-    assert len(details) <= 300
+    expect_status(err, code, *fragments, max_details=300)  # details are bounded
 
 
 def no_message(call: Any) -> grpc.RpcError:

@@ -36,7 +36,9 @@ from independent_client import (
     Model,
     ServerProcess,
     call_error,
+    expect_status,
     generate_stubs,
+    join_clients,
     numpy_dtype,
     tensor_chunks,
     upload_messages,
@@ -72,13 +74,8 @@ class Federation:
         self.pb = pb
         self.pb_grpc = pb_grpc
         self.server = server
-        self.clients = [
-            IndependentClient(pb, pb_grpc, server.address, f"indep-{i}-{uuid.uuid4().hex[:6]}", i, n)
-            for i, n in enumerate(NUM_SAMPLES)
-        ]
-        for c in self.clients:
-            reply = c.join_and_listen()
-            assert reply.run_id == server.run_id
+        self.clients = join_clients(pb, pb_grpc, server, "indep", NUM_SAMPLES)
+        assert all(c.reply.run_id == server.run_id for c in self.clients)
         self.manifest = list(self.clients[0].reply.manifest)
         self.model_bytes = sum(len(c.data) for c in tensor_chunks(pb, self.manifest, self.zero_tensors()))
         self.clean = True
@@ -214,13 +211,6 @@ def fed(stubs, tmp_path_factory: pytest.TempPathFactory):
         alive = server.alive()
         server.stop()
     assert alive, "the server process died during the tests"
-
-
-def expect_status(err: grpc.RpcError, code: grpc.StatusCode, *fragments: str) -> None:
-    details = err.details() or ""
-    assert err.code() == code, f"expected {code.name}, got {err.code().name}: {details}"
-    for f in fragments:
-        assert f in details, f"{f!r} not in the details {details!r}"
 
 
 def first_index(chunks: list[Any], name: str) -> int:

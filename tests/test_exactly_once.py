@@ -29,7 +29,9 @@ from independent_client import (
     Model,
     ServerProcess,
     call_error,
+    expect_status,
     generate_stubs,
+    join_clients,
     numpy_dtype,
     tensor_chunks,
     upload_messages,
@@ -55,12 +57,7 @@ class Run:
         self.pb = pb
         self.pb_grpc = pb_grpc
         self.server = server
-        self.clients = [
-            IndependentClient(pb, pb_grpc, server.address, f"once-{i}-{uuid.uuid4().hex[:6]}", i, n)
-            for i, n in enumerate(NUM_SAMPLES)
-        ]
-        for c in self.clients:
-            c.join_and_listen()
+        self.clients = join_clients(pb, pb_grpc, server, "once", NUM_SAMPLES)
         self.a, self.b = self.clients
         self.manifest = list(self.a.reply.manifest)
 
@@ -119,10 +116,7 @@ def run(stubs: tuple[Any, Any], tmp_path_factory: pytest.TempPathFactory):
         server.stop()
 
 
-def expect(err: grpc.RpcError, code: grpc.StatusCode, *fragments: str) -> None:
-    assert err.code() == code, f"expected {code.name}, got {err.code().name}: {err.details()}"
-    for f in fragments:
-        assert f in (err.details() or ""), f"{f!r} not in {err.details()!r}"
+expect = expect_status
 
 
 # --------------------------------------------------------------------------- refusals (no round used)

@@ -14,6 +14,7 @@ from independent_client import (
     ServerProcess,
     call_error,
     generate_stubs,
+    join_clients,
     tensor_chunks,
     upload_messages,
 )
@@ -51,12 +52,7 @@ class Fed:
     def __init__(self, pb: Any, pb_grpc: Any, server: ServerProcess) -> None:
         self.pb = pb
         self.server = server
-        self.clients = [
-            IndependentClient(pb, pb_grpc, server.address, f"k-{i}-{uuid.uuid4().hex[:6]}", i, n)
-            for i, n in enumerate(NUM_SAMPLES)
-        ]
-        for c in self.clients:
-            c.join_and_listen()
+        self.clients = join_clients(pb, pb_grpc, server, "k", NUM_SAMPLES)
         self.manifest = list(self.clients[0].reply.manifest)
 
     def upload(

@@ -83,6 +83,7 @@ def test_clipping_leaves_small_updates_and_rollbacks_exact() -> None:
     acc.set_reference(ref_state)
     fold(acc, make_state(7, scale=1e4), 1.0, commit=False).rollback()  # never counts
     fold(acc, small, 1.0)
+    assert (acc.count, acc.total_weight) == (1, 1.0)  # the rolled-back upload left no trace
     got = acc.center()
     for k, v in as_np(small).items():
         close(got[k], v)
@@ -119,6 +120,7 @@ def test_trimmed_mean_with_clipping_matches_numpy() -> None:
     for st in states:
         fold(acc, st, 1.0)
     want = clipped(states, as_np(ref_state), 10.0)
+    assert acc.count == len(states)
     got = acc.center()
     for k in ref_state:
         stack = np.sort(np.stack([x[k] for x in want]), axis=0)
