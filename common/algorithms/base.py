@@ -153,14 +153,20 @@ class StepRule:
         opt: torch.optim.Optimizer,
         batch: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
-        loss = closure()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = backward(closure, opt)
         opt.step()
         return loss
 
     def end(self, ctx: RoundContext, model: nn.Module, params: list[nn.Parameter]) -> None:
         pass
+
+
+def backward(closure: Callable[[], torch.Tensor], opt: torch.optim.Optimizer) -> torch.Tensor:
+    """The batch's loss at the current weights, its gradients left in ``.grad`` (cleared first)."""
+    loss = closure()
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    return loss
 
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]

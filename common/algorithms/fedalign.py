@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from wafl.common.algorithms.base import Algorithm, Forward, LossTerm, Phase, RoundContext, StepRule
+from wafl.common.algorithms.base import Algorithm, Forward, LossTerm, Phase, RoundContext, StepRule, backward
 from wafl.common.algorithms.registry import Param, register
 
 
@@ -103,9 +103,7 @@ class ClippedStep(StepRule):
         opt: torch.optim.Optimizer,
         batch: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
-        loss = closure()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = backward(closure, opt)
         torch.nn.utils.clip_grad_norm_(params, self.max_norm)
         opt.step()
         return loss

@@ -35,6 +35,22 @@ def gradients(loss: torch.Tensor, params: list[nn.Parameter]) -> list[torch.Tens
     return list(torch.autograd.grad(loss, params, allow_unused=True))
 
 
+def sharpness_gradients(
+    closure: Callable[[], torch.Tensor], params: list[nn.Parameter], rho: float
+) -> tuple[torch.Tensor, list[torch.Tensor | None], list[torch.Tensor | None]]:
+    """The loss at ``w``, its gradient ``g`` and the gradient at ``w + rho g / ||g||``; ``params``
+    are back at ``w`` afterwards (SAM's two passes, shared by FedSAM and FedSpeed)."""
+    loss = closure()
+    g = gradients(loss, params)
+    saved = [p.detach().clone() for p in params]
+    ascent(params, g, rho)
+    perturbed = gradients(closure(), params)
+    with torch.no_grad():
+        for p, w in zip(params, saved):
+            p.copy_(w)
+    return loss, g, perturbed
+
+
 class SamStep(StepRule):
     def __init__(self, rho: float) -> None:
         self.rho = rho
@@ -47,13 +63,7 @@ class SamStep(StepRule):
         opt: torch.optim.Optimizer,
         batch: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
-        loss = closure()
-        saved = [p.detach().clone() for p in params]
-        ascent(params, gradients(loss, params), self.rho)
-        perturbed = gradients(closure(), params)
-        with torch.no_grad():
-            for p, w in zip(params, saved):
-                p.copy_(w)
+        loss, _, perturbed = sharpness_gradients(closure, params, self.rho)
         opt.zero_grad(set_to_none=True)
         for p, g in zip(params, perturbed):
             p.grad = None if g is None else g.detach()

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 from wafl.common.algorithms.base import Algorithm, Phase, RoundContext, StepRule
-from wafl.common.algorithms.fedsam import ascent, gradients
+from wafl.common.algorithms.fedsam import sharpness_gradients
 from wafl.common.algorithms.registry import Param, register
 
 STATE_KEY = "fedspeed_dual"
@@ -46,15 +46,11 @@ class FedSpeedStep(StepRule):
         opt: torch.optim.Optimizer,
         batch: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
-        loss = closure()
-        g1 = gradients(loss, params)
-        saved = [p.detach().clone() for p in params]
-        ascent(params, g1, self.rho)
-        g2 = gradients(closure(), params)
+        loss, g1, g2 = sharpness_gradients(closure, params, self.rho)
         opt.zero_grad(set_to_none=True)
         with torch.no_grad():
-            for p, w, a, b, d, x in zip(params, saved, g1, g2, self.dual, self.start):
-                p.copy_(w)
+            for p, a, b, d, x in zip(params, g1, g2, self.dual, self.start):
+                w = p.detach()
                 a = torch.zeros_like(p) if a is None else a
                 b = torch.zeros_like(p) if b is None else b
                 p.grad = (1 - self.alpha) * a + self.alpha * b - d + (w - x) / self.lam

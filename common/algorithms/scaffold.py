@@ -28,6 +28,7 @@ from wafl.common.algorithms.base import (
     RoundContext,
     ServerUpdate,
     StepRule,
+    backward,
     extra_name,
 )
 from wafl.common.algorithms.registry import register
@@ -68,9 +69,7 @@ class CorrectedStep(StepRule):
         opt: torch.optim.Optimizer,
         batch: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
-        loss = closure()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = backward(closure, opt)
         with torch.no_grad():
             for p, corr in zip(params, self.correction):
                 if p.grad is not None:
