@@ -47,19 +47,40 @@ def test_term_matches_a_slow_recomputation(digits) -> None:
     f = t.gm.features
     with torch.no_grad():
         xin = f[:-3](x)
-        w1, b1, w2, b2 = f[-3].weight[:32], f[-3].bias[:32], f[-1].weight[:, :32], f[-1].bias
+        c, hidden, out = xin.shape[1], f[-3].out_features, f[-1].out_features  # 1024, 128, 32: slices of a quarter
+        i, k, o = c // 4, hidden // 4, out // 4
+        w1, b1, w2, b2 = f[-3].weight[:k, :i], f[-3].bias[:k], f[-1].weight[:o, :k], f[-1].bias[:o]
         gap = 0.0
-        for i in range(6):
-            hs = w2 @ torch.relu(w1 @ xin[i] + b1) + b2
-            full = float(xin[i].norm() * h[i].norm())
-            sub = float(xin[i].norm() * hs.norm())
+        for b in range(6):
+            hs = w2 @ torch.relu(w1 @ xin[b, :i] + b1) + b2
+            full = float(xin[b].norm() * h[b].norm())
+            sub = float(xin[b, :i].norm() * hs.norm())
             gap += (sub - full) ** 2 / 6
         ce = float(F.cross_entropy(logits, y))
     assert value.item() == pytest.approx(0.45 * ce, rel=1e-4)  # rescaled to mu * CE
     assert gap > 0 and math.isfinite(gap)
     with torch.no_grad():
-        got = lipschitz_gap(xin, h, sub_block(f[-3], f[-1], xin, 0.25))
+        got = lipschitz_gap(xin, h, *sub_block(f[-3], f[-1], xin, 0.25))
     assert got.item() == pytest.approx(gap, rel=1e-4)
-    grads = torch.autograd.grad(value, [f[-3].weight, f[0].weight], allow_unused=True)
-    assert grads[0] is not None and float(grads[0][32:].abs().sum()) == 0  # only the slice
-    assert grads[1] is None  # nothing before the block
+    grads = torch.autograd.grad(value, [f[-3].weight, f[-1].weight, f[0].weight], allow_unused=True)
+    assert grads[0] is not None and float(grads[0][:k, :i].abs().sum()) > 0
+    assert float(grads[0][k:].abs().sum()) == 0 and float(grads[0][:, i:].abs().sum()) == 0  # only the slice
+    assert float(grads[1][:o, :k].abs().sum()) > 0 and float(grads[1][o:].abs().sum()) == 0
+    assert grads[2] is None  # nothing before the block
+
+
+def test_inactive_sub_network_gives_a_finite_term() -> None:
+    """A sample on which every unit of the slice is inactive has a zero estimate, not NaN."""
+    first, last = torch.nn.Linear(8, 4), torch.nn.Linear(4, 4)
+    with torch.no_grad():
+        first.weight.zero_()
+        first.bias.fill_(-1.0)
+        last.bias.zero_()
+    x = torch.randn(3, 8)
+    xs, hs = sub_block(first, last, x, 0.5)
+    assert xs.shape == (3, 4) and hs.shape == (3, 2) and float(hs.detach().abs().sum()) == 0
+    h = torch.randn(3, 4)
+    gap = lipschitz_gap(x, h, xs, hs)
+    assert math.isfinite(gap.item())
+    want = float(((x.norm(dim=1) * h.norm(dim=1)) ** 2).mean())
+    assert gap.item() == pytest.approx(want, rel=1e-4)

@@ -2,20 +2,23 @@
 of the final block between the full network and a width-reduced sub-network.
 
 On a batch, with ``x`` the input of the feature extractor's final block ``B`` and ``h = B(x)`` its
-output (the full network), and ``h_s = B_w(x.detach())`` the same block at width ``w`` (its hidden
-units sliced to the first ``ceil(w * hidden)``, as the slimmable networks of the authors' code),
+output (the full network), and ``h_s = B_w(x_w)`` the same block at width ``w`` on ``x_w``, the first
+``ceil(w * C)`` of the input's ``C`` features (detached): as the slimmable blocks of the authors' code
+(``reuse_feature`` slices the input, and the block at width ``w`` keeps the first ``ceil(w * n)`` of
+its hidden and output units),
 
     FSP(a, b) = a b^T / (spatial size)                              (per sample; 1 for a vector)
     L(a, b)   = sqrt(lambda_max(FSP(a, b) FSP(a, b)^T))              (10 power iterations from ones, on
                                                                      the smaller Gram matrix)
-    L_lip     = (1/B) sum_b (L(x_b, h_s,b) - L(x_b, h_b.detach()))^2
+    L_lip     = (1/B) sum_b (L(x_w,b, h_s,b) - L(x_b, h_b.detach()))^2
     loss      = CE + mu * (CE / L_lip).detach() * L_lip
 
 (the authors' code: the Lipschitz term is rescaled to ``mu`` times the cross-entropy's value and
 only trains the sub-network's slice; gradients are clipped to norm 10 before the step). ``mu``
 0.45 and ``w`` 0.25, the paper's. The final block here is the last ``Linear - ReLU - Linear`` of
 the feature extractor (the digits CNN's; other models are refused with a message saying so).
-The server is FedAvg.
+The power iteration divides by norms clamped to 1e-12, so a sub-network whose units are all
+inactive on a sample gives an estimate of 0 there rather than NaN. The server is FedAvg.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 from wafl.common.algorithms.base import Algorithm, Forward, LossTerm, Phase, RoundContext, StepRule, backward
 from wafl.common.algorithms.registry import Param, register
+
+EPS = 1e-12
 
 
 def final_block(model: nn.Module) -> tuple[nn.Module, nn.Linear, nn.Linear]:
@@ -59,20 +64,27 @@ def top_singular_value(m: torch.Tensor, iterations: int = 10) -> torch.Tensor:
     for _ in range(iterations):
         w = torch.bmm(k, v)
         n = torch.linalg.vector_norm(w, dim=1, keepdim=True)
-        v = w / n
-    return torch.sqrt(n / torch.linalg.vector_norm(v, dim=1, keepdim=True)).reshape(-1)
+        v = w / n.clamp_min(EPS)
+    return torch.sqrt((n / torch.linalg.vector_norm(v, dim=1, keepdim=True).clamp_min(EPS)).clamp_min(EPS)).reshape(-1)
 
 
-def sub_block(first: nn.Linear, last: nn.Linear, x: torch.Tensor, width: float) -> torch.Tensor:
-    k = max(1, math.ceil(width * first.out_features))
-    hidden = F.relu(F.linear(x, first.weight[:k], first.bias[:k] if first.bias is not None else None))
-    return F.linear(hidden, last.weight[:, :k], last.bias)
+def width_slice(n: int, width: float) -> int:
+    """How many of ``n`` units a block keeps at ``width``."""
+    return max(1, math.ceil(width * n))
 
 
-def lipschitz_gap(x: torch.Tensor, h: torch.Tensor, h_sub: torch.Tensor) -> torch.Tensor:
+def sub_block(first: nn.Linear, last: nn.Linear, x: torch.Tensor, width: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x_w, h_s)``: the input's first ``ceil(w * C)`` features and the block at width ``w`` on them."""
+    i, k, o = (width_slice(n, width) for n in (first.in_features, first.out_features, last.out_features))
+    xs = x[:, :i]
+    hidden = F.relu(F.linear(xs, first.weight[:k, :i], first.bias[:k] if first.bias is not None else None))
+    return xs, F.linear(hidden, last.weight[:o, :k], last.bias[:o] if last.bias is not None else None)
+
+
+def lipschitz_gap(x: torch.Tensor, h: torch.Tensor, x_sub: torch.Tensor, h_sub: torch.Tensor) -> torch.Tensor:
     """``L_lip`` above: the mean squared gap of the two blocks' Lipschitz estimates."""
     full = top_singular_value(transmitting_matrix(x, h))
-    sub = top_singular_value(transmitting_matrix(x, h_sub))
+    sub = top_singular_value(transmitting_matrix(x_sub, h_sub))
     return F.mse_loss(sub, full)
 
 
@@ -86,9 +98,9 @@ class LipschitzAlignment(LossTerm):
         pre, first, last = final_block(model)
         with torch.no_grad():
             x = pre(out.x)
-        gap = lipschitz_gap(x, out.h.detach(), sub_block(first, last, x, self.width))
+        gap = lipschitz_gap(x, out.h.detach(), *sub_block(first, last, x, self.width))
         ce = F.cross_entropy(out.logits, out.y).detach()
-        return self.mu * (ce / gap.detach().clamp_min(1e-12)) * gap
+        return self.mu * (ce / gap.detach().clamp_min(EPS)) * gap
 
 
 class ClippedStep(StepRule):
