@@ -169,7 +169,7 @@ def cmd_server(a: argparse.Namespace) -> int:
     from wafl.common.tls import server_tls
     from wafl.server.auth import load_enrollment
 
-    tls = server_tls(a.tls_cert, a.tls_key)
+    tls = server_tls(a.tls_cert, a.tls_key, a.tls_client_ca)
     enrollment = load_enrollment(a.enrollment, cfg.num_clients) if a.enrollment else None
     return asyncio.run(
         serve(
@@ -191,7 +191,7 @@ def cmd_client(a: argparse.Namespace) -> int:
     from wafl.client.app import run_client
     from wafl.common.tls import client_tls
 
-    tls = client_tls(a.tls_ca, a.tls_server_name)
+    tls = client_tls(a.tls_ca, a.tls_server_name, a.tls_cert, a.tls_key)
     _setup_logging(f"client-{a.index}", a.log_file, a.quiet)
     _threads(a.threads)
     return asyncio.run(
@@ -213,7 +213,7 @@ def cmd_health(a: argparse.Namespace) -> int:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from wafl.common.tls import client_tls
 
-    tls = client_tls(a.tls_ca, a.tls_server_name)
+    tls = client_tls(a.tls_ca, a.tls_server_name, a.tls_cert, a.tls_key)
     try:
         ch = (
             grpc.insecure_channel(a.server)
@@ -325,6 +325,12 @@ def _tls_client_args(p: argparse.ArgumentParser) -> None:
         default=os.environ.get("WAFL_TLS_SERVER_NAME"),
         help="name the server's certificate must carry, when not the dialled host",
     )
+    p.add_argument(
+        "--tls-cert",
+        default=os.environ.get("WAFL_TLS_CERT"),
+        help="PEM certificate chain of this client, for a server that requires one (--tls-client-ca; with --tls-key)",
+    )
+    p.add_argument("--tls-key", default=os.environ.get("WAFL_TLS_KEY"), help="PEM private key of --tls-cert")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -376,6 +382,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="PEM certificate chain: serve over TLS (with --tls-key)",
     )
     s.add_argument("--tls-key", default=os.environ.get("WAFL_TLS_KEY"), help="PEM private key of --tls-cert")
+    s.add_argument(
+        "--tls-client-ca",
+        default=os.environ.get("WAFL_TLS_CLIENT_CA"),
+        help="PEM CA bundle: mutual TLS, every client presents a certificate issued by it whose common name "
+        "ends in client-<INDEX>, and may act only as that index",
+    )
     s.add_argument("--quiet", action="store_true")
     s.set_defaults(fn=cmd_server)
 

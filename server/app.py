@@ -52,12 +52,13 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def check_exposure(host: str, secrets: JoinSecrets, allow_open: bool) -> None:
-    """Refuses (``ConfigError``) to serve a non-loopback address that anyone may join, unless asked to."""
-    if secrets.open and not is_loopback(host) and not allow_open:
+def check_exposure(host: str, secrets: JoinSecrets, allow_open: bool, client_certificates: bool = False) -> None:
+    """Refuses (``ConfigError``) to serve a non-loopback address that anyone may join, unless asked to
+    (client certificates required by mutual TLS are a credential)."""
+    if secrets.open and not client_certificates and not is_loopback(host) and not allow_open:
         raise ConfigError(
             f"--host {host} is not a loopback address and no credential is set: anyone who reaches it could join; "
-            "set --token (or WAFL_TOKEN) or --enrollment, or pass --allow-open"
+            "set --token (or WAFL_TOKEN), --enrollment or --tls-client-ca, or pass --allow-open"
         )
 
 
@@ -95,13 +96,14 @@ async def serve(
     import structlog
 
     log = structlog.get_logger("server")
-    check_exposure(host, JoinSecrets(token, dict(enrollment or {})), allow_open)
+    mutual = tls is not None and tls.client_ca is not None
+    check_exposure(host, JoinSecrets(token, dict(enrollment or {})), allow_open, mutual)
     check_out_dir(out_dir, resume)
     engine = RoundEngine(cfg, out_dir, token=token, resume=resume, enrollment=enrollment)
-    if engine.secrets.open:
+    if engine.secrets.open and not mutual:
         log.warning("server.open", message="no --token or --enrollment: any client that reaches the server may join")
     server = grpc.aio.server(options=GRPC_OPTIONS, maximum_concurrent_rpcs=max_concurrent_rpcs(cfg))
-    server.add_generic_rpc_handlers([handlers(FederationService(engine))])
+    server.add_generic_rpc_handlers([handlers(FederationService(engine, client_certificates=mutual))])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
@@ -114,7 +116,14 @@ async def serve(
     await server.start()
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("server.listening", address=f"{host}:{bound}", tls=tls is not None, run_id=engine.run_id, out=str(out_dir))
+    log.info(
+        "server.listening",
+        address=f"{host}:{bound}",
+        tls=tls is not None,
+        mutual_tls=mutual,
+        run_id=engine.run_id,
+        out=str(out_dir),
+    )
     if ready_file is not None:
         tmp = ready_file.with_suffix(".tmp")
         tmp.write_text(json.dumps({"port": bound, "run_id": engine.run_id}))

@@ -9,6 +9,11 @@ run folder (``server.key``, so credentials survive a server restarted with ``--r
 :data:`CREDENTIAL_KEY`; a registered index re-joins only with its credential (or its enrollment
 secret). Without a credential a call is ``UNAUTHENTICATED``; with a valid credential of another
 client it is ``PERMISSION_DENIED``.
+
+Under mutual TLS (``--tls-client-ca``) the connection itself names the client too: the common
+name of its certificate ends in ``client-<INDEX>`` (``client-3``, ``wafl-client-3``,
+``site-a.client-3``); a Join for another index, or a session credential of another index on that
+connection, is ``PERMISSION_DENIED``, and a certificate without such a name is ``UNAUTHENTICATED``.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import hmac
 import os
 import re
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,12 +34,35 @@ CREDENTIAL_KEY = "wafl-credential"  # gRPC metadata key of the session credentia
 ID_PATTERN = re.compile(r"[A-Za-z0-9._:@-]{1,64}")  # client ids
 KEY_FILE = "server.key"
 MAX_SECRET_CHARS = 256
+CERT_NAME = re.compile(r"(?:[A-Za-z0-9_-][A-Za-z0-9._-]{0,62}[._-])?client-([0-9]{1,9})")  # certificate common names
 
 
 def check_id(what: str, value: str) -> None:
     """Client ids: 1-64 characters of ``A-Z a-z 0-9 . _ : @ -``; raises :class:`Refused`."""
     if not ID_PATTERN.fullmatch(value):
         raise Refused(f"{what} must be 1-64 characters of A-Z a-z 0-9 . _ : @ - (got {len(value)} characters)")
+
+
+def certificate_index(auth_context: Mapping[str, Sequence[bytes]]) -> int:
+    """The client index a mutual-TLS peer's certificate names (see the module docstring); raises :class:`Refused`."""
+    names = auth_context.get("x509_common_name") or []
+    name = names[0].decode("utf-8", "replace") if names else ""
+    m = CERT_NAME.fullmatch(name)
+    if m is None:
+        shown = f"{name[:64]!r}" if name else "no common name"
+        raise Refused(
+            f"the client certificate ({shown}) names no client: its common name must end in client-<INDEX>",
+            Code.UNAUTHENTICATED,
+        )
+    return int(m.group(1))
+
+
+def check_certificate(peer: int, index: int, what: str) -> None:
+    """Raises PERMISSION_DENIED when ``index`` (of a Join or a credential) is not the certificate's ``peer``."""
+    if index != peer:
+        raise Refused(
+            f"the client certificate is bound to client_index {peer}; {what} is {index}", Code.PERMISSION_DENIED
+        )
 
 
 @dataclass(frozen=True)

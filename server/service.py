@@ -19,7 +19,7 @@ import structlog
 from wafl.common.errors import AlreadyAccepted, Code, Refused
 from wafl.common.proto import federation_pb2 as pb
 from wafl.common.wire import MALFORMED, decode_upload, encode_broadcast, lenient
-from wafl.server.auth import CREDENTIAL_KEY
+from wafl.server.auth import CREDENTIAL_KEY, certificate_index, check_certificate
 from wafl.server.engine import RoundEngine
 from wafl.server.upload import receive_upload
 
@@ -70,9 +70,23 @@ def _well_formed(req: object) -> None:
 
 
 class FederationService:
-    def __init__(self, engine: RoundEngine) -> None:
+    def __init__(self, engine: RoundEngine, client_certificates: bool = False) -> None:
         self.engine = engine
         self.report_rate = RateLimit()  # a client reports about once per round: far below this
+        self.client_certificates = client_certificates  # mutual TLS: the peer's certificate names its index
+
+    def _certificate_bound(self, ctx: grpc.aio.ServicerContext, index: int | None = None) -> None:
+        """Under mutual TLS, the Join's ``index`` (or, without one, the index of the call's session
+        credential) must be the one the peer's certificate names; raises :class:`Refused`."""
+        if not self.client_certificates:
+            return
+        peer = certificate_index(ctx.auth_context())
+        if index is not None:
+            check_certificate(peer, index, "this Join's client_index")
+            return
+        head = _credential(ctx).partition(".")[0]
+        if head.isdigit() and len(head) <= 9:  # the credential itself is verified by the engine
+            check_certificate(peer, int(head), "the session credential's")
 
     async def join(self, req: pb.JoinRequest, ctx: grpc.aio.ServicerContext) -> pb.JoinReply:
         try:
@@ -82,6 +96,7 @@ class FederationService:
                     f"protocol_version {req.protocol_version} is not supported (server speaks {PROTOCOL_VERSION})",
                     Code.FAILED_PRECONDITION,
                 )
+            self._certificate_bound(ctx, req.client_index)
             return self.engine.join(req, _credential(ctx))
         except Refused as e:
             await _abort(ctx, e)
@@ -90,6 +105,7 @@ class FederationService:
     async def broadcasts(self, req: pb.BroadcastRequest, ctx: grpc.aio.ServicerContext) -> AsyncIterator[object]:
         try:
             _well_formed(req)
+            self._certificate_bound(ctx)
             self.engine.authorize(req.client_id, _credential(ctx))
             if req.run_id and req.run_id != self.engine.run_id:
                 raise Refused(
@@ -102,6 +118,7 @@ class FederationService:
 
     async def upload(self, requests: AsyncIterator[object], ctx: grpc.aio.ServicerContext) -> pb.UploadReply:
         try:
+            self._certificate_bound(ctx)
             round, nbytes = await receive_upload(self.engine, requests, _credential(ctx))
         except AlreadyAccepted as e:
             await self._drain(requests)
@@ -134,6 +151,7 @@ class FederationService:
     async def report(self, req: pb.ReportRequest, ctx: grpc.aio.ServicerContext) -> pb.ReportReply:
         try:
             _well_formed(req)
+            self._certificate_bound(ctx)
             self.engine.authorize(req.client_id, _credential(ctx))  # a bucket only for a joined client
             if not self.report_rate.allow(req.client_id, time.monotonic()):
                 raise Refused("too many reports from this client; slow down", Code.RESOURCE_EXHAUSTED)

@@ -365,15 +365,25 @@ class IndependentClient:
     """One federation client: its channel, stub, Join data and broadcast listener."""
 
     def __init__(
-        self, pb: ModuleType, pb_grpc: ModuleType, address: str, client_id: str, index: int, num_samples: int
+        self,
+        pb: ModuleType,
+        pb_grpc: ModuleType,
+        address: str,
+        client_id: str,
+        index: int,
+        num_samples: int,
+        tls: grpc.ChannelCredentials | None = None,
     ) -> None:
         self.pb = pb
         self.client_id = client_id
         self.index = index
         self.num_samples = num_samples
         # a client may send any message size; the server enforces its own limit
-        self.channel = grpc.insecure_channel(
-            address, options=[("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", 8 * MIB)]
+        options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", 8 * MIB)]
+        self.channel = (
+            grpc.insecure_channel(address, options=options)
+            if tls is None
+            else grpc.secure_channel(address, tls, options=options)
         )
         self.stub = pb_grpc.FederationStub(self.channel)
         self.listener: BroadcastListener | None = None
