@@ -5,15 +5,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from wafl.cli.cgroups import CpuQuotaUnavailable
 from wafl.cli.netns import LinkShapingUnavailable
 from wafl.common.config import ConfigError, RunConfig, load_config
+from wafl.common.datasets.base import DatasetNotFoundError
 from wafl.common.errors import UsageError
 
 
@@ -124,6 +126,9 @@ def cmd_run(a: argparse.Namespace) -> int:
     if a.out and (Path(a.out) / "results.jsonl").exists():
         raise UsageError(f"--out {a.out} already holds a run (results.jsonl): choose another folder")
     resolve_device(cfg.device)  # every client runs here: a missing GPU is an error now, not at join
+    _check_dataset(cfg)
+    if a.out:
+        _creatable(Path(a.out))
     _check_link_rate(a.link_rate, cfg)
     _check_host_cpus(a.host_cpus, cfg)
     summary = launch(
@@ -156,6 +161,20 @@ def _check_host_cpus(spec: str | None, cfg: RunConfig) -> None:
             host_cpus(spec, cfg.num_clients, cfg.seed, machine_cpus())
         except ValueError as e:
             raise ConfigError(str(e)) from None
+
+
+def _check_dataset(cfg: RunConfig) -> None:
+    """The run's dataset loads here (its files are present and readable) before any process starts."""
+    from wafl.common.datasets import load_dataset
+
+    load_dataset(cfg.dataset, cfg.data_dir)
+
+
+def _creatable(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--out {out} cannot be created: {e.strerror}") from None
 
 
 def cmd_server(a: argparse.Namespace) -> int:
@@ -314,6 +333,35 @@ def _threads(n: int | None) -> None:
     torch.set_num_threads(n or 1)
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """Command-line mistakes are one line (``wafl run: error: ...``) and exit 2; ``--help`` shows the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _bounded(kind: type, low: float, strict: bool) -> Callable[[str], Any]:
+    """An argparse type: ``kind`` values above (``strict``) or at least ``low``; a one-line error otherwise."""
+    word = f"{'>' if strict else '>='} {low:g}"
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if not math.isfinite(value) or value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(f"{text!r} must be {word}")
+        return value
+
+    return parse
+
+
+POSITIVE_INT = _bounded(int, 1, strict=False)
+INDEX = _bounded(int, 0, strict=False)
+POSITIVE_SECONDS = _bounded(float, 0, strict=True)
+SECONDS = _bounded(float, 0, strict=False)
+
+
 def _tls_client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tls-ca",
@@ -334,7 +382,7 @@ def _tls_client_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="wafl", description="Wait-free federated learning over gRPC.")
+    p = OneLineErrors(prog="wafl", description="Wait-free federated learning over gRPC.")
     sub = p.add_subparsers(dest="command", required=True)
 
     r = sub.add_parser("run", help="a whole federation on this machine: a server and N client processes")
@@ -352,7 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
         "lognormal:median=C,sigma=S, optionally with server=C; none: every core shared "
         "(default: auto with --link-rate where control groups can be used, else none)",
     )
-    r.add_argument("--timeout", type=float, default=None, help="seconds before the run is stopped (default: no limit)")
+    r.add_argument(
+        "--timeout", type=POSITIVE_SECONDS, default=None, help="seconds before the run is stopped (default: no limit)"
+    )
     r.add_argument("--quiet", action="store_true")
     r.set_defaults(fn=cmd_run)
 
@@ -375,7 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     s.add_argument("--ready-file", help="write the bound port here once listening")
     s.add_argument("--log-file")
-    s.add_argument("--threads", type=int, default=None)
+    s.add_argument("--threads", type=POSITIVE_INT, default=None)
     s.add_argument(
         "--tls-cert",
         default=os.environ.get("WAFL_TLS_CERT"),
@@ -395,7 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--server", default=os.environ.get("WAFL_SERVER", "localhost:50051"), help="HOST:PORT")
     c.add_argument(
         "--index",
-        type=int,
+        type=INDEX,
         default=int(os.environ["WAFL_CLIENT_INDEX"]) if os.environ.get("WAFL_CLIENT_INDEX", "").isdigit() else None,
         required=not os.environ.get("WAFL_CLIENT_INDEX", "").isdigit(),
     )
@@ -407,9 +457,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--data-dir", default=os.environ.get("WAFL_DATA_DIR"))
     c.add_argument("--device", default=os.environ.get("WAFL_DEVICE"))
     c.add_argument("--token", help="the run token or this client's enrollment secret (or WAFL_TOKEN)")
-    c.add_argument("--reconnect-s", type=float, default=120.0, help="give up after this long without the server")
+    c.add_argument("--reconnect-s", type=SECONDS, default=120.0, help="give up after this long without the server")
     c.add_argument("--log-file")
-    c.add_argument("--threads", type=int, default=None)
+    c.add_argument("--threads", type=POSITIVE_INT, default=None)
     _tls_client_args(c)
     c.add_argument("--quiet", action="store_true")
     c.set_defaults(fn=cmd_client)
@@ -469,7 +519,7 @@ def build_parser() -> argparse.ArgumentParser:
     h = sub.add_parser("health", help="gRPC health check of a server (exit 0 when SERVING)")
     h.add_argument("--server", default=os.environ.get("WAFL_SERVER", "localhost:50051"))
     h.add_argument("--service", default="")
-    h.add_argument("--timeout", type=float, default=3.0)
+    h.add_argument("--timeout", type=POSITIVE_SECONDS, default=3.0)
     _tls_client_args(h)
     h.set_defaults(fn=cmd_health)
     return p
@@ -483,6 +533,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"wafl: configuration error: {e}", file=sys.stderr)
         return 2
     except UsageError as e:
+        print(f"wafl: {e}", file=sys.stderr)
+        return 2
+    except DatasetNotFoundError as e:  # names the dataset, the folder searched and how to get the files
         print(f"wafl: {e}", file=sys.stderr)
         return 2
     except ConnectionError as e:  # a client that gave up on the server (--reconnect-s)

@@ -71,6 +71,13 @@ class Backoff:
         log.info("retry", reason=reason, attempt=self.attempt, delay_s=round(delay, 3))
         await asyncio.sleep(delay)
 
+    def attempt_timeout(self, longest_s: float, shortest_s: float = 0.5) -> float:
+        """A timeout for the next attempt that does not outlast ``deadline_s`` (counted from now if nothing failed)."""
+        if self.since is None:
+            self.since = time.monotonic()
+        left = self.deadline_s - (time.monotonic() - self.since)
+        return min(longest_s, max(shortest_s, left))
+
     def reset(self) -> None:
         self.attempt = 0
         self.waited = 0.0
@@ -147,12 +154,16 @@ class Session:
         )
         while True:
             try:
-                reply = await self._join(req, timeout=10.0, wait_for_ready=True, metadata=self._metadata())
+                timeout = backoff.attempt_timeout(10.0)  # --reconnect-s bounds the first attempt too
+                reply = await self._join(req, timeout=timeout, wait_for_ready=True, metadata=self._metadata())
                 break
             except grpc.aio.AioRpcError as e:
                 if e.code() not in RETRYABLE:
                     raise
-                await backoff.wait(f"join: {e.code().name}")
+                try:
+                    await backoff.wait(f"join: {e.code().name}")
+                except ConnectionError as gave_up:
+                    raise ConnectionError(f"{gave_up}{await self._why_unreachable(req)}") from None
         if self.run_id and reply.run_id != self.run_id:
             log.warning("run.changed", old=self.run_id, new=reply.run_id)
         self.run_id = reply.run_id
@@ -162,6 +173,19 @@ class Session:
         self.manifest = tuple(TensorSpec.from_proto(s) for s in reply.manifest)
         log.info("joined", run_id=reply.run_id, round=reply.round, algorithm=reply.algorithm)
         return reply
+
+    async def _why_unreachable(self, req: pb.JoinRequest) -> str:
+        """Why the server cannot be reached (a name that does not resolve, a refused connection), from one
+        Join that fails fast instead of waiting for the channel; it asks for the configuration only, so
+        a server that answers now registers nothing."""
+        probe = pb.JoinRequest()
+        probe.CopyFrom(req)
+        probe.num_samples = 0
+        try:
+            await self._join(probe, timeout=5.0, wait_for_ready=False, metadata=self._metadata())
+        except grpc.aio.AioRpcError as e:
+            return f" ({e.code().name}: {(e.details() or '')[:300]})" if e.code() == grpc.StatusCode.UNAVAILABLE else ""
+        return ""
 
     def _metadata(self) -> tuple[tuple[str, str], ...]:
         return ((CREDENTIAL_KEY, self.credential),) if self.credential else ()

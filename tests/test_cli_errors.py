@@ -4,11 +4,13 @@ that hold."""
 from __future__ import annotations
 
 import asyncio
+import re
+import socket
 import time
 from pathlib import Path
 
 import pytest
-from wafl.cli.main import build_parser
+from wafl.cli.main import build_parser, main
 from wafl.client.session import Backoff
 from wafl.common.config import ConfigError, load_config
 
@@ -63,3 +65,49 @@ def test_retry_limit_counts_from_the_first_failure() -> None:
         return time.monotonic() - t0
 
     assert asyncio.run(go()) >= 0.2
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["run", "--rounds", "abc"], "argument --rounds: invalid int value: 'abc'"),
+        (["run", "--timeout", "-5"], "argument --timeout: '-5' must be > 0"),
+        (["run", "--timeout", "nan"], "argument --timeout: 'nan' must be > 0"),
+        (["server", "--threads", "0"], "argument --threads: '0' must be >= 1"),
+        (["client", "--index", "-1"], "argument --index: '-1' must be >= 0"),
+        (["client", "--index", "0", "--reconnect-s", "-1"], "argument --reconnect-s: '-1' must be >= 0"),
+        (["health", "--timeout", "0"], "argument --timeout: '0' must be > 0"),
+        (["no-such-command"], "invalid choice: 'no-such-command'"),
+    ],
+)
+def test_command_line_mistakes_are_one_line(argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert err.count("\n") == 1 and fragment in err and "--help" in err, err
+
+
+def test_start_up_mistakes_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A dataset whose files are missing, an output folder that cannot be created: exit 2 before any process."""
+    cases = [
+        (["run", "--dataset", "cifar10", "--out", str(tmp_path / "a")], "--data-dir is required"),
+        (["run", "--dataset", "cifar10", "--data-dir", str(tmp_path), "--out", str(tmp_path / "b")], "missing"),
+        (["run", "--out", "/proc/no/such/folder"], "--out /proc/no/such/folder cannot be created"),
+    ]
+    for argv, fragment in cases:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("wafl: ") and fragment in err, err
+
+
+def test_an_unreachable_server_is_named_within_the_retry_limit(capsys: pytest.CaptureFixture[str]) -> None:
+    """--reconnect-s bounds the whole join, its first attempt included, and the error says why."""
+    with socket.socket() as s:  # a port that nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["client", "--index", "0", "--server", f"127.0.0.1:{port}", "--reconnect-s", "1", "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Connection refused" in err, err
+    given_up = re.search(r"gave up after (\d+) s", err)
+    assert given_up and int(given_up.group(1)) < 10, err  # the join's 10 s attempt no longer outlasts the limit
