@@ -2,8 +2,9 @@
 
 Each upload is folded into one running float64 sum chunk by chunk as it streams in. Because a
 transfer is only accepted at its trailer (CRC, completeness), every fold also appends the raw
-chunk bytes to an unlinked spill file on disk (the page cache, not the server's heap); an
-upload that fails after some folds is subtracted back out from that file, so it leaves no
+chunk bytes to the upload's slot of an unlinked spill file on disk (:class:`SpillArena`: one
+file per accumulator, in the page cache, not the server's heap); an upload that fails after
+some folds is subtracted back out from its slot, so it leaves no
 trace beyond float64 rounding (a relative 1e-16, far below the float32 the model is stored
 in). The global model itself is never touched until the round closes.
 
@@ -19,7 +20,9 @@ values of each coordinate; these two ignore the weights.
 
 from __future__ import annotations
 
+import heapq
 import math
+import os
 import tempfile
 import threading
 from collections.abc import Mapping
@@ -41,6 +44,7 @@ from wafl.common.codec import (
 from wafl.common.errors import Code
 
 CENTERS = ("mean", "trimmed_mean", "median")
+_scratch = threading.local()  # each folding thread's float64 buffer (UploadFold._contribution)
 
 
 @dataclass(frozen=True)
@@ -56,34 +60,94 @@ class Rule:
         return self.center != "mean"
 
 
-class SpillPool:
-    """Unlinked temporary files for rollback data, reused from upload to upload.
+class SpillArena:
+    """Rollback data of every upload of an accumulator in one unlinked temporary file, one slot
+    of ``slot_bytes`` (the manifest's bytes: the most an upload can fold) per upload in flight.
 
-    Overwriting a file whose pages are already in the page cache costs a memory copy; a fresh
-    file first has the kernel allocate every page (about 7x the cost per MiB here). A pool
-    keeps at most ``keep`` idle files; their pages are page cache, not the server's heap.
+    A slot freed by one upload is reused by the next (lowest first): overwriting pages that are
+    already in the page cache costs a memory copy, while a fresh file first has the kernel
+    allocate every page (about 7x the cost per MiB here), and a file per upload would cost a
+    descriptor and a creation each. The pages are page cache, not the server's heap; :meth:`trim`
+    gives back all but ``keep`` slots once no upload is open (between rounds).
     """
 
-    def __init__(self, spill_dir: str | None = None, keep: int = 16) -> None:
+    def __init__(self, slot_bytes: int, spill_dir: str | None = None, keep: int = 16) -> None:
+        self.slot_bytes = max(1, slot_bytes)
         self.spill_dir = spill_dir
         self.keep = keep
-        self.idle: list[IO[bytes]] = []
+        self.file: IO[bytes] | None = None
+        self.slots = 0  # slots the file has room for
+        self.free: list[int] = []  # a heap of free slots
+        self.in_use = 0
         self.lock = threading.Lock()
 
-    def acquire(self) -> IO[bytes]:
+    def acquire(self) -> SpillSlot:
         with self.lock:
-            f = self.idle.pop() if self.idle else None
-        if f is None:
-            return tempfile.TemporaryFile(dir=self.spill_dir)
-        f.seek(0)
-        return f
+            if self.file is None:
+                self.file = tempfile.TemporaryFile(dir=self.spill_dir)
+            if self.free:
+                slot = heapq.heappop(self.free)
+            else:
+                slot = self.slots
+                self.slots += 1
+            self.in_use += 1
+            return SpillSlot(self, self.file.fileno(), slot)
 
-    def release(self, f: IO[bytes]) -> None:
+    def release(self, spill: SpillSlot) -> None:
         with self.lock:
-            if len(self.idle) < self.keep:
-                self.idle.append(f)
+            heapq.heappush(self.free, spill.slot)
+            self.in_use -= 1
+
+    def trim(self) -> None:
+        """Shrinks the file to ``keep`` slots when no upload holds one."""
+        with self.lock:
+            if self.file is None or self.in_use or self.slots <= self.keep:
                 return
-        f.close()
+            os.ftruncate(self.file.fileno(), self.keep * self.slot_bytes)
+            self.slots = self.keep
+            self.free = list(range(self.keep))
+
+    def close(self) -> None:
+        with self.lock:
+            if self.file is not None:
+                self.file.close()
+                self.file = None
+
+
+class SpillSlot:
+    """One upload's region of a :class:`SpillArena`, written and read like a file of its own."""
+
+    __slots__ = ("arena", "fd", "slot", "base", "pos")
+
+    def __init__(self, arena: SpillArena, fd: int, slot: int) -> None:
+        self.arena = arena
+        self.fd = fd
+        self.slot = slot
+        self.base = slot * arena.slot_bytes
+        self.pos = 0
+
+    def write(self, data: bytes | memoryview) -> None:
+        n = len(data)
+        if self.pos + n > self.arena.slot_bytes:
+            raise ValueError(f"spill slot overflow: {self.pos + n} > {self.arena.slot_bytes} bytes")
+        while n:  # pwrite may write less than asked
+            done = os.pwrite(self.fd, data, self.base + self.pos)
+            self.pos += done
+            data = memoryview(data)[done:]
+            n -= done
+
+    def seek(self, pos: int) -> None:
+        self.pos = pos
+
+    def read(self, n: int) -> bytes:
+        data = os.pread(self.fd, n, self.base + self.pos)
+        while len(data) < n:  # short read (large n)
+            more = os.pread(self.fd, n - len(data), self.base + self.pos + len(data))
+            if not more:
+                raise ValueError("spill slot read past its end")
+            data += more
+        self.pos += n
+        return data
 
 
 class Accumulator:
@@ -100,7 +164,7 @@ class Accumulator:
         self.lock = threading.Lock()
         self.total_weight = 0.0
         self.count = 0
-        self.spills = SpillPool(spill_dir)
+        self.spills = SpillArena(sum(s.nbytes for s in manifest), spill_dir)
         self.open_folds: set[UploadFold] = set()
         self.kept: list[UploadFold] = []  # committed uploads whose values a robust center reads back
         # what an update is measured against (flat float64 per tensor); None: the uploads are updates
@@ -127,6 +191,7 @@ class Accumulator:
             kept, self.kept = self.kept, []
         for f in kept:
             f._release()
+        self.spills.trim()
 
     def begin(self, weight: float) -> UploadFold:
         if not (math.isfinite(weight) and weight > 0):
@@ -191,7 +256,7 @@ class UploadFold:
         self.acc = acc
         self.weight = weight
         self.spill = acc.spills.acquire()
-        self.scratch = np.empty(0, dtype=np.float64)  # weight * values, reused chunk after chunk
+        self.released = False  # its spill slot went back to the arena
         self.folded: list[tuple[str, int, int, int]] = []  # (name, start element, elements, wire dtype)
         self.state = "open"
         self.sq_norm = 0.0  # squared L2 norm of the update so far (with clipping)
@@ -201,9 +266,12 @@ class UploadFold:
         self.deferred = acc.rule.clip_norm is not None or acc.rule.keeps_uploads
 
     def _contribution(self, values: np.ndarray) -> np.ndarray:
-        if self.scratch.size < values.size:
-            self.scratch = np.empty(values.size, dtype=np.float64)
-        return np.multiply(values, self.weight, out=self.scratch[: values.size], dtype=np.float64)
+        # ``weight * values`` in the folding thread's buffer, reused chunk after chunk and upload after
+        # upload: memory per fold worker, not per upload in flight
+        scratch = getattr(_scratch, "buffer", None)
+        if scratch is None or scratch.size < values.size:
+            scratch = _scratch.buffer = np.empty(values.size, dtype=np.float64)
+        return np.multiply(values, self.weight, out=scratch[: values.size], dtype=np.float64)
 
     def add(self, spec: TensorSpec, chunk: RawChunk) -> None:
         """Checks the chunk's values (finite) and folds ``weight * values`` into the sum."""
@@ -251,7 +319,6 @@ class UploadFold:
             self.acc.open_folds.discard(self)
             if self.acc.rule.keeps_uploads:
                 self.acc.kept.append(self)
-                self.scratch = np.empty(0, dtype=np.float64)
                 return
         self._release()
 
@@ -297,11 +364,12 @@ class UploadFold:
                 nbytes = n * itemsize(wire)
                 data = self.spill.read(nbytes)
                 target = self.acc.sums[name][start : start + n]
-                # its own temporary: a fold may still be writing ``scratch`` in another thread
+                # its own temporary: another upload's fold may be using this thread's scratch buffer
                 np.subtract(target, np.multiply(numpy_view(data, wire), self.weight, dtype=np.float64), out=target)
             self.folded.clear()
         self._release()
 
     def _release(self) -> None:
-        self.scratch = np.empty(0, dtype=np.float64)
-        self.acc.spills.release(self.spill)
+        if not self.released:
+            self.released = True
+            self.acc.spills.release(self.spill)

@@ -43,6 +43,19 @@ def max_concurrent_rpcs(cfg: RunConfig) -> int:
     return 4 * cfg.num_clients + 32
 
 
+def grpc_options(cfg: RunConfig) -> list[tuple[str, int]]:
+    """:data:`GRPC_OPTIONS` plus the limits that grow with the federation. gRPC core cancels new
+    calls (CANCELLED, at random) once more than ``grpc.server.max_pending_requests`` (default
+    1,000; all of them beyond the hard limit, default 3,000) have arrived and wait for the
+    server to take them: every client joining at once, or every selected client uploading at
+    once, is such a burst. Both limits are set to the calls the server admits at once."""
+    calls = max_concurrent_rpcs(cfg)
+    return GRPC_OPTIONS + [
+        ("grpc.server.max_pending_requests", calls),
+        ("grpc.server.max_pending_requests_hard_limit", calls),
+    ]
+
+
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -102,7 +115,7 @@ async def serve(
     engine = RoundEngine(cfg, out_dir, token=token, resume=resume, enrollment=enrollment)
     if engine.secrets.open and not mutual:
         log.warning("server.open", message="no --token or --enrollment: any client that reaches the server may join")
-    server = grpc.aio.server(options=GRPC_OPTIONS, maximum_concurrent_rpcs=max_concurrent_rpcs(cfg))
+    server = grpc.aio.server(options=grpc_options(cfg), maximum_concurrent_rpcs=max_concurrent_rpcs(cfg))
     server.add_generic_rpc_handlers([handlers(FederationService(engine, client_certificates=mutual))])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -139,6 +152,7 @@ async def serve(
             await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.stop(grace=2.0)
         engine.executor.shutdown(wait=False, cancel_futures=True)
+        engine.fold_workers.shutdown()
     return code
 
 

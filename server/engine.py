@@ -46,7 +46,7 @@ from wafl.server.checkpoint import CheckpointError, load_checkpoint, save_checkp
 from wafl.server.results import ResultsLog, round_
 from wafl.server.strategy import Collection, Deliveries, RunAborted, make_strategy
 from wafl.server.tensorboard import TensorBoardLog
-from wafl.server.upload import Upload
+from wafl.server.upload import FoldWorkers, Upload
 
 log = structlog.get_logger("server")
 
@@ -120,7 +120,7 @@ class RoundEngine:
         self.publication: Publication | None = None
         self.mailbox: dict[str, Delivery] = {}
         self.waiting: Deliveries = {}  # decided for the version being published
-        self.mail = asyncio.Condition()
+        self.mail: dict[str, asyncio.Event] = {}  # per client: its mailbox has a newer delivery
         self.seq = 0
         self.changed = asyncio.Event()  # an upload was committed or released: conditions may have changed
         self.all_joined = asyncio.Event()
@@ -130,6 +130,7 @@ class RoundEngine:
         self.attempts: dict[tuple[str, int, str], Upload] = {}  # open uploads by (client, round, idempotency key)
         self.bytes_down = 0
         self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="wafl-server")
+        self.fold_workers = FoldWorkers()  # fold every upload's chunks: a bounded set of threads
         self.run_start = time.monotonic()
         self.results = ResultsLog(out_dir, self.run_start, latest_pm=cfg.aggregation == "buffered")
         self.checkpoint_path = out_dir / "checkpoint.pt"
@@ -317,6 +318,7 @@ class RoundEngine:
         except TimeoutError:
             log.warning("final_reports.missing", got=len(self.final_reports), clients=len(self.clients))
         self.results.close_before(self.cfg.rounds + 1)
+        await asyncio.get_running_loop().run_in_executor(self.executor, self.results.write_timelines)
         if self.tensorboard is not None:
             self.tensorboard.timelines(self.results.timelines)
             self.tensorboard.close()
@@ -430,20 +432,18 @@ class RoundEngine:
         for cid, train in deliveries.items():
             self.seq += 1
             self.mailbox[cid] = Delivery(self.seq, p, train)
-        asyncio.get_running_loop().create_task(self._notify())
-
-    async def _notify(self) -> None:
-        async with self.mail:
-            self.mail.notify_all()
+            event = self.mail.get(cid)
+            if event is not None:
+                event.set()  # wakes this recipient's stream only
 
     async def _next_delivery(self, client_id: str, after: int) -> Delivery:
-        def newer() -> bool:
+        event = self.mail.setdefault(client_id, asyncio.Event())
+        while True:
             d = self.mailbox.get(client_id)
-            return d is not None and d.seq > after
-
-        async with self.mail:
-            await self.mail.wait_for(newer)
-            return self.mailbox[client_id]
+            if d is not None and d.seq > after:
+                return d
+            event.clear()
+            await event.wait()
 
     async def deliveries(self, client_id: str, credential: str = "") -> AsyncIterator[object]:
         """The broadcast stream of one client: each model it is sent (its latest one first), as

@@ -1,5 +1,9 @@
 """The run's record: ``results.jsonl`` (one line per round), ``reports.jsonl``, ``timelines.json``.
 
+``timelines.json`` is written once, at the end of the run (:meth:`ResultsLog.write_timelines`):
+each client sends its timeline in its final Report, and rewriting the file for every one of them
+would cost the server time quadratic in the clients.
+
 A round's line is written once the clients that trained in it have reported their
 personalized-model accuracy for it (they evaluate right after the broadcast that closes the
 round), or when the next round closes, whichever comes first; lines stay in round order. With
@@ -63,8 +67,12 @@ class ResultsLog:
             self.add_pm(round, client_id, metrics[M.PM_ACCURACY], int(metrics.get(M.PM_TEST_SAMPLES, 1)))
         if timeline:
             self.timelines[client_id] = {"client_start_unix": client_start_unix, "events": timeline}
-            (self.out_dir / "timelines.json").write_text(dumps(self.timelines, indent=1))
         self._flush()
+
+    def write_timelines(self) -> None:
+        """Writes ``timelines.json`` (every client's latest timeline); once, at the end of the run."""
+        if self.timelines:
+            (self.out_dir / "timelines.json").write_text(dumps(self.timelines, indent=1))
 
     def add_pm(self, round: int, client_id: str, accuracy: float, test_samples: int) -> None:
         self.reports.setdefault(round, {})[client_id] = (accuracy, test_samples)

@@ -3,7 +3,8 @@
 :func:`receive_upload` is the whole upload path: the engine admits the header (its strategy
 decides the collection and the weight) and hands back an :class:`Upload`; each tensor message is
 checked against the manifest (:class:`~wafl.common.wire.TransferReader`) and folded by the
-upload's own thread (:class:`FoldPipeline`) while the next one arrives; the trailer's CRC, the
+server's fold workers (:class:`FoldPipeline` on :class:`FoldWorkers`, a fixed set of threads
+whatever the uploads in flight) while the next one arrives; the trailer's CRC, the
 knowledge and the chunk count are checked; then the engine commits it. Any failure rolls the
 fold back before the refusal propagates, so a refused upload never reaches a model.
 
@@ -19,6 +20,8 @@ outcome (:class:`~wafl.common.errors.Refused`, :class:`~wafl.common.errors.Alrea
 from __future__ import annotations
 
 import asyncio
+import collections
+import os
 import queue
 import threading
 from collections.abc import AsyncIterator
@@ -89,7 +92,7 @@ class Upload:
             engine.manifest, knowledge_entries, compute_crc=False
         )  # the fold thread keeps the CRC
         self.fold = ticket.collection.accumulator.begin(ticket.weight)
-        self.pipeline = FoldPipeline(self.fold)
+        self.pipeline = FoldPipeline(self.fold, engine.fold_workers)
         self.committed = False
         self.settled = asyncio.Event()  # set once committed or rolled back (a retry under its key waits)
 
@@ -137,45 +140,103 @@ class Upload:
             self.engine.settle(self)
 
 
-class FoldPipeline:
-    """Folds an upload's chunks in its own thread, in order, while the event loop receives the
-    next ones. At most ``depth`` messages wait, so memory stays bounded and HTTP/2 flow control
-    holds the sender back when folding is the slower side. The loop only hands chunks over
-    (no future, no wake-up per chunk); it is woken when it waits for room or for the end."""
+class FoldWorkers:
+    """A fixed set of threads that fold the chunks of every upload, however many are in flight:
+    an upload costs a queue, not a thread. Each upload's chunks are folded in order, by one
+    worker at a time; a worker takes at most ``slice_messages`` messages of one upload before the
+    next upload that has some waiting, so a burst of uploads shares the workers."""
 
-    def __init__(self, fold: UploadFold, depth: int = 4) -> None:
+    def __init__(self, threads: int | None = None, slice_messages: int = 8) -> None:
+        self.threads = threads or min(8, max(2, os.cpu_count() or 2))
+        self.slice_messages = slice_messages
+        self.ready: queue.SimpleQueue[FoldPipeline | None] = queue.SimpleQueue()
+        self.started: list[threading.Thread] = []
+        self.lock = threading.Lock()
+
+    def schedule(self, pipeline: FoldPipeline) -> None:
+        if len(self.started) < self.threads:
+            with self.lock:
+                while len(self.started) < self.threads:
+                    t = threading.Thread(target=self._run, name=f"wafl-fold-{len(self.started)}", daemon=True)
+                    t.start()
+                    self.started.append(t)
+        self.ready.put(pipeline)
+
+    def _run(self) -> None:
+        while (pipeline := self.ready.get()) is not None:
+            if pipeline._work(self.slice_messages):
+                self.ready.put(pipeline)  # more of it waits: after the uploads queued meanwhile
+
+    def shutdown(self) -> None:
+        for _ in self.started:
+            self.ready.put(None)
+
+
+class FoldPipeline:
+    """Folds an upload's chunks on the shared :class:`FoldWorkers`, in order, while the event loop
+    receives the next ones. At most ``depth`` messages wait, so memory stays bounded and HTTP/2
+    flow control holds the sender back when folding is the slower side. The loop only hands
+    chunks over (no future, no wake-up per chunk); it is woken when it waits for room or for the
+    end."""
+
+    END = None  # queued by finish/stop: nothing follows
+
+    def __init__(self, fold: UploadFold, workers: FoldWorkers, depth: int = 4) -> None:
         self.fold = fold
+        self.workers = workers
         self.depth = depth
         self.crc = 0  # running CRC-32 of the chunks folded, in order
         self.loop = asyncio.get_running_loop()
-        self.items: queue.SimpleQueue[list[tuple[TensorSpec, RawChunk]] | None] = queue.SimpleQueue()
+        self.items: collections.deque[list[tuple[TensorSpec, RawChunk]] | None] = collections.deque()
         self.lock = threading.Lock()
+        self.scheduled = False  # on the workers' queue or being worked on
+        self.ended = False
         self.pending = 0
         self.waiter: asyncio.Future[None] | None = None
         self.error: BaseException | None = None
         self.stopping = False
         self.finished: asyncio.Future[None] = self.loop.create_future()
-        self.thread = threading.Thread(target=self._run, name="wafl-fold", daemon=True)
-        self.thread.start()
 
-    def _run(self) -> None:
-        try:
-            while (items := self.items.get()) is not None:
-                for spec, chunk in items:
-                    if self.error is not None or self.stopping:
-                        break
-                    try:
-                        self.crc = crc32(chunk.data, self.crc)
-                        self.fold.add(spec, chunk)
-                    except BaseException as e:  # reported to the handler by put/finish
-                        self.error = e
+    def _enqueue(self, items: list[tuple[TensorSpec, RawChunk]] | None) -> None:
+        """Queues one message (lock held by the caller) and schedules the pipeline if it is idle."""
+        self.items.append(items)
+        if not self.scheduled:
+            self.scheduled = True
+            self.workers.schedule(self)
+
+    def _work(self, budget: int) -> bool:
+        """Folds up to ``budget`` queued messages (a worker thread); True when more are queued."""
+        for _ in range(budget):
+            with self.lock:
+                if self.ended or not self.items:
+                    self.scheduled = False
+                    return False
+                items = self.items.popleft()
+            if items is self.END:
                 with self.lock:
-                    self.pending -= 1
-                    if self.waiter is not None and (self.pending < self.depth or self.error is not None):
-                        self._wake(self.waiter)
-                        self.waiter = None
-        finally:
-            self._wake(self.finished)
+                    self.ended = True
+                    self.scheduled = False
+                    self.items.clear()
+                self._wake(self.finished)
+                return False
+            for spec, chunk in items:
+                if self.error is not None or self.stopping:
+                    break
+                try:
+                    self.crc = crc32(chunk.data, self.crc)
+                    self.fold.add(spec, chunk)
+                except BaseException as e:  # reported to the handler by put/finish
+                    self.error = e
+            with self.lock:
+                self.pending -= 1
+                if self.waiter is not None and (self.pending < self.depth or self.error is not None):
+                    self._wake(self.waiter)
+                    self.waiter = None
+        with self.lock:
+            if self.items and not self.ended:
+                return True
+            self.scheduled = False
+            return False
 
     def _wake(self, f: asyncio.Future[None]) -> None:
         try:
@@ -193,7 +254,7 @@ class FoldPipeline:
         self._raise()
         with self.lock:
             self.pending += 1
-            self.items.put(items)
+            self._enqueue(items)
             waiter = None
             if self.pending >= self.depth and self.error is None:
                 waiter = self.waiter = self.loop.create_future()
@@ -203,15 +264,18 @@ class FoldPipeline:
 
     async def finish(self) -> None:
         """Waits until every chunk is folded; raises the first fold error."""
-        self.items.put(None)
+        with self.lock:
+            if not self.ended:
+                self._enqueue(self.END)
         await asyncio.shield(self.finished)
         self._raise()
 
     async def stop(self) -> None:
         """Drops what is queued and waits for the fold in progress, so that a rollback can follow."""
         self.stopping = True
-        if not self.finished.done():
-            self.items.put(None)
+        with self.lock:
+            if not self.ended:
+                self._enqueue(self.END)
         await asyncio.shield(self.finished)
 
 

@@ -1,5 +1,6 @@
 """Streaming aggregation: FedAvg against a numpy re-computation, rollback, server updates."""
 
+import os
 import threading
 
 import numpy as np
@@ -166,7 +167,30 @@ def test_reset_accumulator_serves_the_next_round_like_a_fresh_one() -> None:
     assert reused.count == fresh.count == 2
     for k in fresh.sums:
         np.testing.assert_allclose(reused.sums[k], fresh.sums[k], rtol=1e-12, atol=1e-9)
-    assert len(reused.spills.idle) >= 2  # files went back to the pool for reuse
+    # slots went back to the arena and were reused: one file, at most two slots (two folds at once)
+    assert reused.spills.in_use == 0 and reused.spills.slots == 2
+
+
+def test_spill_arena_gives_each_open_upload_its_own_slot_and_trims_between_rounds() -> None:
+    states = [make_state(s) for s in range(20)]
+    acc = Accumulator(manifest_of(states[0]))
+    acc.spills.keep = 4
+    expected = Accumulator(manifest_of(states[0]))
+    open_folds = [fold(acc, st, 1 + i, commit=False) for i, st in enumerate(states)]  # 20 uploads in flight
+    assert acc.spills.slots == acc.spills.in_use == 20 and len({f.spill.slot for f in open_folds}) == 20
+    for i, f in enumerate(open_folds):
+        if i % 3:
+            f.commit()
+            fold(expected, states[i], 1 + i)
+        else:
+            f.rollback()  # read back from its own slot while the others stay open
+    for k in expected.sums:
+        np.testing.assert_allclose(acc.sums[k], expected.sums[k], rtol=1e-12, atol=1e-9)
+    acc.reset()
+    assert acc.spills.in_use == 0 and acc.spills.slots == 4  # the file shrank to the slots kept
+    assert os.fstat(acc.spills.file.fileno()).st_size <= 4 * acc.spills.slot_bytes
+    fold(acc, states[0], 1, commit=False).rollback()
+    assert acc.spills.slots == 4 and not acc.count
 
 
 def test_reset_refuses_while_an_upload_is_open() -> None:
