@@ -40,6 +40,9 @@ class RunConfig:
     fraction: float = 1.0  # share of clients selected per round
     act_prob: float | None = None  # independent per-client activation probability (replaces fraction)
     min_clients: int | None = None  # uploads needed to close a round once the deadline passed
+    # sync: also send each model to the clients that do nothing with it (not selected, no personal
+    # phase on it); by default they get only the models they train on and the final one
+    broadcast_all: bool = False
     round_deadline_s: float = 120.0
     join_timeout_s: float = 300.0
     upload_stall_s: float = 30.0  # an upload stream without a message for this long is cut off and rolled back

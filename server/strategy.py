@@ -9,7 +9,11 @@ A :class:`Collection` gathers the updates of the next version: a streaming weigh
 (:class:`~wafl.server.aggregator.Accumulator`), the knowledge, the metrics. Two policies:
 
 * :class:`SyncStrategy`: lock-step rounds. Round ``r`` selects clients (a fraction or an
-  activation probability), every client receives version ``r``, the selected ones train on it;
+  activation probability); version ``r`` goes to the clients that do something with it: the
+  selected ones, which train on it, every client when the algorithm trains the personal part of
+  unselected clients (``pm_when_unselected``), and, for an algorithm with a personal phase, the
+  clients selected in round ``r - 1``, whose PM phase ends at this broadcast and is evaluated
+  after it (``broadcast_all`` sends it to every client);
   the round closes when every selected client uploaded or its deadline passed with
   ``min_clients`` uploads (a deadline with fewer is extended ``max_round_retries`` times); uploads
   still streaming then are rolled back. The algorithm's server update turns the weighted mean
@@ -309,7 +313,18 @@ class SyncStrategy(Strategy):
         self.deadline = now + self.cfg.round_deadline_s
         self.extensions = 0
         self.short = False
-        return {c: c in self.selected for c in ids}
+        return {c: c in self.selected for c in self._recipients(r, ids)}
+
+    def _recipients(self, r: int, ids: list[str]) -> list[str]:
+        """Who is sent model ``r`` (module docstring): an unselected client that neither trains its
+        personal part on it nor ends a PM phase with it would only discard it."""
+        a = self.algorithm
+        if self.cfg.broadcast_all or (a.personalized and a.pm_when_unselected):
+            return ids
+        keep = self.selected
+        if a.personalized and r > 1:  # a pure function of the seed: the same after --resume
+            keep = keep | select_clients(self.cfg.seed, r - 1, ids, self.cfg.fraction, self.cfg.act_prob)
+        return [c for c in ids if c in keep]
 
     def start(self, now: float) -> Deliveries:
         return self._open_round(now)
@@ -331,7 +346,8 @@ class SyncStrategy(Strategy):
 
     def ready(self) -> bool:
         assert self.current is not None
-        return self.short or set(self.current.metrics) >= self.selected
+        # only selected clients commit into the round (``_admit``): counting them is enough
+        return self.short or len(self.current.metrics) >= len(self.selected)
 
     def next_deadline(self) -> float | None:
         return self.deadline

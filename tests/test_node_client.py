@@ -38,6 +38,7 @@ CONFIG = {
     "num_clients": 2,
     "rounds": ROUNDS,
     "act_prob": 0.6,  # with seed 0: the Node.js client alone, both twice, the wafl client alone
+    "broadcast_all": True,  # every model to both clients: the re-computation below reads each one
     "dataset": "synthetic-cifar10",  # its cnn has an 8 MiB tensor: broadcasts mix single chunks and batches
     "model": "cnn",
     "algorithm": "fedavg",
