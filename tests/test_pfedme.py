@@ -18,8 +18,11 @@ def digits():
 def test_pfedme_round_by_hand(digits) -> None:
     lam, plr, k, lr = 15.0, 0.01, 3, 0.05
     t = client(digits, "pfedme", {"lambda": lam, "personal_lr": plr, "k": k})
+    with torch.no_grad():  # a personal model left from an earlier round: theta restarts from w regardless
+        for p in t.pm.parameters():
+            p.add_(1.0)
     t.begin_round(1, global_payload(t))
-    w_model, th_model = copy.deepcopy(t.gm), copy.deepcopy(t.pm)
+    w_model, th_model = copy.deepcopy(t.gm), copy.deepcopy(t.gm)
     w, th = list(w_model.parameters()), list(th_model.parameters())
     (batches,) = future_batches(t, 1)
     for xb, yb in batches:

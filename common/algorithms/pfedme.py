@@ -1,7 +1,8 @@
 """pFedMe (T Dinh, Tran and Nguyen, NeurIPS 2020): personalisation with Moreau envelopes.
 
-Client ``i`` keeps a local model ``w_i`` (starts from the received global ``w``) and a personal
-model ``theta_i`` (the PM, persists across rounds and restarts). For each batch ``D_b``:
+Client ``i`` keeps a local model ``w_i`` and a personal model ``theta_i`` (the PM); both start
+each round from the received global ``w``, as in the authors' code (``set_parameters`` copies the
+global model into the personal and the local model). For each batch ``D_b``:
 
     theta_i ~= argmin_theta f_i(theta; D_b) + (lambda/2) ||theta - w_i||^2     (K gradient steps
                of size personal_lr from the current theta_i, as the authors' optimizer)
@@ -37,6 +38,9 @@ class MoreauStep(StepRule):
     def begin(self, ctx: RoundContext, model: nn.Module, params: list[nn.Parameter]) -> None:
         assert ctx.pm is not None, "pFedMe's personal model"
         self.theta = ctx.pm
+        with torch.no_grad():  # theta approximates argmin f_i + (lambda/2)||theta - w||^2 from w on
+            for t, w in zip(self.theta.parameters(), params):
+                t.copy_(w)
 
     def step(
         self,
