@@ -3,7 +3,8 @@
 It holds the local model (the GM: the tensors the algorithm shares are loaded from each
 broadcast and uploaded, the others stay here) and, for personalized algorithms with a separate
 personal model, the PM (never uploaded). The PM, the model's part that does not travel and the
-algorithm's client state are kept across rounds and across restarts in ``state_dir``. Training
+algorithm's client state are kept across rounds and across restarts in ``state_dir`` (with the
+PM's optimizer state, so its momentum or Adam moments carry on after a restart). Training
 runs the algorithm's declared phases through the one shared trainer
 (:func:`wafl.common.training.train_phase`).
 """
@@ -94,6 +95,7 @@ class Trainer:
         self.state_path = (state_dir / f"client-{index}.pt") if state_dir is not None else None
         self.ctx: RoundContext | None = None
         self.pm_optimizer: torch.optim.Optimizer | None = None  # kept across rounds: the PM's training never restarts
+        self._pm_optimizer_state: dict[str, Any] | None = None  # loaded from state_dir, applied on first use
         self.pm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._load_state()
 
@@ -119,6 +121,7 @@ class Trainer:
             self.pm_initialized = True
             if self.algorithm.pm_from_global:
                 self.pm_optimizer = None  # fine-tuning starts afresh from each global model
+                self._pm_optimizer_state = None
         self.ctx = RoundContext(
             round,
             state,
@@ -197,6 +200,9 @@ class Trainer:
         data = self._data(phase, num_epochs)
         if self.pm_optimizer is None:
             self.pm_optimizer = self._optimizer(parameters_of(self.pm, phase.params), phase)
+            if self._pm_optimizer_state is not None:  # the state saved before a restart
+                self.pm_optimizer.load_state_dict(self._pm_optimizer_state)
+                self._pm_optimizer_state = None
         if self.pm_stream is not None:
             self.pm_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.pm_stream):
@@ -254,6 +260,7 @@ class Trainer:
             "fingerprint": self._fingerprint(),
             "pm": {k: v.cpu() for k, v in self.pm.state_dict().items()} if self.separate_pm else None,  # type: ignore[union-attr]
             "pm_initialized": self.pm_initialized,
+            "pm_optimizer": _to_cpu(self.pm_optimizer.state_dict()) if self.pm_optimizer is not None else None,
             "client_state": self.client_state,
             "local": {k: gm[k].detach().cpu() for k in self.local_keys},
         }
@@ -270,6 +277,19 @@ class Trainer:
         if self.separate_pm and payload.get("pm") is not None:
             self.pm.load_state_dict(payload["pm"])  # type: ignore[union-attr]
             self.pm_initialized = bool(payload.get("pm_initialized", True))
+        if self.pm is not None and payload.get("pm_optimizer") is not None:
+            self._pm_optimizer_state = payload["pm_optimizer"]
         if payload.get("local"):
             self.gm.load_state_dict(payload["local"], strict=False)
         self.client_state.update(payload.get("client_state", {}))
+
+
+def _to_cpu(obj: Any) -> Any:
+    """An optimizer's state dict with every tensor on the CPU (a restart may use another device)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
