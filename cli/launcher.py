@@ -4,8 +4,12 @@ Processes talk over localhost, or, with ``--link-rate``, each in its own network
 behind a shaped link (``wafl.cli.netns.Star``). With ``host_cpus`` (``--host-cpus``; by default
 ``auto`` in ``--link-rate`` mode where control groups can be used), the server and every client
 also run in a control group of their own with a CPU quota (``wafl.cli.cgroups``), as on their
-own devices. The output folder gets ``config.json``, ``results.jsonl``, ``reports.jsonl``,
-``timelines.json``, ``logs/``, ``accuracy.png`` and, with quotas, ``host_cpus.json``.
+own devices. With ``workers`` (``--workers``) the N clients are spread over that many worker
+processes (``wafl worker``, :mod:`wafl.client.worker`), each hosting a contiguous range of
+indices and running ``slots`` trainings at once; one process per client (the default of
+:func:`launch`) is what the wall-clock protocol comparisons use. The output folder gets
+``config.json``, ``results.jsonl``, ``reports.jsonl``, ``timelines.json``, ``logs/``,
+``accuracy.png`` and, with quotas, ``host_cpus.json``.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from wafl.common.config import RunConfig
+from wafl.common.errors import UsageError
 
 
 @dataclass
@@ -60,6 +65,8 @@ def launch(
     port: int = 50051,
     host_cpus: str | None = None,
     quota_optional: bool | None = None,
+    workers: int | None = None,
+    slots: int | None = None,
 ) -> RunSummary:
     """Runs the federation described by ``cfg`` to its end; returns what it measured.
 
@@ -68,7 +75,17 @@ def launch(
     when control groups can be used here (otherwise a warning and shared cores), else ``none``.
     ``quota_optional``: whether quotas that cannot be set up here only warn (default: only when
     ``host_cpus`` is None) instead of raising :class:`wafl.cli.cgroups.CpuQuotaUnavailable`.
+    ``workers``: host the clients in this many worker processes (None: one process per client),
+    each running ``slots`` trainings at once (default: this machine's cores shared out between them).
     """
+    if workers is not None:
+        if not 1 <= workers <= cfg.num_clients:
+            raise UsageError(f"--workers {workers} must lie in 1..{cfg.num_clients} (the clients)")
+        if link_rate or (host_cpus or "none") != "none":
+            raise UsageError(
+                "--workers hosts many clients in one process: it has no per-client links (--link-rate) or CPU "
+                "shares (--host-cpus); use --workers off for one process per client"
+            )
     out = out_dir or default_out(cfg)
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -132,7 +149,31 @@ def launch(
         hosts.append("server")
         bound = _wait_ready(ready, server, logs / "server.log")
         address = f"{host}:{bound}"
-        for i in range(cfg.num_clients):
+        for w, indices in enumerate(split_clients(cfg.num_clients, workers) if workers else []):
+            cmd = [
+                sys.executable,
+                "-m",
+                "wafl.cli.main",
+                "worker",
+                "--server",
+                address,
+                "--clients",
+                f"{indices[0]}-{indices[-1]}",
+                "--slots",
+                str(slots or worker_slots(workers or 1)),
+                "--state-dir",
+                str(out / "clients"),
+                "--log-file",
+                str(logs / f"worker-{w}.jsonl"),
+                "--threads",
+                "1",
+                "--quiet",
+            ]
+            if cfg.data_dir:
+                cmd += ["--data-dir", cfg.data_dir]
+            procs.append(_spawn(cmd, logs / f"worker-{w}.log", token))
+            hosts.append(f"worker{w}")
+        for i in range(0 if workers else cfg.num_clients):
             prefix = (groups.exec_prefix(f"client{i}") if groups else []) + (
                 star.exec_prefix(f"client{i}") if star else []
             )
@@ -167,8 +208,8 @@ def launch(
             if time.monotonic() > deadline:
                 raise TimeoutError(f"run exceeded --timeout {timeout_s}s")
             dead = [i for i, p in enumerate(procs[1:]) if p.poll() not in (None, 0)]
-            if dead and len(dead) == cfg.num_clients:
-                raise RuntimeError(f"every client exited with an error; see {logs}/client-*.log")
+            if dead and len(dead) == len(procs) - 1:
+                raise RuntimeError(f"every client process exited with an error; see {logs}/*.log")
             time.sleep(0.2)
         summary.rows = _read_rows(results)
         progress.update(summary.rows, time.monotonic() - t0)
@@ -219,6 +260,31 @@ def launch(
     if show_progress:
         print(final_table(summary, cfg))
     return summary
+
+
+def split_clients(num_clients: int, workers: int) -> list[list[int]]:
+    """Client indices 0..N-1 in ``workers`` contiguous ranges whose sizes differ by at most one."""
+    base, extra = divmod(num_clients, workers)
+    out, start = [], 0
+    for w in range(workers):
+        n = base + (1 if w < extra else 0)
+        out.append(list(range(start, start + n)))
+        start += n
+    return out
+
+
+def default_workers(num_clients: int, cores: float | None = None) -> int:
+    """``--workers auto``: one worker per core (at most one per client)."""
+    from wafl.cli.cgroups import machine_cpus
+
+    return max(1, min(num_clients, int(cores if cores is not None else machine_cpus())))
+
+
+def worker_slots(workers: int, cores: float | None = None) -> int:
+    """Trainings at once per worker: this machine's cores shared out between the workers (at least one)."""
+    from wafl.cli.cgroups import machine_cpus
+
+    return max(1, int(cores if cores is not None else machine_cpus()) // workers)
 
 
 def _cpu_groups(cfg: RunConfig, spec: str, optional: bool) -> tuple[Any, dict[str, Any]]:

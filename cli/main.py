@@ -1,4 +1,4 @@
-"""The ``wafl`` command: ``run``, ``server``, ``client``, ``bench``, ``health``."""
+"""The ``wafl`` command: ``run``, ``server``, ``client``, ``worker``, ``bench``, ``health``."""
 
 from __future__ import annotations
 
@@ -131,6 +131,9 @@ def cmd_run(a: argparse.Namespace) -> int:
         _creatable(Path(a.out))
     _check_link_rate(a.link_rate, cfg)
     _check_host_cpus(a.host_cpus, cfg)
+    workers = _workers(a.workers, cfg, bool(a.link_rate or (a.host_cpus or "none") != "none"))
+    if a.slots is not None and (workers is None or a.slots < 1):
+        raise ConfigError(f"--slots={a.slots} needs --workers and must be at least 1")
     summary = launch(
         cfg,
         Path(a.out) if a.out else None,
@@ -138,8 +141,33 @@ def cmd_run(a: argparse.Namespace) -> int:
         show_progress=not a.quiet,
         timeout_s=a.timeout,
         host_cpus=a.host_cpus,
+        workers=workers,
+        slots=a.slots,
     )
     return 0 if summary.ok else 1
+
+
+WORKERS_FROM = 33  # without --workers: one process per client up to 32 clients, workers (auto) beyond
+
+
+def _workers(spec: str | None, cfg: RunConfig, per_client_hosts: bool) -> int | None:
+    """``--workers``: a count, ``auto`` (one per core, at most one per client) or ``off`` (one process per
+    client); unset: ``off`` up to 32 clients or with per-client links or CPU shares, else ``auto``."""
+    from wafl.cli.launcher import default_workers
+
+    if spec is None:
+        spec = "off" if cfg.num_clients < WORKERS_FROM or per_client_hosts else "auto"
+    if spec == "off":
+        return None
+    if spec == "auto":
+        return default_workers(cfg.num_clients)
+    try:
+        n = int(spec)
+    except ValueError:
+        raise ConfigError(f"--workers={spec!r} is not a count, auto or off") from None
+    if not 1 <= n <= cfg.num_clients:
+        raise ConfigError(f"--workers={n} must lie in 1..{cfg.num_clients} (the clients)")
+    return n
 
 
 def _check_link_rate(spec: str | None, cfg: RunConfig) -> None:
@@ -217,6 +245,32 @@ def cmd_client(a: argparse.Namespace) -> int:
         run_client(
             a.server,
             a.index,
+            Path(a.state_dir) if a.state_dir else None,
+            a.data_dir,
+            a.device,
+            token=a.token or os.environ.get("WAFL_TOKEN", ""),
+            reconnect_s=a.reconnect_s,
+            tls=tls,
+        )
+    )
+
+
+def cmd_worker(a: argparse.Namespace) -> int:
+    from wafl.client.worker import format_indices, parse_indices, run_worker
+    from wafl.common.tls import client_tls
+
+    indices = parse_indices(a.clients)
+    slots = a.slots if a.slots is not None else len(os.sched_getaffinity(0))
+    if slots < 1:
+        raise ConfigError(f"--slots={slots} must be at least 1")
+    tls = client_tls(a.tls_ca, a.tls_server_name)
+    _setup_logging(f"worker-{format_indices(indices)}", a.log_file, a.quiet)
+    _threads(a.threads)
+    return asyncio.run(
+        run_worker(
+            a.server,
+            indices,
+            slots,
             Path(a.state_dir) if a.state_dir else None,
             a.data_dir,
             a.device,
@@ -401,6 +455,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: auto with --link-rate where control groups can be used, else none)",
     )
     r.add_argument(
+        "--workers",
+        help="host the clients in W worker processes (wafl worker): a count, auto (one per core) or off (one process "
+        "per client, what the protocol comparisons use); default: off up to 32 clients, auto beyond",
+    )
+    r.add_argument("--slots", type=int, help="trainings at once per worker (default: the cores shared out)")
+    r.add_argument(
         "--timeout", type=POSITIVE_SECONDS, default=None, help="seconds before the run is stopped (default: no limit)"
     )
     r.add_argument("--quiet", action="store_true")
@@ -463,6 +523,31 @@ def build_parser() -> argparse.ArgumentParser:
     _tls_client_args(c)
     c.add_argument("--quiet", action="store_true")
     c.set_defaults(fn=cmd_client)
+
+    w = sub.add_parser("worker", help="many clients of a run in one process, sharing a bounded number of trainings")
+    w.add_argument("--server", default=os.environ.get("WAFL_SERVER", "localhost:50051"), help="HOST:PORT")
+    w.add_argument(
+        "--clients",
+        default=os.environ.get("WAFL_CLIENT_INDICES"),
+        required=not os.environ.get("WAFL_CLIENT_INDICES"),
+        help="the client indices it hosts: 0-49, or a list like 0-9,20,30-39 (or WAFL_CLIENT_INDICES)",
+    )
+    w.add_argument(
+        "--slots",
+        type=int,
+        default=None,
+        help="trainings at once (default: the cores this process may use); GM work before wait-free PM work",
+    )
+    w.add_argument("--state-dir", default=os.environ.get("WAFL_STATE_DIR"), help="as wafl client, one file per client")
+    w.add_argument("--data-dir", default=os.environ.get("WAFL_DATA_DIR"))
+    w.add_argument("--device", default=os.environ.get("WAFL_DEVICE"))
+    w.add_argument("--token", help="the run token (or WAFL_TOKEN)")
+    w.add_argument("--reconnect-s", type=float, default=120.0, help="give up after this long without the server")
+    w.add_argument("--log-file")
+    w.add_argument("--threads", type=int, default=None, help="torch threads per training (default 1)")
+    _tls_client_args(w)
+    w.add_argument("--quiet", action="store_true")
+    w.set_defaults(fn=cmd_worker)
 
     b = sub.add_parser("bench", help="measurements")
     bsub = b.add_subparsers(dest="bench", required=True)

@@ -20,7 +20,10 @@ its length (its wait-free PM pauses that long after every step), and a client th
 of a model it was asked to train on spends the time until the next model ``offline``.
 
 Every phase is recorded on the client's timeline; training runs in a worker thread so the
-event loop keeps streaming. The wait-free PM trains in its own thread at nice ``pm_nice``
+event loop keeps streaming: the client's own threads (:class:`~wafl.client.compute.OwnThreads`),
+or a slot of the shared pool of a worker process hosting many clients
+(:class:`~wafl.client.compute.SharedSlots`, where the wait-free PM gives its slot up to any
+federation work that waits). The wait-free PM trains in its own thread at nice ``pm_nice``
 (Linux): it is there to fill time the client would otherwise idle, so it must not slow down
 this client's upload or its reception of the next broadcast, which the round waits for. With
 a CPU share per host (``wafl run --host-cpus``, the default of ``--link-rate`` and of ``wafl
@@ -33,11 +36,7 @@ the PM also yields to the other clients' GMs and to the server.
 from __future__ import annotations
 
 import asyncio
-import functools
 import math
-import os
-import sys
-import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +44,7 @@ from typing import Any, Protocol
 
 import structlog
 import torch
+from wafl.client.compute import OwnThreads
 from wafl.client.session import ReceivedModel
 from wafl.client.timeline import PhaseEvent, Timeline
 from wafl.client.trainer import Trainer
@@ -80,7 +80,8 @@ class Transport(Protocol):
 
 
 class RoundProtocol:
-    def __init__(self, session: Transport, trainer: Trainer, protocol: str) -> None:
+    def __init__(self, session: Transport, trainer: Trainer, protocol: str, compute: Any = None) -> None:
+        """``compute``: where the training runs (:mod:`wafl.client.compute`); default: this client's own threads."""
         if protocol not in ("wait-free", "compute-and-wait"):
             raise ValueError(f"protocol={protocol!r} is not one of ['wait-free', 'compute-and-wait']")
         self.session = session
@@ -97,18 +98,19 @@ class RoundProtocol:
         self.arrived = 0  # complete broadcasts received; the wait-free PM loop watches this
         self.headers = 0  # broadcast headers received (``pm_yield_transfers``: the PM stops at the next one)
         session.on_header = self._on_header
-        self.background: ThreadPoolExecutor | None = None
-        if protocol == "wait-free" and trainer.algorithm.personalized:
-            self.background = ThreadPoolExecutor(
-                1, thread_name_prefix="wafl-pm", initializer=lower_thread_priority, initargs=(cfg.pm_nice,)
-            )
+        self.wake = asyncio.Event()  # set as a broadcast's header or its end arrives (the wait-free PM's stop)
+        self.compute = compute or OwnThreads(protocol == "wait-free" and trainer.algorithm.personalized, cfg.pm_nice)
+
+    @property
+    def background(self) -> ThreadPoolExecutor | None:
+        """The wait-free PM's own thread (a client alone in its process), else None."""
+        return getattr(self.compute, "background", None)
 
     async def run(self) -> None:
         try:
             await self._run()
         finally:
-            if self.background is not None:
-                self.background.shutdown(wait=False, cancel_futures=True)
+            self.compute.close()
 
     async def _run(self) -> None:
         models = self.session.models()
@@ -132,9 +134,11 @@ class RoundProtocol:
 
     def _on_arrival(self) -> None:
         self.arrived += 1
+        self.wake.set()
 
     def _on_header(self) -> None:
         self.headers += 1
+        self.wake.set()
 
     async def _slow_down(self, phase_s: float, round: int) -> None:
         """A slower device: the phase just measured is stretched to ``slowdown`` times its length."""
@@ -161,15 +165,15 @@ class RoundProtocol:
         r = model.round
         seen, heads = self.arrived, self.headers
         selected = model.train
-        await asyncio.to_thread(t.begin_round, r, model.state, model.knowledge, selected)
+        await self.compute.run(t.begin_round, r, model.state, model.knowledge, selected)
         if selected and drops_out(cfg.seed, t.index, r, cfg.dropout):
             log.info("offline", round=r)
             return False
         if selected:
             start = self.timeline.now()
             with self.timeline.phase("gm_train", r):
-                stats = await asyncio.to_thread(t.train_gm)
-                knowledge = await asyncio.to_thread(t.knowledge)
+                stats = await self.compute.run(t.train_gm)
+                knowledge = await self.compute.run(t.knowledge)
                 # only declared, finite values travel (the server refuses others): no steps, no loss
                 metrics = {M.TRAIN_STEPS: float(stats.steps)}
                 if math.isfinite(stats.mean_loss):
@@ -177,10 +181,10 @@ class RoundProtocol:
                 if t.algorithm.knowledge is not None:
                     metrics[M.KNOWLEDGE_RECEIVED] = float(len(model.knowledge))
                 if t.algorithm.local_model_is_personal:
-                    acc, n = await asyncio.to_thread(t.evaluate_personal)
+                    acc, n = await self.compute.run(t.evaluate_personal)
                     if n:  # an empty local test set has no accuracy
                         metrics.update({M.PM_ACCURACY: acc, M.PM_TEST_SAMPLES: float(n)})
-                state = await asyncio.to_thread(t.gm_upload_state, model.state if self.deltas else None)
+                state = await self.compute.run(t.gm_upload_state, model.state if self.deltas else None)
             await self._slow_down(self.timeline.now() - start, r)
         # the personal phase: after the GM (selected), or alone when the algorithm trains the personal
         # part of an unselected client on the model it received (README, "Partial participation")
@@ -188,7 +192,7 @@ class RoundProtocol:
         if trains_pm and self.protocol == "compute-and-wait" and cfg.pm_epochs > 0:
             start = self.timeline.now()
             with self.timeline.phase("pm_train", r):
-                await asyncio.to_thread(t.train_pm, None, float(cfg.pm_epochs))
+                await self.compute.run(t.train_pm, None, float(cfg.pm_epochs))
             await self._slow_down(self.timeline.now() - start, r)
             self.pm_trained_round = r
         if selected:
@@ -204,9 +208,10 @@ class RoundProtocol:
                 stop = lambda: self.headers > heads or self.arrived > seen  # noqa: E731
             else:
                 stop = lambda: self.arrived > seen  # noqa: E731
-            train = functools.partial(t.train_pm, stop, cfg.pm_max_epochs, cfg.pm_min_steps, self._pacer())
+            pacer = self._pacer()
+            train = lambda should_stop: t.train_pm(should_stop, cfg.pm_max_epochs, cfg.pm_min_steps, pacer)  # noqa: E731
             with self.timeline.phase("pm_train", r):
-                await asyncio.get_running_loop().run_in_executor(self.background, train)
+                await self.compute.fill(train, stop, self.wake)
             self.pm_trained_round = r
         return True
 
@@ -221,7 +226,7 @@ class RoundProtocol:
         if r is None or self.trainer.pm is None:
             return
         with self.timeline.phase("evaluate", r):
-            acc, n = await asyncio.to_thread(self.trainer.evaluate_personal)
+            acc, n = await self.compute.run(self.trainer.evaluate_personal)
         self.pm_trained_round = None
         if not n:  # an empty local test set has no accuracy to report
             return
@@ -232,16 +237,6 @@ class RoundProtocol:
     async def _drain_uploads(self) -> None:
         if self.uploads or self.reports:
             await asyncio.gather(*self.uploads, *self.reports, return_exceptions=True)
-
-
-def lower_thread_priority(nice: int) -> None:
-    """Sets the calling thread's nice value (Linux: per thread); a no-op for 0 or elsewhere."""
-    if nice <= 0 or sys.platform != "linux":
-        return
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-    except OSError as e:  # e.g. a seccomp profile that forbids it: the PM runs at normal priority
-        log.warning("pm.nice_failed", nice=nice, error=str(e))
 
 
 async def _prefetch(models: Any, on_arrival: Callable[[], None] | None = None) -> Any:

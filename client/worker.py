@@ -1,0 +1,143 @@
+"""``wafl worker``: one process hosting many clients of a federation.
+
+Each hosted client is the client of ``wafl client``: its own :class:`~wafl.client.session.Session`
+(identity, credential, broadcast stream, reconnects), its own :class:`~wafl.client.trainer.Trainer`
+(data shard, GM, PM, optimizer and algorithm state, kept in memory between rounds and in
+``state_dir`` across restarts) and its own :class:`~wafl.client.protocol.RoundProtocol`
+(wait-free or compute-and-wait, unchanged), all in one asyncio loop. What they share is the
+dataset (loaded once) and a bounded pool of ``slots`` training slots
+(:class:`~wafl.client.compute.SharedSlots`): work the federation waits for (loading a
+broadcast, GM training, the upload's tensors, the compute-and-wait PM, evaluation) always gets
+a free slot before the wait-free PM, which only fills slots nobody else waits for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import structlog
+from wafl.client.app import warm_up_torch
+from wafl.client.compute import SharedSlots
+from wafl.client.protocol import RoundProtocol
+from wafl.client.session import Session
+from wafl.client.trainer import Trainer, resolve_device
+from wafl.common.config import ConfigError, RunConfig
+from wafl.common.datasets import load_dataset
+from wafl.common.tls import ClientTls
+
+log = structlog.get_logger("client")
+
+
+def parse_indices(spec: str) -> list[int]:
+    """``"0-9"``, ``"3"``, ``"0-4,10,12-13"`` -> the client indices, in order, without repeats."""
+    out: list[int] = []
+    for part in spec.split(","):
+        part = part.strip()
+        try:
+            if "-" in part:
+                lo, hi = (int(x) for x in part.split("-", 1))
+                if hi < lo:
+                    raise ValueError
+                out.extend(range(lo, hi + 1))
+            else:
+                out.append(int(part))
+        except ValueError:
+            raise ConfigError(f"client indices {spec!r}: {part!r} is not an index or a range LOW-HIGH") from None
+    if any(i < 0 for i in out):
+        raise ConfigError(f"client indices {spec!r} must not be negative")
+    if len(set(out)) != len(out):
+        raise ConfigError(f"client indices {spec!r} name a client twice")
+    return out
+
+
+def format_indices(indices: list[int]) -> str:
+    """The shortest :func:`parse_indices` spelling of ``indices`` (runs of consecutive indices as ranges)."""
+    parts: list[str] = []
+    i = 0
+    while i < len(indices):
+        j = i
+        while j + 1 < len(indices) and indices[j + 1] == indices[j] + 1:
+            j += 1
+        parts.append(str(indices[i]) if i == j else f"{indices[i]}-{indices[j]}")
+        i = j + 1
+    return ",".join(parts)
+
+
+async def run_worker(
+    address: str,
+    indices: list[int],
+    slots: int = 1,
+    state_dir: Path | None = None,
+    data_dir: str | None = None,
+    device: str | None = None,
+    token: str = "",
+    reconnect_s: float = 120.0,
+    tls: ClientTls | None = None,
+) -> int:
+    """Runs the clients ``indices`` to the end of the run in this process; 0 when every one finished."""
+    if not indices:
+        raise ConfigError("a worker needs at least one client index")
+    warm = asyncio.create_task(asyncio.to_thread(warm_up_torch))
+    probe = Session(address, f"client-{indices[0]}", indices[0], 0, token=token, reconnect_s=reconnect_s, tls=tls)
+    reply = await probe.join()  # num_samples=0: the configuration, without registering
+    await probe.close()
+    cfg = RunConfig.from_json(reply.config_json).validate()
+    if max(indices) >= cfg.num_clients:
+        raise ConfigError(f"client index {max(indices)} is outside 0..{cfg.num_clients - 1} of this run")
+    dev = str(resolve_device(device or cfg.device))
+    data = await asyncio.to_thread(load_dataset, cfg.dataset, data_dir or cfg.data_dir)
+    # one after another: each trainer seeds torch's global generator before building its model
+    trainers = await asyncio.to_thread(lambda: [Trainer(cfg, i, state_dir, data_dir, dev, data) for i in indices])
+    await warm
+    pool = SharedSlots(slots)
+    clients = [_HostedClient(address, t, dev, token, reconnect_s, tls, pool) for t in trainers]
+    log.info("worker.ready", clients=len(clients), first=indices[0], last=indices[-1], slots=slots, device=dev)
+    try:
+        results = await asyncio.gather(*(c.run() for c in clients), return_exceptions=True)
+    finally:
+        pool.shutdown()
+    failed = [(c.client_id, r) for c, r in zip(clients, results) if isinstance(r, BaseException)]
+    for client_id, e in failed:
+        log.error("client.failed", client=client_id, error=f"{type(e).__name__}: {e}")
+    log.info("worker.done", clients=len(clients), failed=len(failed), slots_held_max=pool.busy_max)
+    if failed and all(isinstance(r, ConnectionError) for _, r in failed) and len(failed) == len(clients):
+        raise failed[0][1]  # every client gave up on the server: one line and exit 1, as a client does
+    return 1 if failed else 0
+
+
+class _HostedClient:
+    def __init__(
+        self,
+        address: str,
+        trainer: Trainer,
+        device: str,
+        token: str,
+        reconnect_s: float,
+        tls: ClientTls | None,
+        pool: SharedSlots,
+    ) -> None:
+        self.trainer = trainer
+        self.client_id = f"client-{trainer.index}"
+        self.session = Session(
+            address,
+            self.client_id,
+            trainer.index,
+            trainer.num_samples,
+            device=device,
+            token=token,
+            reconnect_s=reconnect_s,
+            tls=tls,
+        )
+        self.pool = pool
+        self.protocol: RoundProtocol | None = None
+
+    async def run(self) -> None:
+        structlog.contextvars.bind_contextvars(client=self.client_id)  # this task's log lines name their client
+        try:
+            await self.session.join()
+            self.protocol = RoundProtocol(self.session, self.trainer, self.trainer.cfg.protocol, self.pool.view())
+            await self.protocol.run()
+        finally:
+            await self.session.close()
+
