@@ -267,6 +267,15 @@ def test_compose_environment_switches() -> None:
     assert _environment(server)["WAFL_LINK_RATE"] == _environment(client)["WAFL_LINK_RATE"] == "5mbit"
 
 
+def test_compose_cpu_shares() -> None:
+    """WAFL_SERVER_CPUS and WAFL_CLIENT_CPUS hold the server and each client replica to a CPU share, as
+    `wafl run --host-cpus` does with control groups; unset, every container may use every core."""
+    services = compose_config([COMPOSE])["services"]
+    assert float(services["server"].get("cpus", 0)) == float(services["client"].get("cpus", 0)) == 0.0
+    held = compose_config([COMPOSE], {"WAFL_SERVER_CPUS": "1", "WAFL_CLIENT_CPUS": "0.25"})["services"]
+    assert float(held["server"]["cpus"]) == 1.0 and float(held["client"]["cpus"]) == 0.25
+
+
 def test_compose_benchmark_profile() -> None:
     cfg = compose_config([COMPOSE], {"WAFL_CLIENTS": "3", "WAFL_ROUNDS": "5"}, profiles=("bench",))
     bench = cfg["services"]["bench"]

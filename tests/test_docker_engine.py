@@ -180,6 +180,7 @@ def test_compose_federation(engine: Engine, tmp_path: Path) -> None:
     compose = engine.compose_cli()
     env = _project("fed", tmp_path)
     env.update(WAFL_CLIENTS="3", WAFL_ROUNDS="3", WAFL_SERVER_ARGS="--set local_epochs=1 --seed 5")
+    env.update(WAFL_SERVER_CPUS="1", WAFL_CLIENT_CPUS="0.5")  # a CPU share per container, read back below
     try:
         start = time.monotonic()
         logs = engine.run([*compose, "up", "--build"], env)
@@ -187,9 +188,11 @@ def test_compose_federation(engine: Engine, tmp_path: Path) -> None:
         ids = _containers(engine, compose, env)
         codes = _exit_codes(engine, ids)
         assert len(codes) == 4 and set(codes.values()) == {0}, (codes, logs[-6000:])
+        server = _server_id(engine, compose, env)
+        quotas = {i: int(engine.run(["docker", "inspect", "--format", "{{.HostConfig.NanoCpus}}", i])) for i in ids}
+        assert quotas.pop(server) == 1_000_000_000 and sorted(quotas.values()) == [500_000_000] * 3, quotas
         claimed = sorted(int(i) for i in re.findall(r"client index (\d+) from a claim among the clients of", logs))
         assert claimed == [0, 1, 2], logs[-6000:]
-        server = _server_id(engine, compose, env)
         engine.run(["docker", "cp", f"{server}:/results/federation", str(tmp_path / "out")])
     finally:
         engine.run([*compose, "down", "-v"], env, check=False)
