@@ -43,6 +43,16 @@ def _varint(n: int) -> bytes:
 
 
 def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    try:
+        b = buf[pos]
+    except IndexError:
+        raise DecodeError("truncated varint") from None
+    if b < 0x80:  # one byte: field keys, dtypes, most dimensions
+        return b, pos + 1
+    return _read_long_varint(buf, pos)
+
+
+def _read_long_varint(buf: memoryview, pos: int) -> tuple[int, int]:
     result = 0
     shift = 0
     while True:

@@ -161,7 +161,11 @@ class Accumulator:
         self.manifest = manifest
         self.rule = rule
         self.sums = {s.name: np.zeros(s.numel, dtype=np.float64) for s in manifest}
+        # ``lock`` guards the sums (a fold worker adding a chunk, a rollback); ``folds_lock`` the
+        # bookkeeping (open and kept folds, weight, count), so that the event loop, which begins and
+        # commits uploads, never waits for another upload's chunk being added
         self.lock = threading.Lock()
+        self.folds_lock = threading.Lock()
         self.total_weight = 0.0
         self.count = 0
         self.spills = SpillArena(sum(s.nbytes for s in manifest), spill_dir)
@@ -181,7 +185,7 @@ class Accumulator:
 
     def reset(self) -> None:
         """Zeroes the sums for a new round; no fold may be open."""
-        with self.lock:
+        with self.lock, self.folds_lock:
             if self.open_folds:
                 raise RuntimeError(f"{len(self.open_folds)} uploads still open: cancel_open() first")
             for v in self.sums.values():
@@ -197,13 +201,13 @@ class Accumulator:
         if not (math.isfinite(weight) and weight > 0):
             raise ValueError(f"aggregation weight {weight} must be positive")
         fold = UploadFold(self, weight)
-        with self.lock:
+        with self.folds_lock:
             self.open_folds.add(fold)
         return fold
 
     def cancel_open(self) -> int:
         """Rolls back every fold still in flight (the round is closing); returns how many."""
-        with self.lock:
+        with self.folds_lock:
             folds = list(self.open_folds)
         for f in folds:
             f.rollback()
@@ -256,6 +260,7 @@ class UploadFold:
         self.acc = acc
         self.weight = weight
         self.spill = acc.spills.acquire()
+        self.lock = threading.Lock()  # its state: a chunk being added, commit and rollback exclude each other
         self.released = False  # its spill slot went back to the arena
         self.folded: list[tuple[str, int, int, int]] = []  # (name, start element, elements, wire dtype)
         self.state = "open"
@@ -287,13 +292,14 @@ class UploadFold:
         if self.acc.rule.clip_norm is not None and spec.dtype in FLOAT_WIRE_DTYPES:
             d = self._update(spec.name, start, values)
             self.sq_norm += float(np.dot(d, d))
-        with self.acc.lock:  # the spill write too: a rollback must never interleave with it
+        with self.lock:  # the spill write too: a rollback must never interleave with it
             if self.state != "open":
                 raise ChunkError("the round closed while this upload was streaming", Code.ABORTED)
             self.spill.write(chunk.data)
             if not self.deferred:
-                target = self.acc.sums[spec.name][start : start + values.size]
-                np.add(target, contribution, out=target)
+                with self.acc.lock:
+                    target = self.acc.sums[spec.name][start : start + values.size]
+                    np.add(target, contribution, out=target)
             self.folded.append((spec.name, start, values.size, spec.dtype))
 
     def _update(self, name: str, start: int, values: np.ndarray) -> np.ndarray:
@@ -306,24 +312,27 @@ class UploadFold:
         """Adds the upload to the collection; with clipping its update is scaled to the bound first."""
         clip = self.acc.rule.clip_norm
         norm = math.sqrt(self.sq_norm)
-        with self.acc.lock:
+        acc = self.acc
+        with self.lock:
             if self.state != "open":
                 raise ChunkError("the round closed while this upload was streaming", Code.ABORTED)
             if clip is not None and norm > clip:
                 self.scale = clip / norm
-            if self.deferred and not self.acc.rule.keeps_uploads:
-                self._fold_spilled()
-            self.acc.total_weight += self.weight
-            self.acc.count += 1
+            if self.deferred and not acc.rule.keeps_uploads:
+                with acc.lock:
+                    self._fold_spilled()
             self.state = "committed"
-            self.acc.open_folds.discard(self)
-            if self.acc.rule.keeps_uploads:
-                self.acc.kept.append(self)
-                return
+            with acc.folds_lock:
+                acc.total_weight += self.weight
+                acc.count += 1
+                acc.open_folds.discard(self)
+                if acc.rule.keeps_uploads:
+                    acc.kept.append(self)
+                    return
         self._release()
 
     def _fold_spilled(self) -> None:
-        """Adds ``weight * (ref + scale * (x - ref))`` of every spilled chunk to the sums (lock held)."""
+        """Adds ``weight * (ref + scale * (x - ref))`` of every spilled chunk to the sums (both locks held)."""
         self.spill.seek(0)
         for name, start, n, wire in self.folded:
             target = self.acc.sums[name][start : start + n]
@@ -354,18 +363,21 @@ class UploadFold:
 
     def rollback(self) -> None:
         """Subtracts what was folded (read back from the spill file); idempotent."""
-        with self.acc.lock:
+        with self.lock:
             if self.state != "open":
                 return
             self.state = "rolled back"
-            self.acc.open_folds.discard(self)
+            with self.acc.folds_lock:
+                self.acc.open_folds.discard(self)
             self.spill.seek(0)
             for name, start, n, wire in [] if self.deferred else self.folded:
                 nbytes = n * itemsize(wire)
                 data = self.spill.read(nbytes)
-                target = self.acc.sums[name][start : start + n]
                 # its own temporary: another upload's fold may be using this thread's scratch buffer
-                np.subtract(target, np.multiply(numpy_view(data, wire), self.weight, dtype=np.float64), out=target)
+                subtrahend = np.multiply(numpy_view(data, wire), self.weight, dtype=np.float64)
+                with self.acc.lock:
+                    target = self.acc.sums[name][start : start + n]
+                    np.subtract(target, subtrahend, out=target)
             self.folded.clear()
         self._release()
 

@@ -127,6 +127,7 @@ class RoundEngine:
         self.finished = asyncio.Event()
         self.final_reports: set[str] = set()
         self.final_reported = asyncio.Event()
+        self.final_progress = 0  # final models sent in full plus final reports received
         self.attempts: dict[tuple[str, int, str], Upload] = {}  # open uploads by (client, round, idempotency key)
         self.bytes_down = 0
         self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="wafl-server")
@@ -311,12 +312,19 @@ class RoundEngine:
         log.info("run.done", wall_s=round_(self.wall()))
 
     async def run_to_end(self, final_report_timeout_s: float = 30.0) -> None:
-        """The run, then the clients' final reports (bounded wait), then the last results lines."""
+        """The run, then the clients' final reports, then the last results lines. The wait for the
+        reports ends ``final_report_timeout_s`` after the last progress (a final model sent in full,
+        a final report received): the final model goes to every client, which takes a while for
+        thousands of them."""
         await self.run()
-        try:
-            await asyncio.wait_for(self.final_reported.wait(), final_report_timeout_s)
-        except TimeoutError:
-            log.warning("final_reports.missing", got=len(self.final_reports), clients=len(self.clients))
+        while not self.final_reported.is_set():
+            progress = self.final_progress
+            try:
+                await asyncio.wait_for(self.final_reported.wait(), final_report_timeout_s)
+            except TimeoutError:
+                if self.final_progress == progress:
+                    log.warning("final_reports.missing", got=len(self.final_reports), clients=len(self.clients))
+                    break
         self.results.close_before(self.cfg.rounds + 1)
         await asyncio.get_running_loop().run_in_executor(self.executor, self.results.write_timelines)
         if self.tensorboard is not None:
@@ -333,9 +341,8 @@ class RoundEngine:
             deadline = self.strategy.next_deadline()
             self.changed.clear()
             try:
-                await asyncio.wait_for(
-                    self.changed.wait(), None if deadline is None else max(0.0, deadline - loop.time())
-                )
+                async with asyncio.timeout_at(deadline):  # no task per wake-up (once per upload)
+                    await self.changed.wait()
             except TimeoutError:
                 pass
 
@@ -469,6 +476,7 @@ class RoundEngine:
                 yield m
             self.bytes_down += p.nbytes
             if p.final:
+                self.final_progress += 1
                 return
 
     # ----------------------------------------------------------------- uploads and reports
@@ -536,6 +544,7 @@ class RoundEngine:
         self.results.add_report(req.client_id, req.round, dict(req.metrics), timeline, req.client_start_unix or None)
         if req.metrics.get(M.FINAL, 0.0) == 1.0:
             self.final_reports.add(req.client_id)
+            self.final_progress += 1
             if len(self.final_reports) >= len(self.clients):
                 self.final_reported.set()
 

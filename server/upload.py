@@ -49,35 +49,79 @@ async def receive_upload(engine: RoundEngine, messages: AsyncIterator[object], c
     committed upload.
     """
     it = messages.__aiter__()
-    stall_s = engine.cfg.upload_stall_s
+    watch = StallWatch(engine.cfg.upload_stall_s)
     try:
-        first = await _next(it, stall_s)
+        first = await _next(it, watch)
     except StopAsyncIteration:
         raise Refused("empty upload: the first message must be a header") from None
     if first is MALFORMED:
         raise Refused("malformed message")
     if isinstance(first, (RawChunk, ChunkBatch)) or first.WhichOneof("kind") != "header":  # type: ignore[attr-defined]
         raise Refused("the first message of an upload must be a header")
-    upload = await engine.open_upload(first.header, credential)  # type: ignore[attr-defined]
     try:
-        while True:
-            try:
-                msg = await _next(it, stall_s)
-            except StopAsyncIteration:
-                break
-            await upload.feed(msg)
-        return await upload.finish()
+        upload = await engine.open_upload(first.header, credential)  # type: ignore[attr-defined]
+        try:
+            while True:
+                try:
+                    msg = await _next(it, watch)
+                except StopAsyncIteration:
+                    break
+                await upload.feed(msg)
+            return await upload.finish()
+        finally:
+            await upload.close()
     finally:
-        await upload.close()
+        watch.close()
 
 
-async def _next(it: AsyncIterator[object], stall_s: float) -> object:
-    """The stream's next message; ``DEADLINE_EXCEEDED`` when none arrives within ``stall_s``."""
+class StallWatch:
+    """Cuts an upload off when no message arrives for ``stall_s`` while it waits for one: one timer
+    for the whole upload, moved on lazily, instead of a timeout armed and cancelled per message."""
+
+    def __init__(self, stall_s: float) -> None:
+        self.stall_s = stall_s
+        self.loop = asyncio.get_running_loop()
+        self.task = asyncio.current_task()
+        self.since: float | None = None  # when the current wait for a message began
+        self.fired = False
+        self.handle: asyncio.TimerHandle | None = None
+
+    def waiting(self) -> None:
+        self.since = self.loop.time()
+        if self.handle is None:
+            self.handle = self.loop.call_at(self.since + self.stall_s, self._check)
+
+    def _check(self) -> None:
+        self.handle = None
+        if self.since is None:
+            return  # not waiting for a message: armed again by the next wait
+        due = self.since + self.stall_s
+        if self.loop.time() < due:
+            self.handle = self.loop.call_at(due, self._check)
+        elif self.task is not None:
+            self.fired = True
+            self.task.cancel()
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
+            self.handle = None
+
+
+async def _next(it: AsyncIterator[object], watch: StallWatch) -> object:
+    """The stream's next message; ``DEADLINE_EXCEEDED`` when none arrives within the watch's ``stall_s``."""
+    watch.waiting()
     try:
-        async with asyncio.timeout(stall_s):
-            return await it.__anext__()
-    except TimeoutError:
-        raise Refused(f"no message for {stall_s:g} s: the upload was cut off", Code.DEADLINE_EXCEEDED) from None
+        return await it.__anext__()
+    except asyncio.CancelledError:
+        if not watch.fired:
+            raise
+        watch.fired = False
+        if watch.task is not None:
+            watch.task.uncancel()
+        raise Refused(f"no message for {watch.stall_s:g} s: the upload was cut off", Code.DEADLINE_EXCEEDED) from None
+    finally:
+        watch.since = None
 
 
 class Upload:
