@@ -19,6 +19,8 @@ SHAPES = {
     "synthetic-cifar100": (3, 32, 100, 2000, 400),
     "synthetic-svhn": (3, 32, 10, 1000, 200),
     "synthetic-tinyimagenet": (3, 64, 200, 2000, 400),
+    # digits' shape with enough samples for every client of a 10,000-client federation (benchmarks/scale.py)
+    "synthetic-digits": (1, 8, 10, 50000, 400),
 }
 
 
