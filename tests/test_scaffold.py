@@ -50,6 +50,29 @@ def test_scaffold_client_round_by_hand(digits, tmp_path) -> None:
     assert all(torch.equal(again.client_state[STATE_KEY][n], t.client_state[STATE_KEY][n]) for n in names)
 
 
+def test_scaffold_variates_under_adam_are_the_mean_gradient(digits) -> None:
+    """With Adam, c_i+ is the mean of the uncorrected mini-batch gradients, not (x - y) / (K eta)."""
+    t = client(digits, "scaffold", optimizer="adam", lr=0.003)
+    g = global_payload(t)
+    t.begin_round(1, g)
+    slow = copy.deepcopy(t.gm)
+    opt = torch.optim.Adam(slow.parameters(), lr=0.003)
+    (batches,) = future_batches(t, 1)
+    total = {n: torch.zeros_like(p) for n, p in slow.named_parameters()}
+    for xb, yb in batches:  # c = c_i = 0 in the first round: the plain Adam trajectory
+        opt.zero_grad()
+        F.cross_entropy(slow(xb), yb).backward()
+        for n, p in slow.named_parameters():
+            total[n] += p.grad
+        opt.step()
+    t.train_gm()
+    assert close(t.gm, slow)
+    for n, _ in slow.named_parameters():
+        want = total[n] / len(batches)
+        assert torch.allclose(t.client_state[STATE_KEY][n], want, atol=1e-6)
+        assert float(want.abs().max()) < 5.0  # gradient-sized, where (x - y) / (K eta) is about 1 everywhere
+
+
 def test_scaffold_server_update() -> None:
     from wafl.common.algorithms import registry
 

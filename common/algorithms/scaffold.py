@@ -3,11 +3,15 @@
 Global model ``x`` and server control variate ``c`` travel to the clients; client ``i`` keeps
 its own ``c_i`` (zero at first, client state that persists across rounds and restarts). Local
 steps from ``y = x``: ``y <- y - eta (g_i(y) - c_i + c)`` (the corrected gradient goes through
-the run's optimizer; with plain SGD this is the paper's step). After ``K`` steps,
+the run's optimizer; with plain SGD this is the paper's step). After ``K`` steps, option II
 
-    c_i+ = c_i - c + (x - y) / (K eta)
+    c_i+ = c_i - c + (x - y) / (K eta)  =  (1/K) sum_k g_i(y_k)         (plain SGD)
 
-and the client uploads ``y`` and ``dc_i = c_i+ - c_i`` (an extra tensor per trained parameter);
+is computed as the right-hand side, the mean of the ``K`` uncorrected mini-batch gradients: the
+same value under plain SGD, and still an estimate of the client's gradient under an optimizer
+whose step is not ``eta`` times the gradient (Adam, momentum), where ``(x - y) / (K eta)`` is
+not (with Adam it is about 1 per coordinate, the variates swamp the gradients and the model
+diverges). The client uploads ``y`` and ``dc_i = c_i+ - c_i`` (an extra tensor per trained parameter);
 ``c_i <- c_i+``. The server, with the uniform mean over the ``|S|`` clients of the round as in
 the paper's Algorithm 1 (global step size ``eta_g = 1``): ``x <- mean(y_i)``,
 ``c <- c + (|S| / N) mean(dc_i)``, ``N`` = all clients. Only trained parameters get control
@@ -45,8 +49,7 @@ def control_names(model: nn.Module) -> list[str]:
 class CorrectedStep(StepRule):
     """``g - c_i + c`` into the optimizer; counts the steps and keeps ``x`` for the variate update."""
 
-    def __init__(self, lr: float) -> None:
-        self.lr = lr
+    def __init__(self) -> None:
         self.correction: list[torch.Tensor] = []
 
     def begin(self, ctx: RoundContext, model: nn.Module, params: list[nn.Parameter]) -> None:
@@ -54,7 +57,7 @@ class CorrectedStep(StepRule):
         c = [ctx.extras[PREFIX + n] for n in names]
         c_i = self._c_i(ctx, names, c)
         self.correction = [cg - ci.to(cg.device) for cg, ci in zip(c, c_i)]
-        self.start = [p.detach().clone() for p in params]
+        self.grad_sum = [torch.zeros_like(p, dtype=torch.float64) for p in params]
         self.steps = 0
 
     def _c_i(self, ctx: RoundContext, names: list[str], like: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -71,8 +74,9 @@ class CorrectedStep(StepRule):
     ) -> torch.Tensor:
         loss = backward(closure, opt)
         with torch.no_grad():
-            for p, corr in zip(params, self.correction):
+            for p, corr, total in zip(params, self.correction, self.grad_sum):
                 if p.grad is not None:
+                    total.add_(p.grad)  # g_i(y_k), before the correction
                     p.grad.add_(corr)
         opt.step()
         self.steps += 1
@@ -83,10 +87,7 @@ class CorrectedStep(StepRule):
         c = [ctx.extras[PREFIX + n] for n in names]
         c_i = self._c_i(ctx, names, c)
         k = max(1, self.steps)
-        new = [
-            (ci.to(cg.device) - cg + (x - p.detach()) / (k * self.lr)).cpu()
-            for ci, cg, x, p in zip(c_i, c, self.start, params)
-        ]
+        new = [(total / k).to(p.dtype).cpu() for total, p in zip(self.grad_sum, params)]
         ctx.client_state["scaffold_delta"] = {n: nc - ci.cpu() for n, nc, ci in zip(names, new, c_i)}
         ctx.client_state[STATE_KEY] = dict(zip(names, new))
 
@@ -127,7 +128,7 @@ def build(p: dict[str, Any], run: dict[str, Any]) -> Algorithm:
     return Algorithm(
         "scaffold",
         p,
-        phases=[Phase("gm", step=CorrectedStep(float(run.get("lr", 0.05))))],
+        phases=[Phase("gm", step=CorrectedStep())],
         extras=controls,
         hooks=Hooks(),
         server=ScaffoldServer(int(run.get("num_clients", 1))),
