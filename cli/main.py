@@ -263,7 +263,7 @@ def cmd_worker(a: argparse.Namespace) -> int:
     slots = a.slots if a.slots is not None else len(os.sched_getaffinity(0))
     if slots < 1:
         raise ConfigError(f"--slots={slots} must be at least 1")
-    tls = client_tls(a.tls_ca, a.tls_server_name)
+    tls = client_tls(a.tls_ca, a.tls_server_name, a.tls_cert, a.tls_key)
     _setup_logging(f"worker-{format_indices(indices)}", a.log_file, a.quiet)
     _threads(a.threads)
     return asyncio.run(
@@ -459,7 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="host the clients in W worker processes (wafl worker): a count, auto (one per core) or off (one process "
         "per client, what the protocol comparisons use); default: off up to 32 clients, auto beyond",
     )
-    r.add_argument("--slots", type=int, help="trainings at once per worker (default: the cores shared out)")
+    r.add_argument("--slots", type=POSITIVE_INT, help="trainings at once per worker (default: the cores shared out)")
     r.add_argument(
         "--timeout", type=POSITIVE_SECONDS, default=None, help="seconds before the run is stopped (default: no limit)"
     )
@@ -542,9 +542,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--data-dir", default=os.environ.get("WAFL_DATA_DIR"))
     w.add_argument("--device", default=os.environ.get("WAFL_DEVICE"))
     w.add_argument("--token", help="the run token (or WAFL_TOKEN)")
-    w.add_argument("--reconnect-s", type=float, default=120.0, help="give up after this long without the server")
+    w.add_argument("--reconnect-s", type=SECONDS, default=120.0, help="give up after this long without the server")
     w.add_argument("--log-file")
-    w.add_argument("--threads", type=int, default=None, help="torch threads per training (default 1)")
+    w.add_argument("--threads", type=POSITIVE_INT, default=None, help="torch threads per training (default 1)")
     _tls_client_args(w)
     w.add_argument("--quiet", action="store_true")
     w.set_defaults(fn=cmd_worker)
