@@ -131,6 +131,7 @@ class RoundProtocol:
                 return
             online = await self._round(model)
             waiting = ("idle" if online else "offline", model.round, self.timeline.now())
+            del model  # no second copy of the weights while idle (a worker holds many clients)
 
     def _on_arrival(self) -> None:
         self.arrived += 1
@@ -166,6 +167,8 @@ class RoundProtocol:
         seen, heads = self.arrived, self.headers
         selected = model.train
         await self.compute.run(t.begin_round, r, model.state, model.knowledge, selected)
+        base = model.state if self.deltas else None  # the upload's reference (buffered), else nothing to keep
+        model.state = {}  # loaded into the local model: the received copy is freed during the round
         if selected and drops_out(cfg.seed, t.index, r, cfg.dropout):
             log.info("offline", round=r)
             return False
@@ -184,7 +187,7 @@ class RoundProtocol:
                     acc, n = await self.compute.run(t.evaluate_personal)
                     if n:  # an empty local test set has no accuracy
                         metrics.update({M.PM_ACCURACY: acc, M.PM_TEST_SAMPLES: float(n)})
-                state = await self.compute.run(t.gm_upload_state, model.state if self.deltas else None)
+                state = await self.compute.run(t.gm_upload_state, base)
             await self._slow_down(self.timeline.now() - start, r)
         # the personal phase: after the GM (selected), or alone when the algorithm trains the personal
         # part of an unselected client on the model it received (README, "Partial participation")
@@ -276,6 +279,7 @@ async def _prefetch(models: Any, on_arrival: Callable[[], None] | None = None) -
                 return
             if isinstance(item, BaseException):
                 raise item
-            yield item
+            box, item, nxt = [item], None, None  # while the consumer holds the model, this generator keeps no reference
+            yield box.pop()
     finally:
         task.cancel()
