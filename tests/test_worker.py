@@ -34,6 +34,18 @@ def test_run_refuses_bad_worker_counts(capsys) -> None:
     assert "--slots=2 needs --workers" in capsys.readouterr().err
 
 
+def test_run_hosts_many_clients_in_workers_by_default_beyond_32() -> None:
+    from wafl.cli.launcher import default_workers
+    from wafl.cli.main import _workers
+
+    assert _workers(None, load_config(None, {"num_clients": 32}), False) is None  # one process per client
+    assert _workers(None, load_config(None, {"num_clients": 33}), False) == default_workers(33)
+    assert _workers(None, load_config(None, {"num_clients": 100}), True) is None  # per-client links or CPU shares
+    assert _workers("off", load_config(None, {"num_clients": 100}), False) is None
+    assert _workers("3", load_config(None, {"num_clients": 100}), False) == 3
+    assert default_workers(100, cores=16) == 16 and default_workers(4, cores=16) == 4
+
+
 async def _blocking(slots: SharedSlots, cls: int, gate: threading.Event, log: list[str], name: str) -> None:
     await slots.acquire(cls)
     log.append(name)
