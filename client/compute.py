@@ -29,7 +29,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import structlog
@@ -85,11 +85,13 @@ class SharedSlots:
         # a fill holder that gave its slot up waits in its own thread: one thread per PM in progress
         self.fill_executor = ThreadPoolExecutor(4096, thread_name_prefix="wafl-fill")
         self.busy_max = 0  # the most slots ever held at once (a check that the bound holds)
+        self.pauses: set[Future[bool]] = set()  # fill holders waiting in their thread for a slot
 
     # ------------------------------------------------------------ slot accounting (event loop)
     async def acquire(self, cls: int) -> None:
         self.loop = asyncio.get_running_loop()
-        if self.free > 0 and not any(c <= cls for c, _, _ in self.waiters):
+        ahead = self.urgent_waiting if cls == URGENT else len(self.waiters)  # waiters of this class or a higher one
+        if self.free > 0 and not ahead:
             self._take()
             return
         fut: asyncio.Future[None] = self.loop.create_future()
@@ -144,7 +146,14 @@ class SharedSlots:
             if stop():
                 return True
             if self.urgent_waiting > 0:  # give the slot to federation work, then continue (or end)
-                held[0] = asyncio.run_coroutine_threadsafe(self._pause(stop, wake), loop).result()
+                pause = asyncio.run_coroutine_threadsafe(self._pause(stop, wake), loop)
+                self.pauses.add(pause)
+                try:
+                    held[0] = pause.result()
+                except CancelledError:  # the pool shut down (shutdown() cancels every pause)
+                    held[0] = False
+                finally:
+                    self.pauses.discard(pause)
                 return not held[0]
             return False
 
@@ -185,6 +194,8 @@ class SharedSlots:
         pass  # the pool outlives each client; :meth:`shutdown` ends it
 
     def shutdown(self) -> None:
+        for pause in list(self.pauses):
+            pause.cancel()  # a paused PM's thread ends instead of waiting on a loop that is going away
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.fill_executor.shutdown(wait=False, cancel_futures=True)
 
