@@ -221,6 +221,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--repeats", type=int, default=2, help="pairs of 10-client runs (processes, workers)")
     p.add_argument("--no-paper", action="store_true", help="skip the paper configuration")
+    p.add_argument(
+        "--paper-local-epochs", type=int, help="the paper run's local epochs (default: the configuration's 5)"
+    )
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fleet"))
     p.add_argument("--runs", default=str(ROOT / "runs" / "fleet"), help="run folders (models removed)")
@@ -239,14 +242,20 @@ def main() -> int:
         cfg = digits(10, a.rounds)
         record(measure(f"10 processes #{rep + 1}", cfg, None, runs / f"p10-{rep}", a.timeout))
         record(measure(f"10 in workers #{rep + 1}", cfg, default_workers(10), runs / f"w10-{rep}", a.timeout))
-    points = [int(x) for x in a.points.split(",")]
+    points = [int(x) for x in a.points.split(",") if x.strip()]
     for n in [x for x in points if x <= 100]:
         if n == 10 and a.repeats:
             continue  # measured above
         record(measure(f"{n} in workers", digits(n, a.rounds), default_workers(n), runs / f"w{n}", a.timeout))
     if not a.no_paper:
-        cfg = load_config(str(PAPER), {"dataset": "synthetic-cifar100", "rounds": 2, "device": "cpu"})
-        record(measure("paper: " + PAPER.stem, cfg, default_workers(cfg.num_clients), runs / "paper", a.timeout))
+        over: dict[str, Any] = {"dataset": "synthetic-cifar100", "rounds": 2, "device": "cpu"}
+        if a.paper_local_epochs:
+            over["local_epochs"] = a.paper_local_epochs
+        cfg = load_config(str(PAPER), over)
+        name = f"paper: {PAPER.stem}, synthetic-cifar100" + (
+            f", local_epochs {cfg.local_epochs}" * bool(a.paper_local_epochs)
+        )
+        record(measure(name, cfg, default_workers(cfg.num_clients), runs / "paper", a.timeout))
     for n in [x for x in points if x > 100]:
         record(measure(f"{n} in workers", digits(n, a.rounds), default_workers(n), runs / f"w{n}", a.timeout))
     print((out / "fleet.md").read_text())
