@@ -8,7 +8,7 @@ from pathlib import Path
 import structlog
 import torch
 from wafl.client.protocol import RoundProtocol
-from wafl.client.session import Session
+from wafl.client.session import Session, credential_path
 from wafl.client.trainer import Trainer, resolve_device
 from wafl.common.config import RunConfig
 from wafl.common.tls import ClientTls
@@ -48,6 +48,7 @@ async def run_client(
         token=token,
         reconnect_s=reconnect_s,
         tls=tls,
+        credential_file=credential_path(state_dir, index),
     )
     await warm
     await session.join()

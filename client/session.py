@@ -9,11 +9,13 @@ answered as a success.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -94,6 +96,11 @@ class ReceivedModel:
     nbytes: int = 0
 
 
+def credential_path(state_dir: Path | None, index: int) -> Path | None:
+    """Where a client with a state folder keeps its session credential (beside its ``client-<index>.pt``)."""
+    return None if state_dir is None else Path(state_dir) / f"client-{index}.credential"
+
+
 @dataclass
 class Session:
     address: str
@@ -108,6 +115,9 @@ class Session:
     manifest: Manifest = ()
     tls: ClientTls | None = None  # None: plaintext
     credential: str = ""  # the session credential of the last Join (sent with every later call)
+    # Keeps the credential across restarts of the process (in the state folder): a restarted client
+    # re-joins its index with it, as a reconnecting one does, instead of being refused as a second claimant.
+    credential_file: Path | None = None
     on_header: Callable[[], None] | None = None  # called as each broadcast's header arrives
     _channel: grpc.aio.Channel | None = field(default=None, repr=False)
 
@@ -143,6 +153,8 @@ class Session:
 
     async def join(self) -> pb.JoinReply:
         self._open()
+        if not self.credential and self.credential_file is not None and self.credential_file.is_file():
+            self.credential = self.credential_file.read_text().strip()
         backoff = Backoff(deadline_s=self.reconnect_s)
         req = pb.JoinRequest(
             client_id=self.client_id,
@@ -169,10 +181,21 @@ class Session:
         self.run_id = reply.run_id
         if reply.session_credential:
             self.credential = reply.session_credential
+            if self.credential_file is not None:
+                self._keep_credential()
         self.join_reply = reply
         self.manifest = tuple(TensorSpec.from_proto(s) for s in reply.manifest)
         log.info("joined", run_id=reply.run_id, round=reply.round, algorithm=reply.algorithm)
         return reply
+
+    def _keep_credential(self) -> None:
+        assert self.credential_file is not None
+        self.credential_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.credential_file.with_name(self.credential_file.name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.credential)
+        tmp.replace(self.credential_file)
 
     async def _why_unreachable(self, req: pb.JoinRequest) -> str:
         """Why the server cannot be reached (a name that does not resolve, a refused connection), from one

@@ -20,7 +20,7 @@ import structlog
 from wafl.client.app import warm_up_torch
 from wafl.client.compute import SharedSlots
 from wafl.client.protocol import RoundProtocol
-from wafl.client.session import Session
+from wafl.client.session import Session, credential_path
 from wafl.client.trainer import Trainer, resolve_device
 from wafl.common.config import ConfigError, RunConfig
 from wafl.common.datasets import load_dataset
@@ -128,6 +128,7 @@ class _HostedClient:
             token=token,
             reconnect_s=reconnect_s,
             tls=tls,
+            credential_file=credential_path(trainer.state_path.parent if trainer.state_path else None, trainer.index),
         )
         self.pool = pool
         self.protocol: RoundProtocol | None = None
