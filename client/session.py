@@ -45,6 +45,9 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.http2.max_frame_size", (1 << 24) - 1),
+    # A connection of its own per session, as for a client alone in its process: without it the
+    # sessions of one worker (wafl worker) share one TCP connection, whose streams the server limits.
+    ("grpc.use_local_subchannel_pool", 1),
 ]
 log = structlog.get_logger("client")
 
