@@ -97,7 +97,11 @@ def label(config: Mapping[str, Any], by: Sequence[str]) -> str:
 
 
 def check_comparable(runs: Sequence[Run], by: Sequence[str]) -> None:
-    """Refuses runs that differ in anything but ``seed`` and ``by``."""
+    """Refuses runs that differ in anything but ``seed`` and ``by``. A field a run's ``config.json``
+    lacks (it predates the field) counts as the field's default."""
+    from wafl.common.config import RunConfig
+
+    defaults = json.loads(RunConfig().to_json())
     free = {"seed", *by}
     differing: dict[str, set[str]] = {}
     first = runs[0].config
@@ -105,8 +109,9 @@ def check_comparable(runs: Sequence[Run], by: Sequence[str]) -> None:
         for k in set(first) | set(r.config):
             if k in free:
                 continue
-            if first.get(k) != r.config.get(k):
-                differing.setdefault(k, set()).update({json.dumps(first.get(k)), json.dumps(r.config.get(k))})
+            a, b = first.get(k, defaults.get(k)), r.config.get(k, defaults.get(k))
+            if a != b:
+                differing.setdefault(k, set()).update({json.dumps(a), json.dumps(b)})
     if differing:
         what = "; ".join(f"{k}: {', '.join(sorted(v))}" for k, v in sorted(differing.items()))
         raise TableError(

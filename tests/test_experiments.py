@@ -156,3 +156,18 @@ def test_sweep_point_params_table_and_dotted_keys_merge(tmp_path: Path) -> None:
     spec.write_text('[[points]]\nalgorithm = "fedprox"\nparams = 3\n')
     with pytest.raises(ConfigError, match="params must be a table"):
         load_sweep(spec)
+
+
+def test_table_reads_a_missing_config_field_as_its_default(tmp_path: Path) -> None:
+    """A run recorded before a configuration field existed compares as if it held the default."""
+    for name, seed in (("old", 0), ("new", 1)):
+        simulate(load_config(None, {"num_clients": 2, "rounds": 1, "seed": seed}), tmp_path / name)
+    old = tmp_path / "old" / "config.json"
+    config = json.loads(old.read_text())
+    del config["broadcast_all"]  # a field added after this run was recorded
+    old.write_text(json.dumps(config))
+    assert build(find_runs([tmp_path]))["rows"]["fedavg"]["seeds"] == [0, 1]
+    config["broadcast_all"] = True  # not the default: a different setting
+    old.write_text(json.dumps(config))
+    with pytest.raises(TableError, match="broadcast_all: false, true"):
+        build(find_runs([tmp_path]))
