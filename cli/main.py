@@ -125,6 +125,8 @@ def cmd_run(a: argparse.Namespace) -> int:
     cfg = _resolve_config(a)
     if a.out and (Path(a.out) / "results.jsonl").exists():
         raise UsageError(f"--out {a.out} already holds a run (results.jsonl): choose another folder")
+    if a.ray is not None:
+        return _run_on_ray(a, cfg)
     resolve_device(cfg.device)  # every client runs here: a missing GPU is an error now, not at join
     _check_dataset(cfg)
     if a.out:
@@ -143,6 +145,36 @@ def cmd_run(a: argparse.Namespace) -> int:
         host_cpus=a.host_cpus,
         workers=workers,
         slots=a.slots,
+    )
+    return 0 if summary.ok else 1
+
+
+def _run_on_ray(a: argparse.Namespace, cfg: RunConfig) -> int:
+    """``wafl run --ray [ADDRESS]``: the server and the workers as actors on a Ray cluster (the clients run
+    on its nodes, so their device is not checked here)."""
+    from wafl.cli.raylaunch import import_ray, launch_ray
+
+    import_ray()  # one line when Ray is not installed, before anything else
+    if a.link_rate or (a.host_cpus or "none") != "none":
+        raise UsageError("--ray places workers on a cluster: it has no per-client links (--link-rate) or CPU shares")
+    workers = None if a.workers in (None, "auto") else _workers(a.workers, cfg, False)
+    if a.workers == "off":
+        raise UsageError("--ray runs the clients in worker actors: --workers off is not available with it")
+    _check_dataset(cfg)  # the server actor starts on this node when it has room
+    if a.out:
+        _creatable(Path(a.out))
+    summary = launch_ray(
+        cfg,
+        Path(a.out) if a.out else None,
+        address=a.ray or None,
+        workers=workers,
+        slots=a.slots,
+        worker_cpus=a.ray_worker_cpus,
+        worker_gpus=a.ray_worker_gpus,
+        server_cpus=a.ray_server_cpus,
+        max_restarts=a.ray_max_restarts,
+        show_progress=not a.quiet,
+        timeout_s=a.timeout,
     )
     return 0 if summary.ok else 1
 
@@ -448,6 +480,34 @@ def build_parser() -> argparse.ArgumentParser:
         "per client, what the protocol comparisons use); default: off up to 32 clients, auto beyond",
     )
     r.add_argument("--slots", type=POSITIVE_INT, help="trainings at once per worker (default: the cores shared out)")
+    g = r.add_argument_group("Ray (pip install 'wafl[ray]')")
+    g.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        metavar="ADDRESS",
+        help="run the server and the workers as Ray actors on a Ray cluster: ADDRESS as ray.init takes it (auto: "
+        "the cluster this machine belongs to, HOST:PORT: another); without it Ray's default (RAY_ADDRESS, else a "
+        "local one); the output folder is gathered here",
+    )
+    g.add_argument(
+        "--ray-worker-cpus", type=_bounded(float, 0, strict=True), default=1.0, help="CPUs per worker (default 1)"
+    )
+    g.add_argument(
+        "--ray-worker-gpus",
+        type=_bounded(float, 0, strict=False),
+        default=0.0,
+        help="GPUs per worker, fractions allowed (0.25: four workers share a GPU; default 0)",
+    )
+    g.add_argument(
+        "--ray-server-cpus", type=_bounded(float, 0, strict=False), default=1.0, help="CPUs of the server (default 1)"
+    )
+    g.add_argument(
+        "--ray-max-restarts",
+        type=_bounded(int, 0, strict=False),
+        default=3,
+        help="times a dead worker actor is restarted (its clients re-join; default 3)",
+    )
     r.add_argument(
         "--timeout", type=POSITIVE_SECONDS, default=None, help="seconds before the run is stopped (default: no limit)"
     )

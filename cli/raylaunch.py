@@ -1,0 +1,396 @@
+"""``wafl run --ray``: the server and the workers of a run as Ray actors on a Ray cluster.
+
+Ray places and supervises; the federation's traffic is wafl's gRPC protocol, as with ``wafl run``.
+The server actor runs :func:`wafl.server.app.serve` (what ``wafl server`` runs) on a node-local
+folder, listening on its node's address (``ray.util.get_node_ip_address()``) with a fresh run
+token; by default it is placed on the driver's node (softly: elsewhere when that node has no room).
+Each worker actor runs :func:`wafl.client.worker.run_worker` (what ``wafl worker`` runs) for a
+contiguous range of client indices, with ``worker_cpus`` CPUs and ``worker_gpus`` GPUs (fractions
+allowed: Ray then shares a GPU between workers) reserved for it, spread over the nodes. A worker
+actor whose process dies is restarted by Ray (up to ``max_restarts`` times, possibly on another
+node); its clients re-join with the session credentials and models kept in the worker's state
+folder on its node, as a restarted ``wafl worker`` does. When the server ends, the driver copies the
+server's run folder (results, reports, timelines, configuration, checkpoint, server log) and every
+worker's log into the output folder, writes ``ray.json`` (where each actor ran, restarts) and the
+usual ``summary.json`` and ``accuracy.png``.
+
+Ray is optional (``pip install 'wafl[ray]'``): it is imported only here, when ``--ray`` is used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from wafl.cli.launcher import Progress, RunSummary, default_out, final_table, plot_accuracy, split_clients
+from wafl.common.config import RunConfig
+from wafl.common.errors import UsageError
+
+NO_RAY = "--ray needs Ray, an optional extra of wafl: pip install 'wafl[ray]'"
+
+
+def import_ray() -> Any:
+    """The ``ray`` module, or a :class:`UsageError` (one line) when it is not installed."""
+    try:
+        import ray
+    except ImportError:
+        raise UsageError(NO_RAY) from None
+    return ray
+
+
+def _node() -> dict[str, Any]:
+    import ray
+
+    return {
+        "node_id": ray.get_runtime_context().get_node_id(),
+        "ip": ray.util.get_node_ip_address(),
+        "pid": os.getpid(),
+    }
+
+
+def _folder_files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+class ServerActor:
+    """The run's server in a Ray actor: ``start`` returns where it listens, ``poll`` its exit code (None while
+    running) and the results so far, ``files`` the run folder it wrote."""
+
+    def __init__(self, cfg_json: str, token: str) -> None:
+        self.cfg = RunConfig.from_json(cfg_json).validate()
+        self.token = token
+        self.out = Path(tempfile.mkdtemp(prefix="wafl-ray-server-"))
+        self.code: int | None = None
+        self.error = ""
+        self.thread: threading.Thread | None = None
+
+    def start(self, timeout_s: float = 120.0) -> dict[str, Any]:
+        import torch
+        from wafl.common.logs import configure_logging
+
+        configure_logging("server", self.out / "logs" / "server.jsonl", console=False)
+        torch.set_num_threads(1)
+        where = _node()
+        ready = self.out / "server.json"
+        self.thread = threading.Thread(target=self._serve, args=(where["ip"], ready), name="wafl-server", daemon=True)
+        self.thread.start()
+        t0 = time.monotonic()
+        while not ready.exists():
+            if self.code is not None:
+                raise RuntimeError(f"the server exited with code {self.code} before listening: {self.error}")
+            if time.monotonic() - t0 > timeout_s:
+                raise TimeoutError(f"the server did not start listening within {timeout_s}s")
+            time.sleep(0.05)
+        return {**where, "host": where["ip"], "port": int(json.loads(ready.read_text())["port"])}
+
+    def _serve(self, host: str, ready: Path) -> None:
+        from wafl.server.app import serve
+
+        try:
+            self.code = asyncio.run(serve(self.cfg, host, 0, self.out, token=self.token, ready_file=ready))
+        except BaseException as e:  # noqa: BLE001 - reported to the driver through poll()
+            self.error = f"{type(e).__name__}: {e}"
+            self.code = 1
+
+    def poll(self) -> tuple[int | None, list[dict[str, Any]], str]:
+        from wafl.cli.launcher import _read_rows
+
+        return self.code, _read_rows(self.out / "results.jsonl"), self.error
+
+    def joined(self) -> int:
+        """Clients that have joined so far (from the server's log; it reads the whole log)."""
+        log = self.out / "logs" / "server.jsonl"
+        clients = set()
+        for line in log.read_text().splitlines() if log.exists() else []:
+            if '"client.join"' in line:
+                try:
+                    clients.add(json.loads(line).get("client"))
+                except ValueError:
+                    pass  # a line being written
+        return len(clients)
+
+    def files(self) -> dict[str, bytes]:
+        return _folder_files(self.out)
+
+    def clean(self) -> None:
+        shutil.rmtree(self.out, ignore_errors=True)
+
+
+class WorkerActor:
+    """One ``wafl worker`` in a Ray actor. Its state folder and log live in a node-local folder named after
+    the run and the worker, the same after a restart on the same node."""
+
+    def __init__(
+        self, run: str, w: int, address: str, indices: list[int], slots: int, token: str, data_dir: str | None
+    ) -> None:
+        self.folder = Path(tempfile.gettempdir()) / "wafl-ray" / run / f"worker-{w}"
+        self.w, self.address, self.indices, self.slots = w, address, indices, slots
+        self.token, self.data_dir = token, data_dir
+
+    def where(self) -> dict[str, Any]:
+        import ray
+
+        return {**_node(), "restarted": ray.get_runtime_context().was_current_actor_reconstructed}
+
+    def credentials(self) -> dict[str, str]:
+        """The session credentials its clients keep in the state folder (the driver holds a copy for a restart
+        on another node)."""
+        return {p.name: p.read_text() for p in (self.folder / "clients").glob("client-*.credential")}
+
+    def run(self, credentials: dict[str, str] | None = None) -> dict[str, Any]:
+        import torch
+        from wafl.client.worker import format_indices, run_worker
+        from wafl.common.logs import configure_logging
+
+        for name, text in (credentials or {}).items():  # a restart on a node without the state folder
+            path = self.folder / "clients" / Path(name).name
+            if not path.exists():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(text)
+                path.chmod(0o600)
+        log = self.folder / f"worker-{self.w}.jsonl"
+        configure_logging(f"worker-{format_indices(self.indices)}", log, console=False)
+        torch.set_num_threads(1)
+        try:
+            code = asyncio.run(
+                run_worker(
+                    self.address,
+                    self.indices,
+                    self.slots,
+                    state_dir=self.folder / "clients",
+                    data_dir=self.data_dir,
+                    token=self.token,
+                )
+            )
+            error = ""
+        except Exception as e:  # noqa: BLE001 - the driver reports it; a crash of the process is a restart instead
+            code, error = 1, f"{type(e).__name__}: {e}"
+        return {**self.where(), "code": code, "error": error, "log": log.read_bytes() if log.exists() else b""}
+
+    def clean(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+        try:
+            self.folder.parent.rmdir()  # the run's folder on this node, once its last worker is gone
+        except OSError:
+            pass
+
+
+def _actor_state(ray: Any, handle: Any) -> str:
+    """ALIVE, RESTARTING, DEAD, ... as Ray's actor table has it ("" when it cannot be read)."""
+    try:
+        from ray._private.state import actors
+
+        return str(actors(handle._actor_id.hex()).get("State", ""))
+    except Exception:  # noqa: BLE001 - a private interface: without it, the failures are counted instead
+        return ""
+
+
+def ray_workers(ray: Any, num_clients: int, worker_cpus: float, worker_gpus: float, server_cpus: float) -> int:
+    """``--workers auto`` on a cluster: as many workers as its CPUs (and GPUs) hold beside the server,
+    at least one and at most one per client."""
+    total = ray.cluster_resources()
+    n = int(max(0.0, total.get("CPU", 0.0) - server_cpus) // worker_cpus) if worker_cpus > 0 else num_clients
+    if worker_gpus > 0:
+        n = min(n, int(total.get("GPU", 0.0) // worker_gpus))
+    return max(1, min(num_clients, n))
+
+
+def launch_ray(
+    cfg: RunConfig,
+    out_dir: Path | None = None,
+    address: str | None = None,
+    workers: int | None = None,
+    slots: int | None = None,
+    worker_cpus: float = 1.0,
+    worker_gpus: float = 0.0,
+    server_cpus: float = 1.0,
+    max_restarts: int = 3,
+    show_progress: bool = True,
+    timeout_s: float | None = None,
+) -> RunSummary:
+    """Runs the federation ``cfg`` on the Ray cluster at ``address`` (as :func:`ray.init` takes it: None
+    starts or finds one as Ray does by default, ``auto`` an existing one on this machine, ``HOST:PORT``
+    one elsewhere; a driver already connected keeps its connection) and gathers its output folder here.
+
+    ``workers``: worker actors (None: as many as the cluster's resources hold, see :func:`ray_workers`),
+    each running ``slots`` trainings at once (default: its whole CPUs, at least one). The actors are
+    named ``server`` and ``worker-<w>`` in the Ray namespace ``wafl-<output folder name>``.
+    """
+    ray = import_ray()
+    from ray.exceptions import RayActorError
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    if worker_cpus < 0 or worker_gpus < 0 or server_cpus < 0:
+        raise UsageError("--ray-worker-cpus, --ray-worker-gpus and --ray-server-cpus must not be negative")
+    out = out_dir or default_out(cfg)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    connected_here = not ray.is_initialized()
+    if connected_here:
+        try:
+            ray.init(address=address, logging_level="WARNING", log_to_driver=False, configure_logging=False)
+        except ConnectionError as e:
+            raise UsageError(f"--ray {address or ''}: no Ray cluster to connect to ({e})".replace("  ", " ")) from None
+    namespace = f"wafl-{out.name}"
+    run = f"{out.name}-{secrets.token_hex(4)}"
+    token = secrets.token_urlsafe(24)
+    n_workers = workers or ray_workers(ray, cfg.num_clients, worker_cpus, worker_gpus, server_cpus)
+    if not 1 <= n_workers <= cfg.num_clients:
+        raise UsageError(f"--workers {n_workers} must lie in 1..{cfg.num_clients} (the clients)")
+    per_worker = slots or max(1, int(worker_cpus))
+    summary = RunSummary(out, ok=False)
+    t0 = time.monotonic()
+    server: Any = None
+    handles: list[Any] = []
+    record: dict[str, Any] = {"address": address, "namespace": namespace, "workers": []}
+    try:
+        driver_node = ray.get_runtime_context().get_node_id()
+        server = (
+            ray.remote(ServerActor)
+            .options(
+                name="server",
+                namespace=namespace,
+                num_cpus=server_cpus,
+                max_restarts=0,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(driver_node, soft=True),
+            )
+            .remote(cfg.to_json(), token)
+        )
+        info = ray.get(server.start.remote())
+        record["server"] = info
+        listen = f"{info['host']}:{info['port']}"
+        Worker = ray.remote(WorkerActor)
+        pending: dict[Any, tuple[str, int]] = {}
+        for w, indices in enumerate(split_clients(cfg.num_clients, n_workers)):
+            h = Worker.options(
+                name=f"worker-{w}",
+                namespace=namespace,
+                num_cpus=worker_cpus,
+                num_gpus=worker_gpus,
+                max_restarts=max_restarts,
+                max_concurrency=2,  # credentials() while run() runs
+                scheduling_strategy="SPREAD",
+            ).remote(run, w, listen, indices, per_worker, token, cfg.data_dir)
+            handles.append(h)
+            record["workers"].append(
+                {"clients": [indices[0], indices[-1]], "nodes": [], "ips": [], "pids": [], "restarts": 0, "code": None}
+            )
+            pending[h.where.remote()] = ("where", w)
+            pending[h.run.remote()] = ("run", w)
+        progress = Progress(cfg.rounds, enabled=show_progress)
+        deadline = t0 + timeout_s if timeout_s else float("inf")
+        code: int | None = None
+        error = ""
+        server_end: float | None = None
+        kept: dict[int, dict[str, str]] = {}  # worker -> its clients' session credentials
+        asked: set[int] = set()
+        next_ask = time.monotonic() + 2.0
+        failures = [0] * len(handles)  # calls of run() lost with the actor's process
+        retry_at: dict[int, float] = {}
+        while True:
+            done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0.5) if pending else ([], [])
+            for ref in done:
+                kind, w = pending.pop(ref)
+                rec = record["workers"][w]
+                try:
+                    result = ray.get(ref)
+                except RayActorError:
+                    if kind == "run":
+                        failures[w] += 1
+                        if _actor_state(ray, handles[w]) == "DEAD" or failures[w] > 30 * (max_restarts + 1):
+                            rec["code"], rec["error"] = 1, f"the worker actor died (max_restarts={max_restarts})"
+                        else:  # Ray restarts the actor (or is restarting it): run it again once it is back
+                            retry_at[w] = time.monotonic() + 1.0
+                    elif kind == "credentials":
+                        asked.discard(w)
+                    continue
+                except Exception as e:  # noqa: BLE001 - an error inside the actor's code: no restart
+                    rec["code"], rec["error"] = 1, f"{type(e).__name__}: {e}"
+                    continue
+                if kind == "where":
+                    rec["nodes"].append(result["node_id"])
+                    rec["ips"].append(result["ip"])
+                    rec["pids"].append(result["pid"])
+                    rec["restarts"] = len(set(rec["pids"])) - 1  # each incarnation is a new process
+                elif kind == "credentials":
+                    asked.discard(w)
+                    kept[w] = {**kept.get(w, {}), **result}
+                else:
+                    rec["code"], rec["error"] = result["code"], result["error"]
+                    (out / "logs" / f"worker-{w}.jsonl").write_bytes(result["log"])
+            for w, at in list(retry_at.items()):  # its clients re-join from their state folder
+                if time.monotonic() >= at:
+                    del retry_at[w]
+                    pending[handles[w].where.remote()] = ("where", w)
+                    pending[handles[w].run.remote(kept.get(w))] = ("run", w)
+            if time.monotonic() > next_ask:  # copies of the clients' credentials, for a restart on another node
+                next_ask = time.monotonic() + 2.0
+                for w, h in enumerate(handles):
+                    if w not in asked and record["workers"][w]["code"] is None:
+                        asked.add(w)
+                        pending[h.credentials.remote()] = ("credentials", w)
+            code, rows, error = ray.get(server.poll.remote())
+            progress.update(rows, time.monotonic() - t0)
+            if code is not None:
+                server_end = server_end or time.monotonic()
+                if not (pending or retry_at) or time.monotonic() > server_end + 30:  # the workers' reports, logs
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"run exceeded --timeout {timeout_s}s")
+            if code is None and all(r["code"] not in (None, 0) for r in record["workers"]):
+                raise RuntimeError(f"every worker failed: {[r.get('error') for r in record['workers']]}")
+        summary.rows = rows
+        progress.update(rows, time.monotonic() - t0)
+        progress.close()
+        for name, data in ray.get(server.files.remote()).items():
+            target = out / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+        (out / "server.json").unlink(missing_ok=True)  # the ready file: an address on another node
+        summary.server_code = code
+        summary.client_codes = [r["code"] for r in record["workers"]]
+        summary.ok = code == 0 and len(rows) == cfg.rounds
+        if error:
+            record["server_error"] = error
+    finally:
+        for h in handles:
+            try:
+                ray.get(h.clean.remote(), timeout=10)
+            except Exception:  # noqa: BLE001 - a worker that cannot be reached keeps its node-local folder
+                pass
+            ray.kill(h, no_restart=True)
+        if server is not None:
+            try:
+                ray.get(server.clean.remote(), timeout=10)
+            except Exception:  # noqa: BLE001
+                pass
+            ray.kill(server, no_restart=True)
+        if connected_here:
+            ray.shutdown()
+    summary.wall_s = time.monotonic() - t0
+    record["wall_s"] = round(summary.wall_s, 3)
+    (out / "ray.json").write_text(json.dumps(record, indent=2) + "\n")
+    (out / "summary.json").write_text(
+        json.dumps(
+            {
+                "ok": summary.ok,
+                "wall_s": round(summary.wall_s, 3),
+                "final": summary.final,
+                "server_code": summary.server_code,
+                "client_codes": summary.client_codes,
+            },
+            indent=2,
+        )
+    )
+    if summary.rows:
+        plot_accuracy(summary.rows, out / "accuracy.png", cfg)
+    if show_progress:
+        print(final_table(summary, cfg))
+    return summary

@@ -1,0 +1,144 @@
+"""``wafl run --ray``: a federation whose server and workers are Ray actors on a local two-node Ray
+cluster (Ray's own ``ray.cluster_utils.Cluster``: two raylets on this machine), one worker per
+node, a worker actor killed mid-run and restarted by Ray, and the output folder gathered here."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from wafl.cli.main import main
+
+
+def test_ray_without_ray_installed_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys, tmp_path: Path) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
+    assert main(["run", "--ray", "--rounds", "1", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err == "wafl: --ray needs Ray, an optional extra of wafl: pip install 'wafl[ray]'\n"
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--ray-worker-gpus", "-0.5"], "'-0.5' must be >= 0"),
+        (["--ray-worker-cpus", "0"], "'0' must be > 0"),
+        (["--ray-max-restarts", "-1"], "'-1' must be >= 0"),
+    ],
+)
+def test_ray_resources_are_range_checked(argv: list[str], fragment: str, capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["run", "--ray", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and fragment in err, err
+
+
+def test_default_worker_count_follows_the_cluster_resources() -> None:
+    from wafl.cli.raylaunch import ray_workers
+
+    class Cluster:
+        def __init__(self, **resources: float) -> None:
+            self.resources = resources
+
+        def cluster_resources(self) -> dict[str, float]:
+            return self.resources
+
+    assert ray_workers(Cluster(CPU=9.0), 100, 2.0, 0.0, 1.0) == 4  # (9 - the server's 1) // 2
+    assert ray_workers(Cluster(CPU=64.0, GPU=2.0), 100, 1.0, 0.25, 1.0) == 8  # four workers share a GPU
+    assert ray_workers(Cluster(CPU=64.0), 3, 1.0, 0.0, 1.0) == 3  # at most one per client
+    assert ray_workers(Cluster(CPU=1.0), 10, 4.0, 0.0, 1.0) == 1  # at least one
+
+
+@pytest.fixture
+def two_nodes():
+    """A Ray cluster of two nodes on this machine: the head (the server and one worker fit) and one more
+    (one worker fits), each with a small object store."""
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    store = 100 * 1024 * 1024
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 2, "object_store_memory": store, "include_dashboard": False},
+    )
+    other = cluster.add_node(num_cpus=1, object_store_memory=store)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
+    try:
+        yield ray, cluster.head_node.node_id, other.node_id, cluster.address
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_rounds_on_a_two_node_ray_cluster_with_a_worker_restarted(two_nodes, tmp_path: Path) -> None:
+    """Four clients in two worker actors, one on each node, the server beside the driver. Once every client
+    has joined, worker 1's actor is killed (its process dies); Ray restarts it, its two clients re-join the
+    same run with their session credentials from the state folder, and both rounds complete with all four
+    clients' uploads. The output folder here holds what the server wrote on its node and both workers' logs."""
+    ray, head, other, address = two_nodes
+    out = tmp_path / "run"
+    argv = ["run", "--ray", address, "--clients", "4", "--rounds", "2", "--algorithm", "fedavg"]
+    argv += ["--protocol", "compute-and-wait", "--set", "optimizer=adam", "--set", "lr=0.003"]
+    argv += ["--set", "local_epochs=2", "--slowdown", "1,1,3,3"]  # worker 1's clients: a longer round 1
+    argv += ["--workers", "2", "--ray-max-restarts", "2", "--timeout", "420", "--quiet", "--out", str(out)]
+    result: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            result["code"] = main(argv)
+        except BaseException as e:  # noqa: BLE001 - re-raised by the test
+            result["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    namespace = f"wafl-{out.name}"
+    killed_before_round = None
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and t.is_alive():
+        try:
+            server = ray.get_actor("server", namespace=namespace)
+            joined = ray.get(server.joined.remote())
+        except ValueError:  # not created yet
+            joined = 0
+        except ray.exceptions.RayActorError:
+            joined = 0
+        if joined == 4:
+            code, rows, _ = ray.get(server.poll.remote())
+            killed_before_round = len(rows) + 1
+            ray.kill(ray.get_actor("worker-1", namespace=namespace), no_restart=False)
+            break
+        time.sleep(0.1)
+    t.join(timeout=480)
+    assert not t.is_alive(), "launch_ray did not return"
+    if "error" in result:
+        raise result["error"]  # type: ignore[misc]
+    assert killed_before_round in (1, 2), "the clients never all joined"
+    record = json.loads((out / "ray.json").read_text())
+    summary = json.loads((out / "summary.json").read_text())
+    assert result["code"] == 0, (summary, record)
+    assert summary["ok"] and summary["client_codes"] == [0, 0]
+    # Every round's results row, every client in it, a GM above chance (0.1 for ten digits).
+    rows = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2] and [r["clients"] for r in rows] == [4, 4]
+    assert rows[-1]["gm_accuracy"] > 0.3
+    # One worker on each node (the first placement of each); the server on the driver's node.
+    assert {w["nodes"][0] for w in record["workers"]} == {head, other}
+    assert record["server"]["node_id"] == head
+    assert [w["restarts"] for w in record["workers"]] == [0, 1] and len(set(record["workers"][1]["pids"])) == 2
+    events = [json.loads(x) for x in (out / "logs" / "server.jsonl").read_text().splitlines()]
+    uploads = {(e["client"], e["round"]) for e in events if e["event"] == "upload.accepted"}
+    assert uploads == {(f"client-{i}", r) for i in range(4) for r in (1, 2)}
+    rejoined = {e["client"] for e in events if e["event"] == "client.join" and e.get("rejoin")}
+    assert rejoined == {"client-2", "client-3"}, rejoined  # worker 1's clients, with their credentials
+    for w in (0, 1):
+        lines = [json.loads(x) for x in (out / "logs" / f"worker-{w}.jsonl").read_text().splitlines()]
+        assert [x["failed"] for x in lines if x["event"] == "worker.done"] == [0]
+    ready = [x for x in (out / "logs" / "worker-1.jsonl").read_text().splitlines() if '"worker.ready"' in x]
+    assert len(ready) == 2  # the actor that was killed and the one Ray restarted (one log on the node)
+    assert (out / "config.json").exists() and (out / "accuracy.png").exists() and (out / "summary.json").exists()
