@@ -88,6 +88,9 @@ def base_config(clients: int, fraction: float, rounds: int) -> dict[str, Any]:
         "join_timeout_s": 1800.0,
         "round_deadline_s": 900.0,
         "upload_stall_s": 300.0,  # a held upload waits for every other one of its round
+        # the final model goes to every client: two generator processes take a minute or more to
+        # read 10,000 of them (6.2 GB) on this busy machine; a fleet of devices reads in parallel
+        "final_report_s": 120.0,
         "seed": 0,
     }
 
@@ -147,8 +150,12 @@ class Fleet:
             )
             t0 = time.perf_counter()
             try:
+                # wait_for_ready, as wafl's own client joins: the call waits for the connection (10,000
+                # connections opened at once overflow the listen backlog, and the kernel repeats the SYN)
+                # instead of failing at once; the call itself is sent once
                 reply = await join(
-                    pb.JoinRequest(client_id=cid, protocol_version=1, client_index=index, num_samples=1, device="load")
+                    pb.JoinRequest(client_id=cid, protocol_version=1, client_index=index, num_samples=1, device="load"),
+                    wait_for_ready=True,
                 )
             except grpc.RpcError as e:
                 self.error("join", e)
@@ -269,7 +276,14 @@ class Fleet:
         waiting = len(self.indices) - (1 if self.hold_last else 0)
         while self.subscribed + self.counts["errors"] < waiting:
             await asyncio.sleep(0.05)
-        self.emit(event="idle", joined=self.counts["joined"], join_wall_s=time.perf_counter() - t0)
+        self.emit(
+            event="idle",
+            joined=self.counts["joined"],
+            errors=self.counts["errors"],
+            codes=self.codes,
+            first_errors=self.first_errors,
+            join_wall_s=time.perf_counter() - t0,
+        )
         await asyncio.gather(*tasks)
         self.emit(event="done", **self.summary())
 
@@ -436,6 +450,26 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds by thread group: the event loop's (the main thread), gRPC core's own threads,
+    and the other Python threads (fold workers, the executor)."""
+    out = {"event_loop": 0.0, "grpc_core": 0.0, "other_threads": 0.0}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            comm, _, rest = (task / "stat").read_text().partition(" (")[2].rpartition(")")
+            fields = rest.split()
+        except OSError:
+            continue
+        cpu = (int(fields[11]) + int(fields[12])) / CLK_TCK
+        if task.name == str(pid):
+            out["event_loop"] += cpu
+        elif comm.startswith(("event_engine", "grpc", "lifeguard")):
+            out["grpc_core"] += cpu
+        else:
+            out["other_threads"] += cpu
+    return out
+
+
 def status(pid: int) -> dict[str, int]:
     out = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -562,6 +596,12 @@ def run_one(kind: str, clients: int, fraction: float, rounds: int, generators: i
         gens = Generators(address, clients, generators, hold, work / "stubs")
         idle_events = gens.wait_all("idle", 1800, server)
         out["join_wall_s"] = max(e["join_wall_s"] for e in idle_events)
+        failed = sum(e["errors"] for e in idle_events)
+        if failed:
+            errors = [x for e in idle_events for x in e["first_errors"]][:3]
+            raise RuntimeError(
+                f"{failed} of {clients} clients failed to join or subscribe (the run cannot start): {errors}"
+            )
         settle(server.pid)
         idle = status(server.pid)
         joined = sum(e["joined"] for e in idle_events)
@@ -593,12 +633,12 @@ def run_one(kind: str, clients: int, fraction: float, rounds: int, generators: i
             if server.poll() is not None:
                 raise RuntimeError(f"{kind} server exited ({server.returncode}) in round 1")
             time.sleep(0.02)
-        cpu_a, t_a = cpu_s(server.pid), time.monotonic()
+        cpu_a, t_a, threads_a = cpu_s(server.pid), time.monotonic(), thread_cpu_s(server.pid)
         while rows_of(rows_path) < rounds:
             if server.poll() is not None:
                 raise RuntimeError(f"{kind} server exited ({server.returncode}) before round {rounds}")
             time.sleep(0.02)
-        cpu_b, t_b = cpu_s(server.pid), time.monotonic()
+        cpu_b, t_b, threads_b = cpu_s(server.pid), time.monotonic(), thread_cpu_s(server.pid)
         done = gens.wait_all("done", 1800)
         code = server.wait(timeout=300)
         t_end = time.monotonic()
@@ -610,6 +650,8 @@ def run_one(kind: str, clients: int, fraction: float, rounds: int, generators: i
             "rounds_2_to_last_wall_s": t_b - t_a,
             "uploads": later,
             "per_upload_ms": 1000 * (cpu_b - cpu_a) / max(1, later),
+            # threads that ended in between (none expected) are missing from this split
+            "per_upload_ms_by_thread": {k: 1000 * (threads_b[k] - v) / max(1, later) for k, v in threads_a.items()},
         }
         out["wall_s"] = t_end - t_start
         totals: dict[str, Any] = {k: sum(e[k] for e in done) for k in ("joined", "models", "uploads", "errors")}
@@ -671,30 +713,39 @@ def fleet(clients: int, fraction: float, rounds: int, generators: int, work: Pat
 
 
 def table(fleets: list[dict[str, Any]]) -> str:
+    """The README table: each figure real / bare where both ran."""
     head = (
-        "| clients | participation | rounds | errors / retries | uploads | join burst (s) | round (s, median) "
-        "| server CPU per upload: real / bare (ms) | ratio | RSS per idle client (KB) | RSS per in-flight upload (KB) "
-        "| server threads / open files in flight | load 1m |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| clients | participation | rounds | errors / retries | uploads | join burst (s) "
+        "| round (s, median): real / bare | server CPU per upload (ms): real / bare | ratio "
+        "| of which event loop / gRPC core / other threads (ms): real; bare "
+        "| RSS per idle client (KB): real / bare | RSS per in-flight upload (KB): real / bare "
+        "| server threads / open files, uploads in flight | load 1m |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
+
+    def both(f: dict[str, Any], get: Any, fmt: str) -> str:
+        vals = [get(f[k]) for k in ("real", "bare") if k in f]
+        return " / ".join("-" if v is None else format(v, fmt) for v in vals)
+
+    def split(run: dict[str, Any]) -> str:
+        t = run["cpu"].get("per_upload_ms_by_thread")
+        return "-" if not t else f"{t['event_loop']:.2f} / {t['grpc_core']:.2f} / {t['other_threads']:.2f}"
+
     lines = []
     for f in fleets:
         r = f["real"]
-        b = f.get("bare")
-        m = r["memory"]
         view = r["clients_view"]
-        cpu = (
-            f"{r['cpu']['per_upload_ms']:.2f} / {b['cpu']['per_upload_ms']:.2f}"
-            if b
-            else f"{r['cpu']['per_upload_ms']:.2f} / -"
-        )
-        ratio = f"**{f['cost_ratio']:.2f}**" if b else "-"
-        inflight = f"{m['per_in_flight_upload_kb']:.0f}" if "per_in_flight_upload_kb" in m else "-"
+        ratio = f"**{f['cost_ratio']:.2f}**" if "bare" in f else "-"
+        m = r["memory"]
         tf = f"{m['threads_in_flight']} / {m['open_files_in_flight']}" if "threads_in_flight" in m else "-"
+        threads = split(r) + ("; " + split(f["bare"]) if "bare" in f else "")
         lines.append(
             f"| {f['clients']} | {f['participation']} | {f['rounds']} | {view['errors']} / {view['retries']} "
             f"| {view['uploads']} of {view['expected_uploads']} | {r['join_wall_s']:.1f} "
-            f"| {statistics.median(r['round_s']):.2f} | {cpu} | {ratio} | {m['per_idle_client_kb']:.1f} | {inflight} "
+            f"| {both(f, lambda x: statistics.median(x['round_s']), '.2f')} "
+            f"| {both(f, lambda x: x['cpu']['per_upload_ms'], '.2f')} | {ratio} | {threads} "
+            f"| {both(f, lambda x: x['memory']['per_idle_client_kb'], '.1f')} "
+            f"| {both(f, lambda x: x['memory'].get('per_in_flight_upload_kb'), '.0f')} "
             f"| {tf} | {f['load_before'][0]:.1f}-{f['load_after'][0]:.1f} |"
         )
     return head + "\n".join(lines) + "\n"

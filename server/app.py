@@ -100,7 +100,7 @@ async def serve(
     token: str = "",
     resume: bool = False,
     ready_file: Path | None = None,
-    final_report_timeout_s: float = 30.0,
+    final_report_timeout_s: float | None = None,
     tls: ServerTls | None = None,
     enrollment: dict[int, str] | None = None,
     allow_open: bool = False,

@@ -311,11 +311,14 @@ class RoundEngine:
         self.finished.set()
         log.info("run.done", wall_s=round_(self.wall()))
 
-    async def run_to_end(self, final_report_timeout_s: float = 30.0) -> None:
+    async def run_to_end(self, final_report_timeout_s: float | None = None) -> None:
         """The run, then the clients' final reports, then the last results lines. The wait for the
-        reports ends ``final_report_timeout_s`` after the last progress (a final model sent in full,
-        a final report received): the final model goes to every client, which takes a while for
-        thousands of them."""
+        reports ends ``final_report_timeout_s`` (default: the configuration's ``final_report_s``)
+        after the last progress (a message of the final model handed to gRPC, a final report
+        received): the final model goes to every client at once, which takes a while for thousands
+        of them, and each of them reports only once it holds the whole model."""
+        if final_report_timeout_s is None:
+            final_report_timeout_s = self.cfg.final_report_s
         await self.run()
         while not self.final_reported.is_set():
             progress = self.final_progress
@@ -474,9 +477,10 @@ class RoundEngine:
             )
             for m in p.messages:
                 yield m
+                if p.final:  # the final model streams to every client at once: each message is progress
+                    self.final_progress += 1
             self.bytes_down += p.nbytes
             if p.final:
-                self.final_progress += 1
                 return
 
     # ----------------------------------------------------------------- uploads and reports

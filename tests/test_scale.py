@@ -40,3 +40,4 @@ def test_fleet_of_lightweight_clients_finishes_without_errors(tmp_path: Path) ->
     # each selected client got the model it trained on, every client the final one, nobody else anything
     assert view["models"] == 16 + 40
     assert "| 50 | 1.0 | 2 | 0 / 0 | 100 of 100 |" in scale.table([full])
+    assert set(full["real"]["cpu"]["per_upload_ms_by_thread"]) == {"event_loop", "grpc_core", "other_threads"}
