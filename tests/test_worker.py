@@ -140,6 +140,8 @@ async def test_paused_fill_work_ends_at_its_broadcast_without_a_slot() -> None:
     slots.shutdown()
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # three processes starting PyTorch: minutes on a loaded 2-core machine
 def test_six_clients_in_two_workers_over_sockets(tmp_path) -> None:
     """Every client uploads every round, the GM learns, and each client's PM and its optimizer
     state carry over from round to round (Adam's step count is the sum of both rounds' PM steps)."""
