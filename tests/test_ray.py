@@ -5,7 +5,9 @@ node, a worker actor killed mid-run and restarted by Ray, and the output folder 
 from __future__ import annotations
 
 import json
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -53,10 +55,12 @@ def test_default_worker_count_follows_the_cluster_resources() -> None:
 
 
 @pytest.fixture
-def two_nodes():
+def two_nodes(monkeypatch: pytest.MonkeyPatch):
     """A Ray cluster of two nodes on this machine: the head (the server and one worker fit) and one more
-    (one worker fits), each with a small object store."""
+    (one worker fits), each with a small object store. Ray's memory monitor is off: on a machine shared
+    with other jobs it kills actors when the whole machine's memory is 95 % used, whoever uses it."""
     ray = pytest.importorskip("ray")
+    monkeypatch.setenv("RAY_memory_monitor_refresh_ms", "0")
     from ray.cluster_utils import Cluster
 
     store = 100 * 1024 * 1024
@@ -78,14 +82,15 @@ def two_nodes():
 @pytest.mark.timeout(600)
 def test_two_rounds_on_a_two_node_ray_cluster_with_a_worker_restarted(two_nodes, tmp_path: Path) -> None:
     """Four clients in two worker actors, one on each node, the server beside the driver. Once every client
-    has joined, worker 1's actor is killed (its process dies); Ray restarts it, its two clients re-join the
-    same run with their session credentials from the state folder, and both rounds complete with all four
-    clients' uploads. The output folder here holds what the server wrote on its node and both workers' logs."""
+    has joined, worker 1's state folder is removed and its actor killed (its process dies); Ray restarts it,
+    its two clients re-join the same run with the session credentials the driver kept, and both rounds
+    complete with all four clients' uploads. The output folder here holds what the server wrote on its node
+    and both workers' logs."""
     ray, head, other, address = two_nodes
     out = tmp_path / "run"
     argv = ["run", "--ray", address, "--clients", "4", "--rounds", "2", "--algorithm", "fedavg"]
     argv += ["--protocol", "compute-and-wait", "--set", "optimizer=adam", "--set", "lr=0.003"]
-    argv += ["--set", "local_epochs=2", "--slowdown", "1,1,3,3"]  # worker 1's clients: a longer round 1
+    argv += ["--set", "local_epochs=2", "--slowdown", "1,1,4,4"]  # worker 1's clients: a longer round 1
     argv += ["--workers", "2", "--ray-max-restarts", "2", "--timeout", "420", "--quiet", "--out", str(out)]
     result: dict[str, object] = {}
 
@@ -109,6 +114,11 @@ def test_two_rounds_on_a_two_node_ray_cluster_with_a_worker_restarted(two_nodes,
         except ray.exceptions.RayActorError:
             joined = 0
         if joined == 4:
+            # As if Ray restarted the worker on another node: its state folder is not there. The clients
+            # re-join with the copy of their credentials that the driver fetched (every 2 s) since they joined.
+            time.sleep(4.0)
+            for state in Path(tempfile.gettempdir()).glob(f"wafl-ray/{out.name}-*/worker-1/clients"):
+                shutil.rmtree(state)
             code, rows, _ = ray.get(server.poll.remote())
             killed_before_round = len(rows) + 1
             ray.kill(ray.get_actor("worker-1", namespace=namespace), no_restart=False)
