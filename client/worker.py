@@ -27,6 +27,10 @@ from wafl.common.datasets import load_dataset
 from wafl.common.tls import ClientTls
 
 log = structlog.get_logger("client")
+# Joins in flight per worker: a worker's hundreds of clients joining at once queue at the server
+# beyond a Join's deadline, and a client whose Join the server registered after the deadline is
+# refused when it retries without the credential it never received.
+JOINS_AT_ONCE = 16
 
 
 def parse_indices(spec: str) -> list[int]:
@@ -91,7 +95,8 @@ async def run_worker(
     trainers = await asyncio.to_thread(lambda: [Trainer(cfg, i, state_dir, data_dir, dev, data) for i in indices])
     await warm
     pool = SharedSlots(slots)
-    clients = [_HostedClient(address, t, dev, token, reconnect_s, tls, pool) for t in trainers]
+    joining = asyncio.Semaphore(JOINS_AT_ONCE)
+    clients = [_HostedClient(address, t, dev, token, reconnect_s, tls, pool, joining) for t in trainers]
     log.info("worker.ready", clients=len(clients), first=indices[0], last=indices[-1], slots=slots, device=dev)
     try:
         results = await asyncio.gather(*(c.run() for c in clients), return_exceptions=True)
@@ -116,6 +121,7 @@ class _HostedClient:
         reconnect_s: float,
         tls: ClientTls | None,
         pool: SharedSlots,
+        joining: asyncio.Semaphore,
     ) -> None:
         self.trainer = trainer
         self.client_id = f"client-{trainer.index}"
@@ -131,14 +137,15 @@ class _HostedClient:
             credential_file=credential_path(trainer.state_path.parent if trainer.state_path else None, trainer.index),
         )
         self.pool = pool
+        self.joining = joining
         self.protocol: RoundProtocol | None = None
 
     async def run(self) -> None:
         structlog.contextvars.bind_contextvars(client=self.client_id)  # this task's log lines name their client
         try:
-            await self.session.join()
+            async with self.joining:
+                await self.session.join()
             self.protocol = RoundProtocol(self.session, self.trainer, self.trainer.cfg.protocol, self.pool.view())
             await self.protocol.run()
         finally:
             await self.session.close()
-
