@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Fleet benchmark: many logical clients hosted in worker processes (``wafl run --workers``).
 
-Run from the repository root (about 15-25 minutes on a 2-core machine)::
+Run from the repository root (over an hour on a 2-core machine; the paper run alone takes half of it)::
 
     python benchmarks/fleet.py        # writes benchmarks/results/fleet/fleet.json and fleet.md
 
