@@ -430,9 +430,12 @@ def bare_main(args: argparse.Namespace) -> None:
                 f.write(json.dumps({"round": r, "wall_s": time.monotonic() - start}) + "\n")
                 f.flush()
             publish(cfg.rounds + 1, {c: False for c in ids}, True)
-            while finals[0] < len(ids):
+            while finals[0] < len(ids):  # as the real server: until final_report_s without a report
                 changed.clear()
-                await changed.wait()
+                try:
+                    await asyncio.wait_for(changed.wait(), cfg.final_report_s)
+                except TimeoutError:
+                    break
         await server.stop(grace=2.0)
 
     asyncio.run(serve())
@@ -533,12 +536,15 @@ class Generators:
                 return got  # type: ignore[return-value]
             if server is not None and server.poll() is not None:
                 raise RuntimeError(f"server exited ({server.returncode}) while waiting for {event!r}")
-            if any(p.poll() is not None for p in self.procs) and event != "done":
+            with self.lock:
+                missing = [g for g, ev in enumerate(self.events) if not any(e["event"] == event for e in ev)]
+            dead = [g for g in missing if self.procs[g].poll() is not None]
+            if dead:
+                time.sleep(0.5)  # its last lines may still be on their way
                 with self.lock:
-                    if not all(any(e["event"] == event for e in ev) for ev in self.events):
-                        dead = [p.returncode for p in self.procs]
-                        if all(rc is not None for rc in dead):
-                            raise RuntimeError(f"generators exited ({dead}) before {event!r}")
+                    if any(not any(e["event"] == event for e in self.events[g]) for g in dead):
+                        codes = [self.procs[g].returncode for g in dead]
+                        raise RuntimeError(f"generators {dead} exited ({codes}) before {event!r}")
             time.sleep(0.05)
         raise TimeoutError(f"no {event!r} from every generator within {timeout:.0f} s")
 
