@@ -243,6 +243,11 @@ def launch(
                 star.close()
             restore()
     summary.wall_s = time.monotonic() - t0
+    return finish_run(summary, cfg, out, show_progress)
+
+
+def finish_run(summary: RunSummary, cfg: RunConfig, out: Path, show_progress: bool) -> RunSummary:
+    """Writes ``summary.json`` and the accuracy plot of a finished run, prints its table; returns ``summary``."""
     (out / "summary.json").write_text(
         json.dumps(
             {

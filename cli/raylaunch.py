@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from wafl.cli.launcher import Progress, RunSummary, default_out, final_table, plot_accuracy, split_clients
+from wafl.cli.launcher import Progress, RunSummary, default_out, finish_run, split_clients
 from wafl.common.config import RunConfig
 from wafl.common.errors import UsageError
 
@@ -377,20 +377,4 @@ def launch_ray(
     summary.wall_s = time.monotonic() - t0
     record["wall_s"] = round(summary.wall_s, 3)
     (out / "ray.json").write_text(json.dumps(record, indent=2) + "\n")
-    (out / "summary.json").write_text(
-        json.dumps(
-            {
-                "ok": summary.ok,
-                "wall_s": round(summary.wall_s, 3),
-                "final": summary.final,
-                "server_code": summary.server_code,
-                "client_codes": summary.client_codes,
-            },
-            indent=2,
-        )
-    )
-    if summary.rows:
-        plot_accuracy(summary.rows, out / "accuracy.png", cfg)
-    if show_progress:
-        print(final_table(summary, cfg))
-    return summary
+    return finish_run(summary, cfg, out, show_progress)
