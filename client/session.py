@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 import structlog
 import torch
+from wafl.client.reception import SharedBuffers, SharedReception
 from wafl.common.codec import ChunkError, Manifest, TensorSpec, tensor_from_bytes
 from wafl.common.knowledge import Knowledge, from_proto, to_proto
 from wafl.common.proto import federation_pb2 as pb
@@ -122,6 +123,7 @@ class Session:
     # re-joins its index with it, as a reconnecting one does, instead of being refused as a second claimant.
     credential_file: Path | None = None
     on_header: Callable[[], None] | None = None  # called as each broadcast's header arrives
+    reception: SharedReception | None = None  # shared with the other clients of a worker (one buffer per broadcast)
     _channel: grpc.aio.Channel | None = field(default=None, repr=False)
 
     def _open(self) -> None:
@@ -225,7 +227,7 @@ class Session:
                 call = self._broadcasts(
                     pb.BroadcastRequest(run_id=self.run_id, client_id=self.client_id), metadata=self._metadata()
                 )
-                assembler = ModelAssembler(self.manifest, self.on_header)
+                assembler = ModelAssembler(self.manifest, self.on_header, self.reception)
                 async for msg in call:
                     model = assembler.feed(msg)
                     if model is not None:
@@ -339,31 +341,51 @@ class ModelAssembler:
     :class:`~wafl.common.wire.TransferReader`; :meth:`feed` returns a model once its trailer passed
     and calls ``on_header`` as a header arrives (the wait-free PM yields the client's CPU to the download)."""
 
-    def __init__(self, manifest: Manifest, on_header: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        manifest: Manifest,
+        on_header: Callable[[], None] | None = None,
+        reception: SharedReception | None = None,
+    ) -> None:
         self.manifest = manifest
         self.on_header = on_header
+        self.reception = reception  # a worker's: the broadcasts its clients receive alike share one buffer
         self.header: pb.BroadcastHeader | None = None
         self.reader: TransferReader | None = None
+        self.shared: SharedBuffers | None = None
         self.buffers: dict[str, bytearray] = {}
 
     def feed(self, msg: object) -> ReceivedModel | None:
         if isinstance(msg, pb.BroadcastMessage) and msg.WhichOneof("kind") == "header":
             self.header = msg.header
             self.reader = TransferReader(self.manifest, max_knowledge=1 << 16)
-            self.buffers = {s.name: bytearray(s.nbytes) for s in self.manifest}
+            if self.reception is not None:
+                self.shared = self.reception.buffers((msg.header.round, msg.header.final), self.manifest)
+            else:
+                self.buffers = {s.name: bytearray(s.nbytes) for s in self.manifest}
             if self.on_header is not None:
                 self.on_header()
             return None
         if self.reader is None or self.header is None:
             raise ChunkError("broadcast message before a header")
         for _, c in self.reader.feed(msg):
+            if self.shared is not None:
+                if self.shared.take(c.name, c.offset, c.data):
+                    continue
+                self.buffers = self.shared.private_copy()  # this stream differs: on alone from here
+                self.shared = None
+                if self.reception is not None:
+                    self.reception.alone += 1
             self.buffers[c.name][c.offset : c.offset + len(c.data)] = c.data
         if self.reader.trailer is None:
             return None
         self.reader.finish()
-        state = {s.name: tensor_from_bytes(self.buffers[s.name], s) for s in self.manifest}
+        if self.shared is not None:
+            state = self.shared.decode()
+        else:
+            state = {s.name: tensor_from_bytes(self.buffers[s.name], s) for s in self.manifest}
         h, nbytes = self.header, self.reader.bytes
         knowledge = from_proto(self.reader.knowledge)
-        self.header = self.reader = None
+        self.header = self.reader = self.shared = None
         self.buffers = {}
         return ReceivedModel(h.round, h.train, h.final, state, knowledge, nbytes)

@@ -5,7 +5,8 @@ Each hosted client is the client of ``wafl client``: its own :class:`~wafl.clien
 (data shard, GM, PM, optimizer and algorithm state, kept in memory between rounds and in
 ``state_dir`` across restarts) and its own :class:`~wafl.client.protocol.RoundProtocol`
 (wait-free or compute-and-wait, unchanged), all in one asyncio loop. What they share is the
-dataset (loaded once) and a bounded pool of ``slots`` training slots
+dataset (loaded once), one buffer per broadcast they all receive
+(:class:`~wafl.client.reception.SharedReception`) and a bounded pool of ``slots`` training slots
 (:class:`~wafl.client.compute.SharedSlots`): work the federation waits for (loading a
 broadcast, GM training, the upload's tensors, the compute-and-wait PM, evaluation) always gets
 a free slot before the wait-free PM, which only fills slots nobody else waits for.
@@ -20,6 +21,7 @@ import structlog
 from wafl.client.app import warm_up_torch
 from wafl.client.compute import SharedSlots
 from wafl.client.protocol import RoundProtocol
+from wafl.client.reception import SharedReception
 from wafl.client.session import Session, credential_path
 from wafl.client.trainer import Trainer, resolve_device
 from wafl.common.config import ConfigError, RunConfig
@@ -96,7 +98,8 @@ async def run_worker(
     await warm
     pool = SharedSlots(slots)
     joining = asyncio.Semaphore(JOINS_AT_ONCE)
-    clients = [_HostedClient(address, t, dev, token, reconnect_s, tls, pool, joining) for t in trainers]
+    reception = SharedReception()
+    clients = [_HostedClient(address, t, dev, token, reconnect_s, tls, pool, joining, reception) for t in trainers]
     log.info("worker.ready", clients=len(clients), first=indices[0], last=indices[-1], slots=slots, device=dev)
     try:
         results = await asyncio.gather(*(c.run() for c in clients), return_exceptions=True)
@@ -105,7 +108,14 @@ async def run_worker(
     failed = [(c.client_id, r) for c, r in zip(clients, results) if isinstance(r, BaseException)]
     for client_id, e in failed:
         log.error("client.failed", client=client_id, error=f"{type(e).__name__}: {e}")
-    log.info("worker.done", clients=len(clients), failed=len(failed), slots_held_max=pool.busy_max)
+    log.info(
+        "worker.done",
+        clients=len(clients),
+        failed=len(failed),
+        slots_held_max=pool.busy_max,
+        broadcasts_shared=reception.shared,
+        broadcasts_alone=reception.alone,
+    )
     if failed and all(isinstance(r, ConnectionError) for _, r in failed) and len(failed) == len(clients):
         raise failed[0][1]  # every client gave up on the server: one line and exit 1, as a client does
     return 1 if failed else 0
@@ -122,6 +132,7 @@ class _HostedClient:
         tls: ClientTls | None,
         pool: SharedSlots,
         joining: asyncio.Semaphore,
+        reception: SharedReception | None = None,
     ) -> None:
         self.trainer = trainer
         self.client_id = f"client-{trainer.index}"
@@ -135,6 +146,7 @@ class _HostedClient:
             reconnect_s=reconnect_s,
             tls=tls,
             credential_file=credential_path(trainer.state_path.parent if trainer.state_path else None, trainer.index),
+            reception=reception,
         )
         self.pool = pool
         self.joining = joining
