@@ -103,7 +103,9 @@ def launch(
 
         check_permissions()
         rates = link_rates(link_rate, cfg.num_clients, cfg.seed)
-        star = Star(cfg.num_clients, max(rates, key=parse_rate), client_rates=rates)  # the server: the fastest link
+        star = Star(
+            cfg.num_clients, max(rates, key=parse_rate), client_rates=rates, server_rate=sum(map(parse_rate, rates))
+        )
         host = star.server_address
         bind_port = port
     try:

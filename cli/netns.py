@@ -194,7 +194,7 @@ class Star:
     """Server and ``num_clients`` clients in their own namespaces around a bridge namespace.
 
     Every host link is shaped to ``rate`` in both directions (client ``i``'s to
-    ``client_rates[i]`` when given): the host-side tbf limits what the host sends,
+    ``client_rates[i]``, the server's to ``server_rate`` when given): the host-side tbf limits what the host sends,
     the bridge-side tbf what it receives.  The
     server gets the first address of ``subnet`` (.1), client i the (i+2)-th.
     """
@@ -209,6 +209,7 @@ class Star:
         burst_bytes: int | None = None,
         latency_ms: int = 50,
         client_rates: Sequence[str | int] | None = None,
+        server_rate: str | int | None = None,
     ) -> None:
         if isinstance(num_clients, bool) or not isinstance(num_clients, int) or num_clients < 0:
             raise ValueError(f"num_clients must be a non-negative integer, got {num_clients!r}")
@@ -223,7 +224,7 @@ class Star:
         self.rate_bps = _coerce_rate(rate)
         if client_rates is not None and len(client_rates) != num_clients:
             raise ValueError(f"client_rates has {len(client_rates)} rates for {num_clients} clients")
-        self.rates_bps = {"server": self.rate_bps}
+        self.rates_bps = {"server": self.rate_bps if server_rate is None else _coerce_rate(server_rate)}
         for i in range(num_clients):
             self.rates_bps[f"client{i}"] = _coerce_rate(client_rates[i]) if client_rates is not None else self.rate_bps
         self.burst_bytes = burst_bytes

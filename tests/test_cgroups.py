@@ -80,8 +80,8 @@ def test_fake_v1_groups_get_quotas_and_are_removed(tmp_path):
     root = _fake_v1(tmp_path)
     with CpuGroups({"server": 0.4, "client0": 0.25}, root=root) as g:
         assert g.hierarchy.version == 1
-        assert (g.group("client0") / "cpu.cfs_quota_us").read_text().strip() == "25000"
-        assert g.quota("server") == (40000, 100000)
+        assert (g.group("client0") / "cpu.cfs_quota_us").read_text().strip() == "2500"
+        assert g.quota("server") == (4000, 10000)
         prefix = g.exec_prefix("client0")
         assert prefix[:2] == ["sh", "-c"] and prefix[-1] == "--"
         assert str(root / "cpu" / g.name / "client0" / "cgroup.procs") in prefix
@@ -95,8 +95,8 @@ def test_fake_v2_groups_use_cpu_max(tmp_path):
     g = CpuGroups({"server": 0.5}, root=tmp_path)
     try:
         assert (tmp_path / "cgroup.subtree_control").read_text().strip() == "+cpu"
-        assert (g.group("server") / "cpu.max").read_text().split() == ["50000", "100000"]
-        assert g.quota("server") == (50000, 100000)
+        assert (g.group("server") / "cpu.max").read_text().split() == ["5000", "10000"]
+        assert g.quota("server") == (5000, 10000)
     finally:
         g.close()
     assert not (tmp_path / g.name).exists()
@@ -111,7 +111,7 @@ def test_slowdown_becomes_a_cpu_share(tmp_path, monkeypatch):
     try:
         assert plan["clients"] == pytest.approx([0.4, 0.1]) and plan["slowdowns"] == [1.0, 4.0]
         assert plan["_proc_cfg"].slowdown == "none" and cfg.slowdown == "1,4"
-        assert groups.quota("client1") == (10000, 100000)
+        assert groups.quota("client1") == (1000, 10000)
     finally:
         groups.close()
 
@@ -142,7 +142,7 @@ BUSY = "import time\nt = time.time()\nwhile time.time() - t < {s}: pass\n"
 def test_a_process_started_in_its_group_is_held_to_its_share():
     _real()
     with CpuGroups({"client0": 0.25}) as g:
-        assert g.quota("client0") == (25000, 100000)
+        assert g.quota("client0") == (2500, 10000)
         t0 = time.monotonic()
         p = subprocess.Popen([*g.exec_prefix("client0"), sys.executable, "-c", BUSY.format(s=1.2)])
         assert p.wait(timeout=30) == 0
@@ -209,16 +209,20 @@ def test_a_terminated_run_leaves_no_group(tmp_path):
             time.sleep(0.1)
         assert mine, "the run's groups never appeared"
         quota = "cpu.max" if h.version == 2 else "cpu.cfs_quota_us"
-        assert (mine[0] / "client0" / quota).read_text().split()[0] == "30000"  # read back while it runs
+        assert (mine[0] / "client0" / quota).read_text().split()[0] == "3000"  # read back while it runs
     finally:
         run.send_signal(signal.SIGTERM)
         run.wait(timeout=60)
     assert {p.name for p in h.cpu.glob("wafl-*")} <= before
 
 
-def test_the_period_can_be_shortened(tmp_path, monkeypatch):
+def test_the_period_can_be_set_and_grows_for_small_shares(tmp_path, monkeypatch):
+    root = _fake_v1(tmp_path)
+    with CpuGroups({"server": 0.4, "client0": 0.05}, root=root) as g:  # 10 ms would give 0.5 ms < the 1 ms minimum
+        assert g.quota("server") == (8000, 20000) and g.quota("client0") == (1000, 20000)
+    monkeypatch.setenv("WAFL_CPU_PERIOD_US", "100000")
+    with CpuGroups({"server": 0.4}, root=root) as g:
+        assert g.quota("server") == (40000, 100000)
     monkeypatch.setenv("WAFL_CPU_PERIOD_US", "10000")
-    with CpuGroups({"server": 0.4}, root=_fake_v1(tmp_path)) as g:
-        assert g.quota("server") == (4000, 10000)
     with pytest.raises(ValueError, match="below the kernel's minimum"):
-        CpuGroups({"server": 0.05}, root=tmp_path)
+        CpuGroups({"server": 0.05}, root=root)

@@ -353,6 +353,11 @@ def test_star_per_client_rates(root_ok: None) -> None:
             assert f"rate {rate}" in qdisc.stdout, (host, qdisc.stdout)
     with pytest.raises(ValueError, match="client_rates has 1 rates for 2 clients"):
         Star(2, "8mbit", prefix="wtest", client_rates=["2mbit"])
+    with Star(1, "8mbit", prefix="wtest", server_rate="24mbit") as star:
+        for host, rate in (("server", "24Mbit"), ("client0", "8Mbit")):
+            show = [*star.exec_prefix(host), "tc", "qdisc", "show", "dev", "eth0"]
+            qdisc = subprocess.run(show, capture_output=True, text=True, check=True)
+            assert f"rate {rate}" in qdisc.stdout, (host, qdisc.stdout)
 
 
 @pytest.mark.system
