@@ -20,9 +20,13 @@ optionally behind shaped links), one after the other, into ``OUT/compute-and-wai
 
 ``zeta_by_target_s`` repeats ``zeta_total_s`` for a few fixed targets; ``first_round_s`` and
 ``later_round_s`` (median of rounds 2..) separate the first round, which carries every client
-process's one-off start-up costs, from the steady state. The top level holds ``speedup`` =
-compute-and-wait ``total_s`` / wait-free ``total_s``, ``round_speedup`` (the same for the
-median ``round_s``), the ideal speedup
+process's one-off start-up costs, from the steady state. Compute-and-wait runs first, for
+``rounds``; wait-free then runs for ``ceil(rounds x ideal speedup)`` rounds (``same_rounds``:
+``rounds`` too), the rounds that fit in compute-and-wait's time at the ideal speedup: a
+protocol whose rounds are shorter is not cut off sooner, so a time to the target that
+compute-and-wait reaches within its time is not lost to wait-free's shorter run. The top level
+holds ``speedup`` = compute-and-wait ``total_s`` per round / wait-free ``total_s`` per round,
+``round_speedup`` (the same for the median ``round_s``), the ideal speedup
 ``(T_GM + T_PM + T_comm) / (T_GM + T_comm)`` from the compute-and-wait run's medians, and
 ``speedup_vs_ideal`` = speedup / ideal (``round_speedup_vs_ideal`` the same for the round
 speedup). Each host runs with its own CPU share (``host_cpus``; see :func:`bench_protocols`).
@@ -259,12 +263,19 @@ def summarize_run(out_dir: Path, target: float) -> dict[str, Any]:
     }
 
 
+def equal_time_rounds(rounds: int, caw: Mapping[str, Any]) -> int:
+    """The wait-free rounds that fit in compute-and-wait's time at the ideal speedup (``rounds``
+    when the compute-and-wait run gave no phase medians)."""
+    ideal = ideal_speedup(caw.get("t_gm_s"), caw.get("t_pm_s"), caw.get("t_comm_s"))
+    return max(rounds, math.ceil(rounds * ideal)) if ideal else rounds
+
+
 def compare(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     """``speedup``, the ideal speedup and ``speedup_vs_ideal`` from the two protocols' entries."""
     caw, wf = results.get("compute-and-wait", {}), results.get("wait-free", {})
     speedup = None
-    if caw.get("total_s") and wf.get("total_s"):
-        speedup = caw["total_s"] / wf["total_s"]
+    if caw.get("total_s") and wf.get("total_s") and caw.get("rounds") and wf.get("rounds"):
+        speedup = (caw["total_s"] / caw["rounds"]) / (wf["total_s"] / wf["rounds"])
     ideal = ideal_speedup(caw.get("t_gm_s"), caw.get("t_pm_s"), caw.get("t_comm_s"))
     zeta_speedup = None
     if caw.get("zeta_total_s") and wf.get("zeta_total_s"):
@@ -424,6 +435,7 @@ def bench_protocols(
     show_progress: bool = True,
     timeout_s: float = 3600.0,
     host_cpus: str | None = None,
+    same_rounds: bool = False,
 ) -> int:
     """Runs ``cfg`` under both protocols; writes ``protocols.json`` and the two PNGs; 0 when both runs finished.
 
@@ -438,14 +450,17 @@ def bench_protocols(
     timelines: dict[str, Any] = {}
     curves: dict[str, list[tuple[float, float]]] = {}
     ok = True
+    rounds = {p: cfg.rounds for p in PROTOCOL_ORDER}
     for i, protocol in enumerate(PROTOCOL_ORDER, 1):
-        run_cfg = dataclasses.replace(cfg, protocol=protocol, params=dict(cfg.params))
+        if protocol == "wait-free" and not same_rounds:
+            rounds[protocol] = equal_time_rounds(cfg.rounds, results.get("compute-and-wait", {}))
+        run_cfg = dataclasses.replace(cfg, protocol=protocol, params=dict(cfg.params), rounds=rounds[protocol])
         run_dir = out / protocol
         shutil.rmtree(run_dir / "clients", ignore_errors=True)  # no PM state of an earlier run
         if show_progress:
             print(
                 f"[{i}/{len(PROTOCOL_ORDER)}] {protocol}: {cfg.algorithm}, {cfg.dataset}, {cfg.num_clients} "
-                f"clients, {cfg.rounds} rounds" + (f", links {link_rate}" if link_rate else ""),
+                f"clients, {rounds[protocol]} rounds" + (f", links {link_rate}" if link_rate else ""),
                 file=sys.stderr,
                 flush=True,
             )
@@ -469,6 +484,8 @@ def bench_protocols(
             "dataset": cfg.dataset,
             "num_clients": cfg.num_clients,
             "rounds": cfg.rounds,
+            "rounds_per_protocol": rounds,
+            "same_rounds": same_rounds,
             "local_epochs": cfg.local_epochs,
             "pm_epochs": cfg.pm_epochs,
             "pm_min_steps": cfg.pm_min_steps,

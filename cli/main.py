@@ -348,6 +348,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         target=a.target,
         show_progress=not a.quiet,
         host_cpus=a.host_cpus,
+        same_rounds=a.same_rounds,
     )
 
 
@@ -604,6 +605,12 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--out", default="runs/bench-protocols")
     bp.add_argument("--link-rate", help="shape every link to RATE (root only), e.g. 20mbit")
     bp.add_argument("--target", type=float, default=0.9, help="PM accuracy for zeta_total_s")
+    bp.add_argument(
+        "--same-rounds",
+        action="store_true",
+        help="run wait-free for --rounds too (default: the rounds that fit in compute-and-wait's time at the "
+        "ideal speedup, so that the shorter run does not cut off its time to the target)",
+    )
     _bench_host_cpus_arg(bp)
     bp.add_argument("--quiet", action="store_true")
     bp.set_defaults(fn=cmd_bench)

@@ -154,9 +154,14 @@ def test_summarize_run_and_compare(tmp_path: Path) -> None:
     assert s["idle_fraction"] == pytest.approx(5.0 / 34.7, abs=1e-5)
     assert s["zeta_total_s"] == pytest.approx(15.0)
     assert (s["t_gm_s"], s["t_pm_s"], s["t_comm_s"]) == pytest.approx((4.0, 2.0, 1.75))
-    wf = {"total_s": 11.0, "zeta_total_s": 10.0}
+    wf = {"total_s": 11.0, "zeta_total_s": 10.0, "rounds": 2}
     c = bench.compare({"compute-and-wait": s, "wait-free": wf})
     assert c["speedup"] == pytest.approx(1.5)
+    # wait-free ran more rounds in the same time: the speedup compares time per round
+    assert bench.compare({"compute-and-wait": s, "wait-free": {**wf, "rounds": 3}})["speedup"] == pytest.approx(2.25)
+    # the rounds that fit in compute-and-wait's time at the ideal speedup 7.75 / 5.75
+    assert bench.equal_time_rounds(2, s) == 3 and bench.equal_time_rounds(10, s) == 14
+    assert bench.equal_time_rounds(10, {}) == 10
     assert c["ideal_speedup"] == pytest.approx(7.75 / 5.75, abs=1e-4)
     assert c["speedup_vs_ideal"] == pytest.approx(1.5 / (7.75 / 5.75), abs=1e-3)
     assert c["zeta_speedup"] == pytest.approx(1.5)
@@ -187,13 +192,18 @@ def test_bench_protocols_end_to_end(tmp_path: Path) -> None:
     for name, p in doc["protocols"].items():
         for key in ("total_s", "rounds", "round_s", "idle_fraction", "zeta_total_s", "t_gm_s", "t_pm_s", "t_comm_s"):
             assert key in p, (name, key)
-        assert p["rounds"] == 2
+        assert p["rounds"] == doc["config"]["rounds_per_protocol"][name]
         assert math.isfinite(p["total_s"]) and p["total_s"] > 0
         assert 0.0 <= p["idle_fraction"] < 1.0
     assert math.isfinite(doc["speedup"]) and doc["speedup"] > 0
     # the faster client waits for the slower one under compute-and-wait, trains its PM under wait-free
     assert doc["protocols"]["wait-free"]["idle_fraction"] < doc["protocols"]["compute-and-wait"]["idle_fraction"]
     assert doc["ideal_speedup"] >= 1.0
+    caw = doc["protocols"]["compute-and-wait"]
+    assert doc["config"]["rounds_per_protocol"] == {
+        "compute-and-wait": 2,
+        "wait-free": bench.equal_time_rounds(2, caw),
+    }
     for png in ("timelines.png", "pm_accuracy.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
