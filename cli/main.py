@@ -466,7 +466,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--link-rate",
         help="run each process in its own network namespace with links shaped to RATE (root only): one rate "
-        "(20mbit), one per client (10mbit,20mbit,...) or lognormal:median=20mbit,sigma=S",
+        "(20mbit), one per client (10mbit,20mbit,...) or lognormal:median=20mbit,sigma=S; the server's link "
+        "carries the sum of the clients' rates",
     )
     r.add_argument(
         "--host-cpus",
@@ -603,7 +604,9 @@ def build_parser() -> argparse.ArgumentParser:
     bp = bsub.add_parser("protocols", help="wait-free vs compute-and-wait, same seeds, real wall-clock")
     _config_args(bp)
     bp.add_argument("--out", default="runs/bench-protocols")
-    bp.add_argument("--link-rate", help="shape every link to RATE (root only), e.g. 20mbit")
+    bp.add_argument(
+        "--link-rate", help="shape every client's link to RATE (root only), e.g. 20mbit; the server's: their sum"
+    )
     bp.add_argument("--target", type=float, default=0.9, help="PM accuracy for zeta_total_s")
     bp.add_argument(
         "--same-rounds",

@@ -26,10 +26,10 @@ def _cpu(entry: dict) -> str:
 
 def rows(root: Path = HERE) -> list[str]:
     out = [
-        "| settings | algorithm | rep | idle C&W | idle WF | round speedup | ideal | round speedup / ideal "
-        "| speedup / ideal | zeta C&W (s) | zeta WF (s) | WF faster | best PM C&W / WF | CPU used / quota C&W "
-        "| CPU used / quota WF | load 1m |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| settings | algorithm | rep | rounds C&W / WF | idle C&W | idle WF | round speedup | ideal "
+        "| round speedup / ideal | speedup / ideal | zeta C&W (s) | zeta WF (s) | WF faster | best PM C&W / WF "
+        "| CPU used / quota C&W | CPU used / quota WF | load 1m |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for path in sorted(root.glob("*/*/rep*/protocols.json")):
         d = json.loads(path.read_text())
@@ -39,7 +39,8 @@ def rows(root: Path = HERE) -> list[str]:
         loads = [p["host_load_avg"]["before_1m"] for p in (caw, wf)]
         setting, alg, rep = path.parts[-4:-1]
         out.append(
-            f"| {setting} | {alg} | {rep[3:]} | {_f(caw['idle_fraction'])} | {_f(wf['idle_fraction'], '{:.5f}')} "
+            f"| {setting} | {alg} | {rep[3:]} | {caw['rounds']} / {wf['rounds']} "
+            f"| {_f(caw['idle_fraction'])} | {_f(wf['idle_fraction'], '{:.5f}')} "
             f"| {_f(d['round_speedup'], '{:.2f}')} | {_f(d['ideal_speedup'], '{:.2f}')} "
             f"| **{_f(d.get('round_speedup_vs_ideal'), '{:.2f}')}** | {_f(d['speedup_vs_ideal'], '{:.2f}')} "
             f"| {_f(zc, '{:.1f}')} | {_f(zw, '{:.1f}')} | {faster} "
