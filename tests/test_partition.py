@@ -84,3 +84,26 @@ def test_client_shard_rebuilds_identically_in_any_process(digits) -> None:
     assert np.array_equal(a.train, b.train) and np.array_equal(a.test, b.test)
     with pytest.raises(ValueError, match="client index 10"):
         client_shard(digits.train_labels, digits.test_labels, 10, "dirichlet", 0.5, 0.3, 0, 10, 0.25)
+
+
+def test_many_dirichlet_clients_get_the_draw_with_the_largest_smallest_shard(digits) -> None:
+    y = digits.train_labels  # 200 clients: about 7 images each, no draw gives all of them 7
+    shards = dirichlet_partition(y, 200, 0.5, seed=0, max_tries=50)
+    assert sorted(np.concatenate(shards).tolist()) == list(range(len(y)))
+    assert min(len(s) for s in shards) >= 1
+    assert all(np.array_equal(a, b) for a, b in zip(shards, dirichlet_partition(y, 200, 0.5, seed=0, max_tries=50)))
+    with pytest.raises(ValueError, match="fewer clients, a larger alpha, or partition iid"):
+        dirichlet_partition(y[:100], 90, 0.05, seed=0, max_tries=5)  # some client gets no sample at all
+
+
+def test_a_split_is_computed_once_and_shared_read_only(digits, monkeypatch) -> None:
+    import wafl.common.partition as P
+
+    calls = []
+    real = P.dirichlet_partition
+    monkeypatch.setattr(P, "dirichlet_partition", lambda *a, **k: calls.append(1) or real(*a, **k))
+    args = (digits.train_labels, 13, "dirichlet", 0.37, 0.3, 5)
+    first, again = P.partition(*args), P.partition(*args)
+    assert len(calls) == 1 and all(a is b for a, b in zip(first, again))
+    assert not first[0].flags.writeable
+    assert P.partition(digits.train_labels, 13, "dirichlet", 0.37, 0.3, 6) is not None and len(calls) == 2
