@@ -225,9 +225,10 @@ def test_compose_benchmark_profile(engine: Engine, tmp_path: Path) -> None:
     summary = json.loads((tmp_path / "bench" / "protocols.json").read_text())
     text = json.dumps(summary)
     assert "wait-free" in text and "compute-and-wait" in text
+    assert summary["config"]["rounds_per_protocol"]["compute-and-wait"] == 2  # wait-free: as many as fit in its time
     for protocol in ("wait-free", "compute-and-wait"):
         rows = (tmp_path / "bench" / protocol / "results.jsonl").read_text().splitlines()
-        assert len(rows) == 2, protocol
+        assert len(rows) == summary["config"]["rounds_per_protocol"][protocol], protocol
 
 
 def test_compose_shaped_links(engine: Engine, tmp_path: Path) -> None:
