@@ -91,7 +91,9 @@ def test_two_rounds_on_a_two_node_ray_cluster_with_a_worker_restarted(two_nodes,
     out = tmp_path / "run"
     argv = ["run", "--ray", address, "--clients", "4", "--rounds", "2", "--algorithm", "fedavg"]
     argv += ["--protocol", "compute-and-wait", "--set", "optimizer=adam", "--set", "lr=0.003"]
-    argv += ["--set", "local_epochs=2", "--slowdown", "1,1,4,4"]  # worker 1's clients: a longer round 1
+    # worker 1's clients train 12 x longer, so the run is still going when its actor is killed
+    # (at 4 x an idle machine finished both rounds in the 4 s the driver is given to fetch credentials)
+    argv += ["--set", "local_epochs=2", "--slowdown", "1,1,12,12"]
     argv += ["--workers", "2", "--ray-max-restarts", "2", "--timeout", "420", "--quiet", "--out", str(out)]
     result: dict[str, object] = {}
 
