@@ -67,10 +67,6 @@ class SharedBuffers:
         self._lengths[(name, offset)] = n
         return True
 
-    def private_copy(self) -> dict[str, bytearray]:
-        """The buffers as written so far, for a stream that goes on alone."""
-        return {k: bytearray(v) for k, v in self.buffers.items()}
-
     def decode(self) -> dict[str, torch.Tensor]:
         """The model, decoded once (its tensors share these buffers); seals the buffers."""
         self.sealed = True
@@ -97,3 +93,8 @@ class SharedReception:
         self._live[key] = made
         self._recent.append(made)
         return made
+
+    def leave(self, shared: SharedBuffers) -> dict[str, bytearray]:
+        """A copy of ``shared`` as written so far, for a stream that goes on alone."""
+        self.alone += 1
+        return {k: bytearray(v) for k, v in shared.buffers.items()}

@@ -369,13 +369,11 @@ class ModelAssembler:
         if self.reader is None or self.header is None:
             raise ChunkError("broadcast message before a header")
         for _, c in self.reader.feed(msg):
-            if self.shared is not None:
+            if self.shared is not None and self.reception is not None:
                 if self.shared.take(c.name, c.offset, c.data):
                     continue
-                self.buffers = self.shared.private_copy()  # this stream differs: on alone from here
+                self.buffers = self.reception.leave(self.shared)  # this stream differs: on alone from here
                 self.shared = None
-                if self.reception is not None:
-                    self.reception.alone += 1
             self.buffers[c.name][c.offset : c.offset + len(c.data)] = c.data
         if self.reader.trailer is None:
             return None
