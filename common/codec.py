@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -88,17 +88,16 @@ class TensorSpec:
     name: str
     dtype: int
     shape: tuple[int, ...]
+    # derived once: every chunk of every transfer is checked against them
+    numel: int = field(init=False, repr=False, compare=False)
+    nbytes: int = field(init=False, repr=False, compare=False)
 
-    @property
-    def numel(self) -> int:
+    def __post_init__(self) -> None:
         n = 1
         for d in self.shape:
             n *= d
-        return n
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * itemsize(self.dtype)
+        object.__setattr__(self, "numel", n)
+        object.__setattr__(self, "nbytes", n * itemsize(self.dtype))
 
     def to_proto(self) -> pb.TensorSpec:
         return pb.TensorSpec(name=self.name, dtype=self.dtype, shape=list(self.shape))

@@ -1,10 +1,12 @@
 """Streaming weighted aggregation: server memory O(model), not O(clients x model).
 
 Each upload is folded into one running float64 sum chunk by chunk as it streams in. Because a
-transfer is only accepted at its trailer (CRC, completeness), every fold also appends the raw
-chunk bytes to the upload's slot of an unlinked spill file on disk (:class:`SpillArena`: one
-file per accumulator, in the page cache, not the server's heap); an upload that fails after
-some folds is subtracted back out from its slot, so it leaves no
+transfer is only accepted at its trailer (CRC, completeness), every fold also keeps the raw
+chunk bytes until the upload ends: the received message itself while the server's
+:class:`RetainedBytes` budget (``rollback_memory_mb``, shared by every upload in flight) has
+room, which costs no copy, and beyond it in the upload's slot of an unlinked spill file
+(:class:`SpillArena`: one file per accumulator, in the page cache, not the server's heap). An
+upload that fails after some folds is subtracted back out from what it kept, so it leaves no
 trace beyond float64 rounding (a relative 1e-16, far below the float32 the model is stored
 in). The global model itself is never touched until the round closes.
 
@@ -12,8 +14,8 @@ Bounded influence (:class:`Rule`): with ``clip_norm`` an upload whose update (it
 tensors minus the reference, the global model it was trained from; buffered uploads are
 updates already) has an L2 norm above the bound is scaled down to it when it commits, by
 subtracting the excess back out from its spill file. With ``center`` ``trimmed_mean`` or
-``median`` the committed uploads' spill files are kept until the round is aggregated and read
-back one tensor at a time (memory O(uploads x largest tensor), the rest stays on disk):
+``median`` the committed uploads' chunks are kept until the round is aggregated and read back one
+tensor at a time (memory O(uploads x largest tensor) beyond the budget, the rest stays on disk):
 coordinate-wise median, or mean after dropping the ``floor(trim * k)`` largest and smallest
 values of each coordinate; these two ignore the weights.
 """
@@ -44,6 +46,7 @@ from wafl.common.codec import (
 from wafl.common.errors import Code
 
 CENTERS = ("mean", "trimmed_mean", "median")
+DEFAULT_RETAINED_BYTES = 256 << 20  # rollback data in memory when no budget is given
 _scratch = threading.local()  # each folding thread's float64 buffer (UploadFold._contribution)
 
 
@@ -58,6 +61,30 @@ class Rule:
     @property
     def keeps_uploads(self) -> bool:
         return self.center != "mean"
+
+
+class RetainedBytes:
+    """The bytes of received chunks that open uploads hold in memory for their rollback, across
+    every accumulator of a server: up to ``limit``; a chunk that does not fit is spilled."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 0:
+            raise ValueError(f"retained bytes limit {limit} must be >= 0")
+        self.limit = limit
+        self.used = 0
+        self.lock = threading.Lock()
+
+    def take(self, n: int) -> bool:
+        """Reserves ``n`` bytes; False (nothing reserved) when they do not fit."""
+        with self.lock:
+            if self.used + n > self.limit:
+                return False
+            self.used += n
+            return True
+
+    def give(self, n: int) -> None:
+        with self.lock:
+            self.used -= n
 
 
 class SpillArena:
@@ -157,8 +184,15 @@ class Accumulator:
     once instead of at the first fold of every round.
     """
 
-    def __init__(self, manifest: Manifest, spill_dir: str | None = None, rule: Rule = Rule()) -> None:
+    def __init__(
+        self,
+        manifest: Manifest,
+        spill_dir: str | None = None,
+        rule: Rule = Rule(),
+        retained: RetainedBytes | None = None,
+    ) -> None:
         self.manifest = manifest
+        self.retained = retained if retained is not None else RetainedBytes(DEFAULT_RETAINED_BYTES)
         self.rule = rule
         self.sums = {s.name: np.zeros(s.numel, dtype=np.float64) for s in manifest}
         # ``lock`` guards the sums (a fold worker adding a chunk, a rollback); ``folds_lock`` the
@@ -254,20 +288,27 @@ class Accumulator:
 
 
 class UploadFold:
-    """One upload's contribution, folded chunk by chunk; ``commit`` or ``rollback`` ends it."""
+    """One upload's contribution, folded chunk by chunk; ``commit`` or ``rollback`` ends it.
+
+    Each folded chunk is kept until the fold ends (and, for a robust center, until the round is
+    aggregated): the received bytes themselves while the accumulator's :class:`RetainedBytes`
+    budget has room, otherwise a copy in the fold's spill slot, taken from the arena at the first
+    chunk that needs one."""
 
     def __init__(self, acc: Accumulator, weight: float) -> None:
         self.acc = acc
         self.weight = weight
-        self.spill = acc.spills.acquire()
+        self.spill: SpillSlot | None = None
+        self.retained = 0  # bytes of the budget this fold holds
         self.lock = threading.Lock()  # its state: a chunk being added, commit and rollback exclude each other
-        self.released = False  # its spill slot went back to the arena
-        self.folded: list[tuple[str, int, int, int]] = []  # (name, start element, elements, wire dtype)
+        self.released = False  # its spill slot and retained bytes went back
+        # (name, start element, elements, wire dtype, the chunk's bytes or its position in the spill slot)
+        self.folded: list[tuple[str, int, int, int, memoryview | bytes | int]] = []
         self.state = "open"
         self.sq_norm = 0.0  # squared L2 norm of the update so far (with clipping)
         self.scale = 1.0  # the update's factor once committed (clipping)
-        # with clipping or a robust center nothing reaches the sums before the commit: the spill file
-        # holds the upload until its norm is known (or the center reads it back)
+        # with clipping or a robust center nothing reaches the sums before the commit: the kept chunks
+        # hold the upload until its norm is known (or the center reads it back)
         self.deferred = acc.rule.clip_norm is not None or acc.rule.keeps_uploads
 
     def _contribution(self, values: np.ndarray) -> np.ndarray:
@@ -292,15 +333,35 @@ class UploadFold:
         if self.acc.rule.clip_norm is not None and spec.dtype in FLOAT_WIRE_DTYPES:
             d = self._update(spec.name, start, values)
             self.sq_norm += float(np.dot(d, d))
-        with self.lock:  # the spill write too: a rollback must never interleave with it
+        with self.lock:  # keeping the chunk too: a rollback must never interleave with it
             if self.state != "open":
                 raise ChunkError("the round closed while this upload was streaming", Code.ABORTED)
-            self.spill.write(chunk.data)
+            self.folded.append((spec.name, start, values.size, spec.dtype, self._keep(chunk.data)))
             if not self.deferred:
                 with self.acc.lock:
                     target = self.acc.sums[spec.name][start : start + values.size]
                     np.add(target, contribution, out=target)
-            self.folded.append((spec.name, start, values.size, spec.dtype))
+
+    def _keep(self, data: memoryview | bytes) -> memoryview | bytes | int:
+        """The chunk when the budget has room (the received bytes themselves; a copy of a buffer
+        its sender may still change), else its position in the spill slot."""
+        n = len(data)
+        if self.acc.retained.take(n):
+            self.retained += n
+            immutable = isinstance(data, bytes) or isinstance(data, memoryview) and isinstance(data.obj, bytes)
+            return data if immutable else bytes(data)
+        if self.spill is None:
+            self.spill = self.acc.spills.acquire()
+        pos = self.spill.pos
+        self.spill.write(data)
+        return pos
+
+    def _kept(self, kept: memoryview | bytes | int, nbytes: int) -> memoryview | bytes:
+        if isinstance(kept, int):
+            assert self.spill is not None
+            self.spill.seek(kept)
+            return self.spill.read(nbytes)
+        return kept
 
     def _update(self, name: str, start: int, values: np.ndarray) -> np.ndarray:
         """``values`` minus the reference at ``start`` (float64; the values themselves without one)."""
@@ -320,7 +381,7 @@ class UploadFold:
                 self.scale = clip / norm
             if self.deferred and not acc.rule.keeps_uploads:
                 with acc.lock:
-                    self._fold_spilled()
+                    self._fold_kept()
             self.state = "committed"
             with acc.folds_lock:
                 acc.total_weight += self.weight
@@ -331,13 +392,12 @@ class UploadFold:
                     return
         self._release()
 
-    def _fold_spilled(self) -> None:
-        """Adds ``weight * (ref + scale * (x - ref))`` of every spilled chunk to the sums (both locks held)."""
-        self.spill.seek(0)
-        for name, start, n, wire in self.folded:
+    def _fold_kept(self) -> None:
+        """Adds ``weight * (ref + scale * (x - ref))`` of every kept chunk to the sums (both locks held)."""
+        for name, start, n, wire, kept in self.folded:
             target = self.acc.sums[name][start : start + n]
             target += self.weight * self._clipped(
-                name, start, numpy_view(self.spill.read(n * itemsize(wire)), wire), wire
+                name, start, numpy_view(self._kept(kept, n * itemsize(wire)), wire), wire
             )
 
     def _clipped(self, name: str, start: int, values: np.ndarray, wire: int) -> np.ndarray:
@@ -352,36 +412,35 @@ class UploadFold:
     def values(self, name: str, numel: int) -> np.ndarray:
         """A committed upload's tensor as float64, clipped: ``ref + scale * (x - ref)``."""
         out = np.empty(numel, dtype=np.float64)
-        pos = 0
-        for n_, start, n, wire in self.folded:
-            nbytes = n * itemsize(wire)
+        for n_, start, n, wire, kept in self.folded:
             if n_ == name:
-                self.spill.seek(pos)
-                out[start : start + n] = self._clipped(name, start, numpy_view(self.spill.read(nbytes), wire), wire)
-            pos += nbytes
+                data = self._kept(kept, n * itemsize(wire))
+                out[start : start + n] = self._clipped(name, start, numpy_view(data, wire), wire)
         return out
 
     def rollback(self) -> None:
-        """Subtracts what was folded (read back from the spill file); idempotent."""
+        """Subtracts what was folded (from the kept chunks); idempotent."""
         with self.lock:
             if self.state != "open":
                 return
             self.state = "rolled back"
             with self.acc.folds_lock:
                 self.acc.open_folds.discard(self)
-            self.spill.seek(0)
-            for name, start, n, wire in [] if self.deferred else self.folded:
-                nbytes = n * itemsize(wire)
-                data = self.spill.read(nbytes)
+            for name, start, n, wire, kept in [] if self.deferred else self.folded:
+                data = self._kept(kept, n * itemsize(wire))
                 # its own temporary: another upload's fold may be using this thread's scratch buffer
                 subtrahend = np.multiply(numpy_view(data, wire), self.weight, dtype=np.float64)
                 with self.acc.lock:
                     target = self.acc.sums[name][start : start + n]
                     np.subtract(target, subtrahend, out=target)
-            self.folded.clear()
         self._release()
 
     def _release(self) -> None:
         if not self.released:
             self.released = True
-            self.acc.spills.release(self.spill)
+            self.folded = []
+            if self.retained:
+                self.acc.retained.give(self.retained)
+                self.retained = 0
+            if self.spill is not None:
+                self.acc.spills.release(self.spill)

@@ -40,7 +40,7 @@ from wafl.common.partition import partition, public_split
 from wafl.common.proto import federation_pb2 as pb
 from wafl.common.training import evaluate
 from wafl.common.wire import PreEncoded, encode_tensors, write_transfer
-from wafl.server.aggregator import Accumulator, Rule
+from wafl.server.aggregator import Accumulator, RetainedBytes, Rule
 from wafl.server.auth import CREDENTIAL_KEY, Credentials, JoinSecrets, check_id, load_or_create_key
 from wafl.server.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from wafl.server.results import ResultsLog, round_
@@ -115,6 +115,7 @@ class RoundEngine:
         self.index_owner: dict[int, str] = {}
         self.accumulators: list[Accumulator] = []  # zeroed sums, ready for the next collection
         self.rule = Rule(cfg.aggregator, cfg.trim_fraction, cfg.clip_norm)
+        self.retained = RetainedBytes(int(cfg.rollback_memory_mb * (1 << 20)))  # shared by every accumulator
         self.shard_sizes = self._shard_sizes()
         self.strategy = make_strategy(cfg, self.algorithm, self.dataset.num_classes, self._accumulator)
         self.publication: Publication | None = None
@@ -154,7 +155,11 @@ class RoundEngine:
             )
 
     def _accumulator(self) -> Accumulator:
-        acc = self.accumulators.pop() if self.accumulators else Accumulator(self.manifest, rule=self.rule)
+        acc = (
+            self.accumulators.pop()
+            if self.accumulators
+            else Accumulator(self.manifest, rule=self.rule, retained=self.retained)
+        )
         acc.set_reference(None if self.strategy.uploads_are_deltas else self.global_state)
         return acc
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from wafl.common.algorithms import registry
 from wafl.common.codec import ChunkError, iter_chunks, manifest_of
-from wafl.server.aggregator import Accumulator
+from wafl.server.aggregator import Accumulator, RetainedBytes, Rule
 
 
 def make_state(seed: int) -> dict[str, torch.Tensor]:
@@ -154,7 +154,7 @@ def test_fold_products_are_float64_for_every_float_dtype() -> None:
 
 def test_reset_accumulator_serves_the_next_round_like_a_fresh_one() -> None:
     states = [make_state(s) for s in range(4)]
-    reused = Accumulator(manifest_of(states[0]))
+    reused = Accumulator(manifest_of(states[0]), retained=RetainedBytes(0))  # every chunk spilled
     fold(reused, states[0], 7)
     fold(reused, states[1], 2, commit=False).rollback()
     reused.reset()
@@ -173,7 +173,7 @@ def test_reset_accumulator_serves_the_next_round_like_a_fresh_one() -> None:
 
 def test_spill_arena_gives_each_open_upload_its_own_slot_and_trims_between_rounds() -> None:
     states = [make_state(s) for s in range(20)]
-    acc = Accumulator(manifest_of(states[0]))
+    acc = Accumulator(manifest_of(states[0]), retained=RetainedBytes(0))  # every chunk spilled
     acc.spills.keep = 4
     expected = Accumulator(manifest_of(states[0]))
     open_folds = [fold(acc, st, 1 + i, commit=False) for i, st in enumerate(states)]  # 20 uploads in flight
@@ -199,3 +199,55 @@ def test_reset_refuses_while_an_upload_is_open() -> None:
     fold(acc, st, 1, commit=False)
     with pytest.raises(RuntimeError, match="still open"):
         acc.reset()
+
+
+def test_rollback_data_stays_in_memory_within_the_budget_and_spills_beyond_it() -> None:
+    states = [make_state(s) for s in range(4)]
+    model_bytes = sum(s.nbytes for s in manifest_of(states[0]))
+    budget = RetainedBytes(model_bytes + model_bytes // 2)  # one upload and half of the next
+    acc = Accumulator(manifest_of(states[0]), retained=budget)
+    expected = Accumulator(manifest_of(states[0]), retained=RetainedBytes(0))
+    a = fold(acc, states[0], 2, commit=False)
+    b = fold(acc, states[1], 3, commit=False)
+    c = fold(acc, states[2], 4, commit=False)
+    assert a.spill is None and a.retained == model_bytes  # all in memory: no spill slot taken
+    assert b.spill is not None and 0 < b.retained < model_bytes  # in memory up to the budget, the rest spilled
+    assert c.spill is not None  # the budget is spent: its large chunks spill (a small one may still fit)
+    assert budget.used == a.retained + b.retained + c.retained <= budget.limit
+    b.rollback()  # read back from both places
+    c.commit()
+    a.rollback()
+    fold(acc, states[3], 5)
+    for st, w in ((states[2], 4), (states[3], 5)):
+        fold(expected, st, w)
+    for k in expected.sums:
+        np.testing.assert_allclose(acc.sums[k], expected.sums[k], rtol=1e-12, atol=1e-9)
+    assert budget.used == 0 and acc.spills.in_use == 0  # everything given back
+
+
+def test_kept_chunks_do_not_follow_a_sender_that_changes_its_buffer() -> None:
+    st = make_state(5)
+    acc = Accumulator(manifest_of(st))
+    specs = {s.name: s for s in acc.manifest}
+    f = acc.begin(2.0)
+    for c in iter_chunks(st.items(), 16384):  # views of the tensors' own memory
+        f.add(specs[c.name], c)
+    for v in st.values():
+        v.zero_()  # the sender reuses its buffers before the upload ended
+    f.rollback()
+    assert all(np.all(s == 0) for s in acc.sums.values())
+
+
+@pytest.mark.parametrize("limit", [0, 1 << 30])
+def test_robust_center_reads_kept_uploads_from_memory_or_spill(limit: int) -> None:
+    states = [make_state(s) for s in range(5)]
+    budget = RetainedBytes(limit)
+    acc = Accumulator(manifest_of(states[0]), rule=Rule(center="median"), retained=budget)
+    for i, st in enumerate(states):
+        fold(acc, st, 1 + i)
+    got = acc.center()["fc.weight"].double().numpy()
+    want = np.median(np.stack([st["fc.weight"].double().numpy() for st in states]), axis=0)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert (budget.used > 0) == (limit > 0)  # kept until the round is aggregated
+    acc.reset()
+    assert budget.used == 0 and acc.spills.in_use == 0
