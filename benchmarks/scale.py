@@ -634,15 +634,18 @@ def run_one(kind: str, clients: int, fraction: float, rounds: int, generators: i
                 }
             )
             gens.send("release")
-        # CPU from the end of round 1 to the end of the last round
+        # CPU from the end of round 1 to the end of the round before the last: the last one also
+        # evaluates the final model (a cost per run, which the bare server does not have); with
+        # fewer than 3 rounds, to the end of the last
+        last = rounds - 1 if rounds >= 3 else rounds
         while rows_of(rows_path) < 1:
             if server.poll() is not None:
                 raise RuntimeError(f"{kind} server exited ({server.returncode}) in round 1")
             time.sleep(0.02)
         cpu_a, t_a, threads_a = cpu_s(server.pid), time.monotonic(), thread_cpu_s(server.pid)
-        while rows_of(rows_path) < rounds:
+        while rows_of(rows_path) < last:
             if server.poll() is not None:
-                raise RuntimeError(f"{kind} server exited ({server.returncode}) before round {rounds}")
+                raise RuntimeError(f"{kind} server exited ({server.returncode}) before round {last}")
             time.sleep(0.02)
         cpu_b, t_b, threads_b = cpu_s(server.pid), time.monotonic(), thread_cpu_s(server.pid)
         done = gens.wait_all("done", 1800)
@@ -650,10 +653,11 @@ def run_one(kind: str, clients: int, fraction: float, rounds: int, generators: i
         t_end = time.monotonic()
         out["server_exit"] = code
         selected = uploads_per_round(clients, fraction, rounds)
-        later = sum(selected[1:])
+        later = sum(selected[1:last])
         out["cpu"] = {
-            "rounds_2_to_last_cpu_s": cpu_b - cpu_a,
-            "rounds_2_to_last_wall_s": t_b - t_a,
+            "rounds": [2, last],
+            "cpu_s": cpu_b - cpu_a,
+            "wall_s": t_b - t_a,
             "uploads": later,
             "per_upload_ms": 1000 * (cpu_b - cpu_a) / max(1, later),
             # threads that ended in between (none expected) are missing from this split
