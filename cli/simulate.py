@@ -77,6 +77,7 @@ def run_many(configs: dict[str, RunConfig], seeds: list[int], log: Callable[[str
                     "seed": seed,
                     "gm_accuracy": f["gm_accuracy"],
                     "pm_accuracy": f["pm_accuracy"],
+                    "local_accuracy": f.get("local_accuracy"),
                     "wall_s": f["wall_s"],
                     "curve": [(x["gm_accuracy"], x["pm_accuracy"]) for x in rows],
                 }
@@ -89,7 +90,7 @@ def run_many(configs: dict[str, RunConfig], seeds: list[int], log: Callable[[str
 
 def summarize(finals: list[dict[str, Any]]) -> dict[str, Any]:
     res: dict[str, Any] = {}
-    for key in ("gm_accuracy", "pm_accuracy"):
+    for key in ("gm_accuracy", "pm_accuracy", "local_accuracy"):
         vals = [f[key] for f in finals if f[key] is not None]
         if vals:
             res[key] = {

@@ -7,6 +7,9 @@ mean +- population standard deviation over the row's seeds with the min-max spre
 
 * ``final_gm`` / ``best_gm``: the last / highest ``gm_accuracy`` of the run;
 * ``final_pm`` / ``best_pm``: the same for ``pm_accuracy`` (rows without a PM show ``-``);
+* ``final_local`` / ``best_local``: the same for ``local_accuracy``, the models the clients just
+  trained on their local test sets (the FedHKD paper's local accuracy; ``-`` for methods with a
+  personal phase, whose ``pm_accuracy`` it is);
 * ``time_to_target``: seconds from the first model's publication until ``gm_accuracy`` first
   reaches ``--target`` (a run that never does counts as missing);
 * ``mbytes``: megabytes that crossed the network (``bytes_up + bytes_down`` over the rounds).
@@ -26,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-METRICS = ("final_gm", "best_gm", "final_pm", "best_pm", "time_to_target", "mbytes")
-PERCENT = {"final_gm", "best_gm", "final_pm", "best_pm"}
+METRICS = ("final_gm", "best_gm", "final_pm", "best_pm", "final_local", "best_local", "time_to_target", "mbytes")
+PERCENT = {"final_gm", "best_gm", "final_pm", "best_pm", "final_local", "best_local"}
 DEFAULT_BY = ("algorithm", "params")
 
 
@@ -124,6 +127,7 @@ def run_metrics(run: Run, target: float) -> dict[str, float | None]:
     rows = run.rows
     gm = [r["gm_accuracy"] for r in rows if r.get("gm_accuracy") is not None]
     pm = [r["pm_accuracy"] for r in rows if r.get("pm_accuracy") is not None]
+    local = [r["local_accuracy"] for r in rows if r.get("local_accuracy") is not None]
     t0 = float(rows[0]["wall_s"]) - float(rows[0].get("round_s") or 0.0) if rows else 0.0
     reach = next((float(r["wall_s"]) - t0 for r in rows if (r.get("gm_accuracy") or 0.0) >= target - 1e-12), None)
     traffic = sum((r.get("bytes_up") or 0) + (r.get("bytes_down") or 0) for r in rows)
@@ -132,6 +136,8 @@ def run_metrics(run: Run, target: float) -> dict[str, float | None]:
         "best_gm": max(gm) if gm else None,
         "final_pm": pm[-1] if pm else None,
         "best_pm": max(pm) if pm else None,
+        "final_local": local[-1] if local else None,
+        "best_local": max(local) if local else None,
         "time_to_target": reach,
         "mbytes": traffic / 1e6 if rows else None,
     }
@@ -213,6 +219,8 @@ def markdown(doc: Mapping[str, Any], metrics: Sequence[str] = METRICS) -> str:
         "best_gm": "best GM acc. (%)",
         "final_pm": "final PM acc. (%)",
         "best_pm": "best PM acc. (%)",
+        "final_local": "final local acc. (%)",
+        "best_local": "best local acc. (%)",
         "time_to_target": f"s to GM {doc['target']:g}",
         "mbytes": "MB moved",
     }

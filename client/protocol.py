@@ -187,6 +187,10 @@ class RoundProtocol:
                     acc, n = await self.compute.run(t.evaluate_personal)
                     if n:  # an empty local test set has no accuracy
                         metrics.update({M.PM_ACCURACY: acc, M.PM_TEST_SAMPLES: float(n)})
+                elif t.algorithm.personal == "none":  # no personal model: the local model's accuracy
+                    acc, n = await self.compute.run(t.evaluate_local, t.gm)
+                    if n:
+                        metrics.update({M.LOCAL_ACCURACY: acc, M.LOCAL_TEST_SAMPLES: float(n)})
                 state = await self.compute.run(t.gm_upload_state, base)
             await self._slow_down(self.timeline.now() - start, r)
         # the personal phase: after the GM (selected), or alone when the algorithm trains the personal

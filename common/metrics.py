@@ -24,6 +24,11 @@ KNOWLEDGE_RECEIVED = "knowledge_received"  # classes of global knowledge the cli
 PM_ACCURACY = "pm_accuracy"  # accuracy of the personalized model on the client's local test set
 PM_TEST_SAMPLES = "pm_test_samples"  # size of that local test set (the weight of PM_ACCURACY; 1 when absent)
 
+# upload metrics of algorithms without a personal model: the locally trained model (the FedHKD
+# paper's "local accuracy" of FedAvg and its kin; the results' local_accuracy)
+LOCAL_ACCURACY = "local_accuracy"  # accuracy of the model just trained, on the client's local test set
+LOCAL_TEST_SAMPLES = "local_test_samples"  # size of that local test set (the weight of LOCAL_ACCURACY; 1 when absent)
+
 # the report that ends a client's run
 FINAL = "final"  # 1: the client received the final model and stops
 BYTES_UP = "bytes_up"  # bytes the client's uploads carried
@@ -55,6 +60,8 @@ UPLOAD: dict[str, Declared] = {
     KNOWLEDGE_RECEIVED: COUNT,
     PM_ACCURACY: SHARE,
     PM_TEST_SAMPLES: COUNT,
+    LOCAL_ACCURACY: SHARE,
+    LOCAL_TEST_SAMPLES: COUNT,
 }
 REPORT: dict[str, Declared] = {
     PM_ACCURACY: SHARE,

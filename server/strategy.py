@@ -38,7 +38,7 @@ import dataclasses
 import math
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -280,6 +280,8 @@ class Strategy(ABC):
         if self.algorithm.knowledge is not None:
             got = [m[M.KNOWLEDGE_RECEIVED] for m in c.metrics.values() if M.KNOWLEDGE_RECEIVED in m]
             row["knowledge_received_min"] = min(got) if got else None
+        if self.algorithm.personal == "none" or self.algorithm.local_model_is_personal:
+            row["local_accuracy"] = local_accuracy(c.metrics.values(), self.algorithm.local_model_is_personal)
         return row
 
     def expected_reports(self, c: Collection) -> set[str]:
@@ -288,6 +290,16 @@ class Strategy(ABC):
 
     def state_dict(self) -> dict[str, Any]:
         return {"aggregations": self.aggregations}
+
+
+def local_accuracy(uploads: Iterable[Mapping[str, float]], personal: bool) -> float | None:
+    """The accuracy of the models the clients just trained, on their local test sets, weighted by
+    each test set's size: what the uploads' ``local_accuracy`` say (``pm_accuracy`` where the
+    local model is the personal one); None when no upload says."""
+    acc, weight = (M.PM_ACCURACY, M.PM_TEST_SAMPLES) if personal else (M.LOCAL_ACCURACY, M.LOCAL_TEST_SAMPLES)
+    got = [(m.get(weight, 1.0), m[acc]) for m in uploads if acc in m]
+    n = sum(k for k, _ in got)
+    return sum(k * a for k, a in got) / n if n else None
 
 
 class SyncStrategy(Strategy):

@@ -75,6 +75,8 @@ def test_sweep_interrupted_resumed_and_tabulated(tmp_path: Path) -> None:
     )
     text = markdown(doc)
     assert "| fedavg | 3 |" in text and "Paired differences to fedavg" in text
+    assert "final local acc. (%)" in text and "final PM acc. (%)" not in text  # FedAvg, FedProx: no PM
+    assert doc["rows"]["fedavg"]["final_local"]["mean"] > 0.0
     table = subprocess.run(_wafl("table", str(out), "--json", str(tmp_path / "t.json")), capture_output=True, text=True)
     assert table.returncode == 0 and "| fedprox mu=0.01 | 3 |" in table.stdout
     saved = json.loads((tmp_path / "t.json").read_text())

@@ -167,3 +167,18 @@ def test_buffered_default_sizes() -> None:
     cfg = load_config(None, {"num_clients": 8, "aggregation": "buffered"})
     assert (cfg.buffered_concurrency, cfg.buffered_size) == (8, 4)
     assert np.isclose(staleness_function(cfg)(0), 1.0)
+
+
+def test_local_accuracy_is_the_test_set_weighted_mean_of_the_uploads_that_report_one() -> None:
+    from wafl.server.strategy import local_accuracy
+
+    uploads = [
+        {"local_accuracy": 0.5, "local_test_samples": 30.0, "train_loss": 1.0},
+        {"local_accuracy": 0.9, "local_test_samples": 10.0},
+        {"local_accuracy": 0.2},  # no size: weight 1
+        {"train_loss": 2.0},  # no accuracy: not counted
+    ]
+    assert local_accuracy(uploads, personal=False) == pytest.approx((0.5 * 30 + 0.9 * 10 + 0.2) / 41)
+    assert local_accuracy(uploads, personal=True) is None  # the personal ones say pm_accuracy
+    assert local_accuracy([{"pm_accuracy": 0.7, "pm_test_samples": 4.0}], personal=True) == pytest.approx(0.7)
+    assert local_accuracy([], personal=False) is None
