@@ -173,7 +173,13 @@ class Upload:
         return k
 
     async def close(self) -> None:
-        """Ends the upload: a fold that was not committed is rolled back (in a worker thread)."""
+        """Ends the upload: a fold that was not committed is rolled back (in a worker thread), its
+        place in the round is given back and its attempt settled. The cleanup runs to its end even
+        when the caller is cancelled (again) meanwhile: a retry must never find the attempt settled
+        while it still holds its place, nor its fold open."""
+        await asyncio.shield(self._close())
+
+    async def _close(self) -> None:
         try:
             await self.pipeline.stop()
             if self.fold.state == "open":
