@@ -462,6 +462,7 @@ def final_table(s: RunSummary, cfg: RunConfig) -> str:
         f"{'rounds':<16}{len(s.rows)} of {cfg.rounds}",
         f"{'gm_accuracy':<16}{_fmt(f.get('gm_accuracy'))}",
         f"{'pm_accuracy':<16}{_fmt(f.get('pm_accuracy'))}",
+        f"{'local_accuracy':<16}{_fmt(f.get('local_accuracy'))}",
         f"{'best gm':<16}"
         f"{_fmt(max((r['gm_accuracy'] for r in s.rows if r.get('gm_accuracy') is not None), default=None))}",
         f"{'wall time':<16}{s.wall_s:.1f} s",
@@ -487,6 +488,10 @@ def plot_accuracy(rows: list[dict[str, Any]], path: Path, cfg: RunConfig) -> Non
     ax.plot(rounds, [r.get("gm_accuracy") for r in rows], marker="o", ms=3, label="GM (global test set)")
     if any(r.get("pm_accuracy") is not None for r in rows):
         ax.plot(rounds, [r.get("pm_accuracy") for r in rows], marker="s", ms=3, label="PM (local test sets)")
+    elif any(r.get("local_accuracy") is not None for r in rows):
+        ax.plot(
+            rounds, [r.get("local_accuracy") for r in rows], marker="^", ms=3, label="local models (local test sets)"
+        )
     ax.set_xlabel("round")
     ax.set_ylabel("accuracy")
     ax.set_title(f"{cfg.algorithm}, {cfg.dataset}, {cfg.num_clients} clients, {cfg.partition}")
