@@ -508,7 +508,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--ray-max-restarts",
         type=_bounded(int, 0, strict=False),
         default=3,
-        help="times a dead worker actor is restarted (its clients re-join; default 3)",
+        help="times a dead worker or server actor is restarted (clients re-join, the server resumes; default 3)",
     )
     r.add_argument(
         "--timeout", type=POSITIVE_SECONDS, default=None, help="seconds before the run is stopped (default: no limit)"

@@ -9,10 +9,11 @@ contiguous range of client indices, with ``worker_cpus`` CPUs and ``worker_gpus`
 allowed: Ray then shares a GPU between workers) reserved for it, spread over the nodes. A worker
 actor whose process dies is restarted by Ray (up to ``max_restarts`` times, possibly on another
 node); its clients re-join with the session credentials and models kept in the worker's state
-folder on its node, as a restarted ``wafl worker`` does. When the server ends, the driver copies the
-server's run folder (results, reports, timelines, configuration, checkpoint, server log) and every
-worker's log into the output folder, writes ``ray.json`` (where each actor ran, restarts) and the
-usual ``summary.json`` and ``accuracy.png``.
+folder on its node, as a restarted ``wafl worker`` does. A server actor whose process dies is restarted
+as well and resumes the run from its checkpoint on the same port (:class:`ServerActor`). When the
+server ends, the driver copies the server's run folder (results, reports, timelines, configuration,
+checkpoint, server log) and every worker's log into the output folder, writes ``ray.json`` (where
+each actor ran, restarts) and the usual ``summary.json`` and ``accuracy.png``.
 
 Ray is optional (``pip install 'wafl[ray]'``): it is imported only here, when ``--ray`` is used.
 """
@@ -62,25 +63,45 @@ def _folder_files(root: Path) -> dict[str, bytes]:
 
 class ServerActor:
     """The run's server in a Ray actor: ``start`` returns where it listens, ``poll`` its exit code (None while
-    running) and the results so far, ``files`` the run folder it wrote."""
+    running) and the results so far, ``files`` the run folder it wrote.
 
-    def __init__(self, cfg_json: str, token: str) -> None:
+    The run folder is node-local and named after the run, the same for every incarnation of the actor. An
+    incarnation that finds the address an earlier one listened on (its ``server.json``) is a restart by Ray
+    after the earlier process died: it listens on the same port, so the workers' clients reconnect to the
+    address they were given, and resumes the run from its last checkpoint (``wafl server --resume``)."""
+
+    def __init__(self, cfg_json: str, token: str, run: str) -> None:
         self.cfg = RunConfig.from_json(cfg_json).validate()
         self.token = token
-        self.out = Path(tempfile.mkdtemp(prefix="wafl-ray-server-"))
+        self.out = Path(tempfile.gettempdir()) / "wafl-ray" / run / "server"
         self.code: int | None = None
         self.error = ""
         self.thread: threading.Thread | None = None
+        self.info: dict[str, Any] | None = None
 
     def start(self, timeout_s: float = 120.0) -> dict[str, Any]:
+        import ray
         import torch
         from wafl.common.logs import configure_logging
 
+        if self.info is not None:  # this incarnation listens already (a repeated call)
+            return self.info
+        ready = self.out / "server.json"
+        resume = ready.exists()
+        if not resume and ray.get_runtime_context().was_current_actor_reconstructed:
+            raise RuntimeError(
+                f"the server actor was restarted on a node without its run folder ({self.out}): "
+                "the run cannot be resumed there"
+            )
+        port = int(json.loads(ready.read_text())["port"]) if resume else 0
+        ready.unlink(missing_ok=True)  # written again once this incarnation listens
+        self.out.mkdir(parents=True, exist_ok=True)
         configure_logging("server", self.out / "logs" / "server.jsonl", console=False)
         torch.set_num_threads(1)
         where = _node()
-        ready = self.out / "server.json"
-        self.thread = threading.Thread(target=self._serve, args=(where["ip"], ready), name="wafl-server", daemon=True)
+        self.thread = threading.Thread(
+            target=self._serve, args=(where["ip"], port, resume, ready), name="wafl-server", daemon=True
+        )
         self.thread.start()
         t0 = time.monotonic()
         while not ready.exists():
@@ -89,13 +110,21 @@ class ServerActor:
             if time.monotonic() - t0 > timeout_s:
                 raise TimeoutError(f"the server did not start listening within {timeout_s}s")
             time.sleep(0.05)
-        return {**where, "host": where["ip"], "port": int(json.loads(ready.read_text())["port"])}
+        self.info = {
+            **where,
+            "host": where["ip"],
+            "port": int(json.loads(ready.read_text())["port"]),
+            "resumed": resume,
+        }
+        return self.info
 
-    def _serve(self, host: str, ready: Path) -> None:
+    def _serve(self, host: str, port: int, resume: bool, ready: Path) -> None:
         from wafl.server.app import serve
 
         try:
-            self.code = asyncio.run(serve(self.cfg, host, 0, self.out, token=self.token, ready_file=ready))
+            self.code = asyncio.run(
+                serve(self.cfg, host, port, self.out, token=self.token, resume=resume, ready_file=ready)
+            )
         except BaseException as e:  # noqa: BLE001 - reported to the driver through poll()
             self.error = f"{type(e).__name__}: {e}"
             self.code = 1
@@ -122,6 +151,10 @@ class ServerActor:
 
     def clean(self) -> None:
         shutil.rmtree(self.out, ignore_errors=True)
+        try:
+            self.out.parent.rmdir()  # the run's folder on this node, once the workers' are gone too
+        except OSError:
+            pass
 
 
 class WorkerActor:
@@ -193,6 +226,21 @@ def _actor_state(ray: Any, handle: Any) -> str:
         return ""
 
 
+def _restarted_server(ray: Any, server: Any, max_restarts: int, actor_error: type, timeout_s: float = 300.0) -> Any:
+    """Waits for Ray's restart of the server actor and starts its new incarnation (which resumes the run
+    on the same port); raises RuntimeError when the actor is dead for good or does not come back."""
+    give_up = time.monotonic() + timeout_s
+    while True:
+        if _actor_state(ray, server) == "DEAD":
+            raise RuntimeError(f"the server actor died (max_restarts={max_restarts})")
+        try:
+            return ray.get(server.start.remote())
+        except actor_error:
+            if time.monotonic() > give_up:
+                raise RuntimeError(f"the server actor did not come back within {timeout_s:g} s") from None
+            time.sleep(0.5)
+
+
 def ray_workers(ray: Any, num_clients: int, worker_cpus: float, worker_gpus: float, server_cpus: float) -> int:
     """``--workers auto`` on a cluster: as many workers as its CPUs (and GPUs) hold beside the server,
     at least one and at most one per client."""
@@ -258,13 +306,13 @@ def launch_ray(
                 name="server",
                 namespace=namespace,
                 num_cpus=server_cpus,
-                max_restarts=0,
+                max_restarts=max_restarts,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(driver_node, soft=True),
             )
-            .remote(cfg.to_json(), token)
+            .remote(cfg.to_json(), token, run)
         )
         info = ray.get(server.start.remote())
-        record["server"] = info
+        record["server"] = {**info, "pids": [info["pid"]], "restarts": 0}
         listen = f"{info['host']}:{info['port']}"
         Worker = ray.remote(WorkerActor)
         pending: dict[Any, tuple[str, int]] = {}
@@ -336,7 +384,13 @@ def launch_ray(
                     if w not in asked and record["workers"][w]["code"] is None:
                         asked.add(w)
                         pending[h.credentials.remote()] = ("credentials", w)
-            code, rows, error = ray.get(server.poll.remote())
+            try:
+                code, rows, error = ray.get(server.poll.remote())
+            except RayActorError:  # the server's process died: Ray restarts it, and it resumes the run
+                info = _restarted_server(ray, server, max_restarts, RayActorError)
+                record["server"]["pids"].append(info["pid"])
+                record["server"]["restarts"] += 1
+                continue
             progress.update(rows, time.monotonic() - t0)
             if code is not None:
                 server_end = server_end or time.monotonic()

@@ -155,3 +155,60 @@ def test_two_rounds_on_a_two_node_ray_cluster_with_a_worker_restarted(two_nodes,
     ready = [x for x in (out / "logs" / "worker-1.jsonl").read_text().splitlines() if '"worker.ready"' in x]
     assert len(ready) == 2  # the actor that was killed and the one Ray restarted (one log on the node)
     assert (out / "config.json").exists() and (out / "accuracy.png").exists() and (out / "summary.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_killed_server_actor_is_restarted_and_resumes_the_run(two_nodes, tmp_path: Path) -> None:
+    """The server actor's process is killed once round 1 is recorded. Ray restarts it beside the driver; the
+    new incarnation finds its run folder, listens on the same port and resumes from the round-1 checkpoint;
+    the workers' clients reconnect to the address they were given, and all three rounds complete."""
+    ray, head, other, address = two_nodes
+    out = tmp_path / "run"
+    argv = ["run", "--ray", address, "--clients", "4", "--rounds", "3", "--algorithm", "fedavg"]
+    argv += ["--protocol", "compute-and-wait", "--set", "optimizer=adam", "--set", "lr=0.003"]
+    argv += ["--set", "local_epochs=2", "--slowdown", "1,1,8,8"]  # round 2 is still going when the server dies
+    argv += ["--workers", "2", "--ray-max-restarts", "2", "--timeout", "420", "--quiet", "--out", str(out)]
+    result: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            result["code"] = main(argv)
+        except BaseException as e:  # noqa: BLE001 - re-raised by the test
+            result["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    namespace = f"wafl-{out.name}"
+    rows_at_kill = None
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and t.is_alive():
+        try:
+            server = ray.get_actor("server", namespace=namespace)
+            _, rows, _ = ray.get(server.poll.remote())
+        except (ValueError, ray.exceptions.RayActorError):  # not created yet, or not started
+            rows = []
+        if rows:
+            rows_at_kill = len(rows)
+            ray.kill(server, no_restart=False)  # its process dies; Ray may restart it
+            break
+        time.sleep(0.1)
+    t.join(timeout=480)
+    assert not t.is_alive(), "launch_ray did not return"
+    if "error" in result:
+        raise result["error"]  # type: ignore[misc]
+    assert rows_at_kill in (1, 2), "round 1 never completed"
+    record = json.loads((out / "ray.json").read_text())
+    summary = json.loads((out / "summary.json").read_text())
+    assert result["code"] == 0, (summary, record)
+    assert record["server"]["restarts"] == 1 and len(set(record["server"]["pids"])) == 2
+    assert record["server"]["node_id"] == head
+    rows = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows][:rows_at_kill] == list(range(1, rows_at_kill + 1))
+    assert sorted({r["round"] for r in rows}) == [1, 2, 3] and rows[-1]["clients"] == 4
+    assert rows[-1]["gm_accuracy"] > 0.3
+    events = [json.loads(x) for x in (out / "logs" / "server.jsonl").read_text().splitlines()]
+    assert [e["round"] for e in events if e["event"] == "resume"] == [rows_at_kill]  # from its last checkpoint
+    uploads = {(e["client"], e["round"]) for e in events if e["event"] == "upload.accepted"}
+    assert uploads == {(f"client-{i}", r) for i in range(4) for r in (1, 2, 3)}
+    assert summary["ok"] and summary["client_codes"] == [0, 0]
