@@ -33,7 +33,9 @@ The arguments are the wafl CLI's, unchanged; the process finally exec'd is
    container shares the host's: its eth0 is the host's interface) and CAP_NET_ADMIN, i.e. a
    container started as root with ``cap_add: [NET_ADMIN]``; without either the entrypoint exits
    77 with a message, or, when ``WAFL_LINK_OPTIONAL=1``, warns and goes on unshaped. ``bench`` and
-   ``run`` get ``--link-rate`` instead (network namespaces of their own; root).
+   ``run`` get ``--link-rate`` instead (network namespaces of their own; root). ``WAFL_SERVER_LINK_RATE``,
+   when set, is the server's rate instead (the server's link carries every client's traffic: ``wafl
+   run --link-rate`` gives it the clients' sum).
 3. ``WAFL_ARGS``: extra arguments appended to the command (split like a shell would).
 4. Started as root: drops to the user ``WAFL_RUN_AS`` (default ``wafl``) unless that is empty or
    ``root``, or the command needs root (``bench``/``run`` with a link rate).
@@ -380,6 +382,8 @@ def plan(
         new_env["WAFL_CLIENT_INDEX"] = str(index)
         notes.append(f"client index {index} from {source}")
     rate = env.get("WAFL_LINK_RATE", "").strip()
+    if command == "server" and env.get("WAFL_SERVER_LINK_RATE", "").strip():
+        rate = env["WAFL_SERVER_LINK_RATE"].strip()  # e.g. the clients' sum, as `wafl run --link-rate` gives it
     dev = env.get("WAFL_LINK_DEV", "").strip() or "eth0"
     shape = None
     needs_root = False

@@ -791,6 +791,16 @@ def test_dry_run_server_shaping_command() -> None:
     assert p["run_as"] == "wafl"
 
 
+def test_server_link_rate_is_the_servers_own() -> None:
+    """WAFL_SERVER_LINK_RATE shapes the server's link (its clients' sum); clients keep WAFL_LINK_RATE."""
+    env = {"WAFL_LINK_RATE": "20mbit", "WAFL_SERVER_LINK_RATE": "80mbit"}
+    server = _dry_run("server", "--clients", "4", **env)
+    assert server["shape"]["cmd"][-2:] == ["--rate", "80mbit"]
+    client = _dry_run("client", WAFL_SERVER="10.0.0.1:50051", WAFL_CLIENT_INDEX="0", **env)
+    assert client["shape"]["cmd"][-2:] == ["--rate", "20mbit"]
+    assert _environment(compose_config([COMPOSE], env)["services"]["server"])["WAFL_SERVER_LINK_RATE"] == "80mbit"
+
+
 def test_dry_run_client_and_wafl_prefix() -> None:
     p = _dry_run(
         "wafl", "client", WAFL_CLIENT_NAME="wafl-client-2", WAFL_SERVER="10.0.0.1:50051", WAFL_LINK_RATE="20mbit"
