@@ -79,6 +79,38 @@ def two_nodes(monkeypatch: pytest.MonkeyPatch):
         cluster.shutdown()
 
 
+class RayRun:
+    """``wafl run --ray`` of four fedavg clients in two workers on the test cluster, in a thread: the test
+    disturbs the actors meanwhile and then calls :meth:`finish`."""
+
+    def __init__(self, address: str, out: Path, rounds: int, slowdown: str) -> None:
+        argv = ["run", "--ray", address, "--clients", "4", "--rounds", str(rounds), "--algorithm", "fedavg"]
+        argv += ["--protocol", "compute-and-wait", "--set", "optimizer=adam", "--set", "lr=0.003"]
+        argv += ["--set", "local_epochs=2", "--slowdown", slowdown]
+        argv += ["--workers", "2", "--ray-max-restarts", "2", "--timeout", "420", "--quiet", "--out", str(out)]
+        self.namespace = f"wafl-{out.name}"
+        self.result: dict[str, object] = {}
+        self.thread = threading.Thread(target=self._run, args=(argv,))
+        self.thread.start()
+
+    def _run(self, argv: list[str]) -> None:
+        try:
+            self.result["code"] = main(argv)
+        except BaseException as e:  # noqa: BLE001 - re-raised by finish()
+            self.result["error"] = e
+
+    def running(self) -> bool:
+        return self.thread.is_alive()
+
+    def finish(self) -> object:
+        """Waits for the run; re-raises what it raised; returns its exit code."""
+        self.thread.join(timeout=480)
+        assert not self.thread.is_alive(), "launch_ray did not return"
+        if "error" in self.result:
+            raise self.result["error"]  # type: ignore[misc]
+        return self.result["code"]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_rounds_on_a_two_node_ray_cluster_with_a_worker_restarted(two_nodes, tmp_path: Path) -> None:
@@ -89,26 +121,13 @@ def test_two_rounds_on_a_two_node_ray_cluster_with_a_worker_restarted(two_nodes,
     and both workers' logs."""
     ray, head, other, address = two_nodes
     out = tmp_path / "run"
-    argv = ["run", "--ray", address, "--clients", "4", "--rounds", "2", "--algorithm", "fedavg"]
-    argv += ["--protocol", "compute-and-wait", "--set", "optimizer=adam", "--set", "lr=0.003"]
     # worker 1's clients train 12 x longer, so the run is still going when its actor is killed
     # (at 4 x an idle machine finished both rounds in the 4 s the driver is given to fetch credentials)
-    argv += ["--set", "local_epochs=2", "--slowdown", "1,1,12,12"]
-    argv += ["--workers", "2", "--ray-max-restarts", "2", "--timeout", "420", "--quiet", "--out", str(out)]
-    result: dict[str, object] = {}
-
-    def run() -> None:
-        try:
-            result["code"] = main(argv)
-        except BaseException as e:  # noqa: BLE001 - re-raised by the test
-            result["error"] = e
-
-    t = threading.Thread(target=run)
-    t.start()
-    namespace = f"wafl-{out.name}"
+    run = RayRun(address, out, rounds=2, slowdown="1,1,12,12")
+    namespace = run.namespace
     killed_before_round = None
     deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and t.is_alive():
+    while time.monotonic() < deadline and run.running():
         try:
             server = ray.get_actor("server", namespace=namespace)
             joined = ray.get(server.joined.remote())
@@ -127,14 +146,11 @@ def test_two_rounds_on_a_two_node_ray_cluster_with_a_worker_restarted(two_nodes,
             ray.kill(ray.get_actor("worker-1", namespace=namespace), no_restart=False)
             break
         time.sleep(0.1)
-    t.join(timeout=480)
-    assert not t.is_alive(), "launch_ray did not return"
-    if "error" in result:
-        raise result["error"]  # type: ignore[misc]
+    code = run.finish()
     assert killed_before_round in (1, 2), "the clients never all joined"
     record = json.loads((out / "ray.json").read_text())
     summary = json.loads((out / "summary.json").read_text())
-    assert result["code"] == 0, (summary, record)
+    assert code == 0, (summary, record)
     assert summary["ok"] and summary["client_codes"] == [0, 0]
     # Every round's results row, every client in it, a GM above chance (0.1 for ten digits).
     rows = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
@@ -165,24 +181,11 @@ def test_a_killed_server_actor_is_restarted_and_resumes_the_run(two_nodes, tmp_p
     the workers' clients reconnect to the address they were given, and all three rounds complete."""
     ray, head, other, address = two_nodes
     out = tmp_path / "run"
-    argv = ["run", "--ray", address, "--clients", "4", "--rounds", "3", "--algorithm", "fedavg"]
-    argv += ["--protocol", "compute-and-wait", "--set", "optimizer=adam", "--set", "lr=0.003"]
-    argv += ["--set", "local_epochs=2", "--slowdown", "1,1,8,8"]  # round 2 is still going when the server dies
-    argv += ["--workers", "2", "--ray-max-restarts", "2", "--timeout", "420", "--quiet", "--out", str(out)]
-    result: dict[str, object] = {}
-
-    def run() -> None:
-        try:
-            result["code"] = main(argv)
-        except BaseException as e:  # noqa: BLE001 - re-raised by the test
-            result["error"] = e
-
-    t = threading.Thread(target=run)
-    t.start()
-    namespace = f"wafl-{out.name}"
+    run = RayRun(address, out, rounds=3, slowdown="1,1,8,8")  # round 2 is still going when the server dies
+    namespace = run.namespace
     rows_at_kill = None
     deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and t.is_alive():
+    while time.monotonic() < deadline and run.running():
         try:
             server = ray.get_actor("server", namespace=namespace)
             _, rows, _ = ray.get(server.poll.remote())
@@ -193,14 +196,11 @@ def test_a_killed_server_actor_is_restarted_and_resumes_the_run(two_nodes, tmp_p
             ray.kill(server, no_restart=False)  # its process dies; Ray may restart it
             break
         time.sleep(0.1)
-    t.join(timeout=480)
-    assert not t.is_alive(), "launch_ray did not return"
-    if "error" in result:
-        raise result["error"]  # type: ignore[misc]
+    code = run.finish()
     assert rows_at_kill in (1, 2), "round 1 never completed"
     record = json.loads((out / "ray.json").read_text())
     summary = json.loads((out / "summary.json").read_text())
-    assert result["code"] == 0, (summary, record)
+    assert code == 0, (summary, record)
     assert record["server"]["restarts"] == 1 and len(set(record["server"]["pids"])) == 2
     assert record["server"]["node_id"] == head
     rows = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
