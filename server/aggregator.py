@@ -43,10 +43,10 @@ from wafl.common.codec import (
     numpy_view,
     torch_dtype,
 )
+from wafl.common.config import RunConfig
 from wafl.common.errors import Code
 
 CENTERS = ("mean", "trimmed_mean", "median")
-DEFAULT_RETAINED_BYTES = 256 << 20  # rollback data in memory when no budget is given
 _scratch = threading.local()  # each folding thread's float64 buffer (UploadFold._contribution)
 
 
@@ -85,6 +85,11 @@ class RetainedBytes:
     def give(self, n: int) -> None:
         with self.lock:
             self.used -= n
+
+    @classmethod
+    def of_mb(cls, mb: float = RunConfig.rollback_memory_mb) -> RetainedBytes:
+        """A budget of ``mb`` MiB (by default the run configuration's ``rollback_memory_mb``)."""
+        return cls(int(mb * (1 << 20)))
 
 
 class SpillArena:
@@ -192,7 +197,7 @@ class Accumulator:
         retained: RetainedBytes | None = None,
     ) -> None:
         self.manifest = manifest
-        self.retained = retained if retained is not None else RetainedBytes(DEFAULT_RETAINED_BYTES)
+        self.retained = retained if retained is not None else RetainedBytes.of_mb()
         self.rule = rule
         self.sums = {s.name: np.zeros(s.numel, dtype=np.float64) for s in manifest}
         # ``lock`` guards the sums (a fold worker adding a chunk, a rollback); ``folds_lock`` the

@@ -115,7 +115,7 @@ class RoundEngine:
         self.index_owner: dict[int, str] = {}
         self.accumulators: list[Accumulator] = []  # zeroed sums, ready for the next collection
         self.rule = Rule(cfg.aggregator, cfg.trim_fraction, cfg.clip_norm)
-        self.retained = RetainedBytes(int(cfg.rollback_memory_mb * (1 << 20)))  # shared by every accumulator
+        self.retained = RetainedBytes.of_mb(cfg.rollback_memory_mb)  # shared by every accumulator
         self.shard_sizes = self._shard_sizes()
         self.strategy = make_strategy(cfg, self.algorithm, self.dataset.num_classes, self._accumulator)
         self.publication: Publication | None = None

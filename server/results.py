@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -80,10 +80,7 @@ class ResultsLog:
 
     def pm_accuracy(self, round: int) -> float | None:
         got = self.latest if self.latest_pm else self.reports.get(round)
-        if not got:
-            return None
-        n = sum(k for _, k in got.values())
-        return sum(a * k for a, k in got.values()) / n if n else None
+        return weighted_mean((k, a) for a, k in (got or {}).values())
 
     def close_before(self, round: int) -> None:
         """Writes every pending line of a round earlier than ``round`` (its reports are late)."""
@@ -105,6 +102,14 @@ class ResultsLog:
                 listener(row)
             with self.results_path.open("a") as f:
                 f.write(dumps(row) + "\n")
+
+
+def weighted_mean(pairs: Iterable[tuple[float, float]]) -> float | None:
+    """``sum(w * v) / sum(w)`` over ``(w, v)`` pairs (accuracies weighted by test-set sizes); None
+    when there are none or their weights sum to 0."""
+    got = list(pairs)
+    n = sum(w for w, _ in got)
+    return sum(w * v for w, v in got) / n if n else None
 
 
 def round_(v: float | None, digits: int = 6) -> float | None:

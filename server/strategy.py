@@ -50,6 +50,7 @@ from wafl.common.config import ConfigError, RunConfig
 from wafl.common.errors import AlreadyAccepted, Code, Refused
 from wafl.common.knowledge import Knowledge, KnowledgeAccumulator
 from wafl.server.aggregator import Accumulator
+from wafl.server.results import weighted_mean
 from wafl.server.selection import select_clients
 
 State = "OrderedDict[str, torch.Tensor]"
@@ -297,9 +298,7 @@ def local_accuracy(uploads: Iterable[Mapping[str, float]], personal: bool) -> fl
     each test set's size: what the uploads' ``local_accuracy`` say (``pm_accuracy`` where the
     local model is the personal one); None when no upload says."""
     acc, weight = (M.PM_ACCURACY, M.PM_TEST_SAMPLES) if personal else (M.LOCAL_ACCURACY, M.LOCAL_TEST_SAMPLES)
-    got = [(m.get(weight, 1.0), m[acc]) for m in uploads if acc in m]
-    n = sum(k for k, _ in got)
-    return sum(k * a for k, a in got) / n if n else None
+    return weighted_mean((m.get(weight, 1.0), m[acc]) for m in uploads if acc in m)
 
 
 class SyncStrategy(Strategy):
