@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 from wafl.client.app import warm_up_torch
+from wafl.client.compute import SharedSlots
 from wafl.client.local import LocalSession
 from wafl.client.protocol import RoundProtocol
 from wafl.client.trainer import Trainer
@@ -25,27 +26,33 @@ from wafl.common.config import RunConfig
 from wafl.server.engine import RoundEngine
 
 
-def simulate(cfg: RunConfig, out_dir: Path | None = None) -> list[dict[str, Any]]:
+def simulate(
+    cfg: RunConfig, out_dir: Path | None = None, pool: Callable[[], SharedSlots] | None = None
+) -> list[dict[str, Any]]:
     """Runs ``cfg`` in-process; returns its ``results.jsonl`` rows (``gm_accuracy``, ``pm_accuracy``, ...).
 
-    The run's folder is ``out_dir`` (a temporary one, deleted afterwards, when None).
+    The run's folder is ``out_dir`` (a temporary one, deleted afterwards, when None). ``pool`` makes
+    the clients share one pool of training slots, as the clients of a ``wafl worker`` do.
     """
     if out_dir is not None:
-        return asyncio.run(_simulate(cfg, out_dir))
+        return asyncio.run(_simulate(cfg, out_dir, pool))
     with tempfile.TemporaryDirectory(prefix="wafl-sim-") as tmp:
-        return asyncio.run(_simulate(cfg, Path(tmp)))
+        return asyncio.run(_simulate(cfg, Path(tmp), pool))
 
 
-async def _simulate(cfg: RunConfig, out_dir: Path) -> list[dict[str, Any]]:
+async def _simulate(
+    cfg: RunConfig, out_dir: Path, pool: Callable[[], SharedSlots] | None = None
+) -> list[dict[str, Any]]:
     out_dir.mkdir(parents=True, exist_ok=True)
     warm_up_torch()  # as a client process does while it joins: not inside the first training phase
     engine = RoundEngine(cfg, out_dir)
+    shared = pool() if pool is not None else None  # made in this event loop, which counts its slots
     clients = []
     for i in range(cfg.num_clients):
         trainer = Trainer(cfg, i, dataset=engine.dataset, device="cpu")
         session = LocalSession(engine, f"client-{i}", i, trainer.num_samples)
         session.join()
-        clients.append(RoundProtocol(session, trainer, cfg.protocol))
+        clients.append(RoundProtocol(session, trainer, cfg.protocol, shared.view(trainer) if shared else None))
     tasks = [asyncio.create_task(c.run()) for c in clients]
     try:
         await engine.run_to_end()
@@ -54,6 +61,8 @@ async def _simulate(cfg: RunConfig, out_dir: Path) -> list[dict[str, Any]]:
         for t in tasks:
             t.cancel()
         engine.executor.shutdown(wait=False, cancel_futures=True)
+        if shared is not None:
+            shared.shutdown()
     return engine.results.rows
 
 

@@ -33,6 +33,7 @@ from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import structlog
+from wafl.client.residency import Residency, Resident
 
 T = TypeVar("T")
 log = structlog.get_logger("client")
@@ -72,10 +73,11 @@ class SharedSlots:
     (the same pool); closing a view leaves the pool open.
     """
 
-    def __init__(self, slots: int) -> None:
+    def __init__(self, slots: int, residency: Residency | None = None) -> None:
         if slots < 1:
             raise ValueError(f"slots={slots} must be at least 1")
         self.slots = slots
+        self.residency = residency  # on an accelerator: which clients keep their tensors on it
         self.free = slots
         self.waiters: list[tuple[int, int, asyncio.Future[None]]] = []  # (class, order, granted)
         self.urgent_waiting = 0  # read from training threads: a fill holder gives its slot up
@@ -125,8 +127,12 @@ class SharedSlots:
         self.free += 1
 
     # ------------------------------------------------------------ the compute interface
-    def view(self) -> SharedSlots:
-        return self
+    def view(self, client: Resident | None = None) -> SharedSlots | HostedSlots:
+        """The compute object of one hosted client: the pool itself, or (with a residency) the pool with
+        ``client``'s tensors brought to the device for each of its calls."""
+        if self.residency is None or client is None:
+            return self
+        return HostedSlots(self, self.residency, client)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         await self.acquire(URGENT)
@@ -198,6 +204,24 @@ class SharedSlots:
             pause.cancel()  # a paused PM's thread ends instead of waiting on a loop that is going away
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.fill_executor.shutdown(wait=False, cancel_futures=True)
+
+
+class HostedSlots:
+    """A hosted client's calls on the shared pool, each run with the client resident on the device."""
+
+    def __init__(self, pool: SharedSlots, residency: Residency, client: Resident) -> None:
+        self.pool, self.residency, self.client = pool, residency, client
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await self.pool.run(self.residency.bound(self.client, fn), *args)
+
+    async def fill(
+        self, train: Callable[[Callable[[], bool]], T], stop: Callable[[], bool], wake: asyncio.Event | None = None
+    ) -> T:
+        return await self.pool.fill(self.residency.bound(self.client, train), stop, wake)
+
+    def close(self) -> None:
+        pass
 
 
 def lower_thread_priority(nice: int) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from wafl.client.residency import relocate
 from wafl.common.algorithms import registry
 from wafl.common.algorithms.base import Algorithm, Phase, RoundContext, extra_name, parameters_of, split_payload
 from wafl.common.config import ConfigError, RunConfig
@@ -97,6 +98,7 @@ class Trainer:
         self.pm_optimizer: torch.optim.Optimizer | None = None  # kept across rounds: the PM's training never restarts
         self._pm_optimizer_state: dict[str, Any] | None = None  # loaded from state_dir, applied on first use
         self.pm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._offloaded: set[int] | None = None  # ids of the tensors offload() moved to the host
         self._load_state()
 
     @property
@@ -247,6 +249,30 @@ class Trainer:
         acc, n, _ = evaluate(model, self.data.test, self.test_idx, self.cfg.eval_batch_size, self.device)
         return acc, n
 
+    # -------------------------------------------------------------- device residency
+    def offload(self, home: torch.device | str = "cpu") -> None:
+        """Moves this client's tensors on the training device to ``home`` (a hosted client between its
+        trainings, :class:`~wafl.client.residency.Residency`); :meth:`onload` brings them back."""
+        home = torch.device(home)
+        device = self.device
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(home, copy=True) if t.device == device else t
+
+        self._offloaded = relocate(vars(self), move, skip=_not_the_clients)
+
+    def onload(self) -> None:
+        """Returns what :meth:`offload` moved (and every model parameter) to the training device."""
+        offloaded, device = self._offloaded, self.device
+        if offloaded is None:
+            return
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, copy=True) if id(t) in offloaded else t
+
+        relocate(vars(self), move, lambda t: t.to(device, copy=True), skip=_not_the_clients)
+        self._offloaded = None
+
     # -------------------------------------------------------------- persistence
     def _fingerprint(self) -> str:
         return json.dumps({"config": json.loads(self.cfg.to_json()), "index": self.index}, sort_keys=True)
@@ -282,6 +308,14 @@ class Trainer:
         if payload.get("local"):
             self.gm.load_state_dict(payload["local"], strict=False)
         self.client_state.update(payload.get("client_state", {}))
+
+
+def _not_the_clients(obj: Any) -> bool:
+    """What a client's relocation must not touch: the dataset its worker shares, other trainers, CUDA
+    streams, random generators."""
+    return isinstance(obj, FederatedDataset | Trainer | RunConfig | torch.Generator | np.random.Generator) or (
+        type(obj).__name__ == "Stream"
+    )
 
 
 def _to_cpu(obj: Any) -> Any:

@@ -9,7 +9,9 @@ dataset (loaded once), one buffer per broadcast they all receive
 (:class:`~wafl.client.reception.SharedReception`) and a bounded pool of ``slots`` training slots
 (:class:`~wafl.client.compute.SharedSlots`): work the federation waits for (loading a
 broadcast, GM training, the upload's tensors, the compute-and-wait PM, evaluation) always gets
-a free slot before the wait-free PM, which only fills slots nobody else waits for.
+a free slot before the wait-free PM, which only fills slots nobody else waits for. On an
+accelerator a :class:`~wafl.client.residency.Residency` keeps only about ``slots`` clients'
+tensors on the device and the others' in host memory.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ import asyncio
 from pathlib import Path
 
 import structlog
+import torch
 from wafl.client.app import warm_up_torch
 from wafl.client.compute import SharedSlots
 from wafl.client.protocol import RoundProtocol
 from wafl.client.reception import SharedReception
+from wafl.client.residency import Residency
 from wafl.client.session import Session, credential_path
 from wafl.client.trainer import Trainer, resolve_device
 from wafl.common.config import ConfigError, RunConfig
@@ -96,7 +100,8 @@ async def run_worker(
     # one after another: each trainer seeds torch's global generator before building its model
     trainers = await asyncio.to_thread(lambda: [Trainer(cfg, i, state_dir, data_dir, dev, data) for i in indices])
     await warm
-    pool = SharedSlots(slots)
+    # on an accelerator only the clients training (or last trained) keep their tensors there
+    pool = SharedSlots(slots, Residency(slots) if torch.device(dev).type != "cpu" else None)
     joining = asyncio.Semaphore(JOINS_AT_ONCE)
     reception = SharedReception()
     clients = [_HostedClient(address, t, dev, token, reconnect_s, tls, pool, joining, reception) for t in trainers]
@@ -115,6 +120,15 @@ async def run_worker(
         slots_held_max=pool.busy_max,
         broadcasts_shared=reception.shared,
         broadcasts_alone=reception.alone,
+        **(
+            {
+                "resident_max": pool.residency.resident_max,
+                "offloads": pool.residency.offloads,
+                "onloads": pool.residency.onloads,
+            }
+            if pool.residency is not None
+            else {}
+        ),
     )
     if failed and all(isinstance(r, ConnectionError) for _, r in failed) and len(failed) == len(clients):
         raise failed[0][1]  # every client gave up on the server: one line and exit 1, as a client does
@@ -157,7 +171,9 @@ class _HostedClient:
         try:
             async with self.joining:
                 await self.session.join()
-            self.protocol = RoundProtocol(self.session, self.trainer, self.trainer.cfg.protocol, self.pool.view())
+            self.protocol = RoundProtocol(
+                self.session, self.trainer, self.trainer.cfg.protocol, self.pool.view(self.trainer)
+            )
             await self.protocol.run()
         finally:
             await self.session.close()
