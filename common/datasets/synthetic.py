@@ -17,6 +17,8 @@ SHAPES = {
     # name: (channels, size, classes, train, test)
     "synthetic-cifar10": (3, 32, 10, 1000, 200),
     "synthetic-cifar100": (3, 32, 100, 2000, 400),
+    # CIFAR-10's sizes as well as its shapes: a fleet of 100 clients with 500 images each (benchmarks/gpu_fleet.py)
+    "synthetic-cifar10-50k": (3, 32, 10, 50000, 10000),
     "synthetic-svhn": (3, 32, 10, 1000, 200),
     "synthetic-tinyimagenet": (3, 64, 200, 2000, 400),
     # digits' shape with enough samples for every client of a 10,000-client federation (benchmarks/scale.py)

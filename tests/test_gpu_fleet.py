@@ -1,0 +1,43 @@
+"""``benchmarks/gpu_fleet.sh``: says so and exits 2 where CUDA is absent; the script itself, run on the
+CPU with a small fleet, finishes its rounds and saves what it measured."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_without_cuda_it_says_so_and_exits_2(repo: Path, tmp_path: Path) -> None:
+    out = tmp_path / "fleet.json"
+    p = subprocess.run(
+        ["bash", "benchmarks/gpu_fleet.sh", "--json", str(out)],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "WAFL_PYTHON": sys.executable},
+    )
+    assert p.returncode == 2, p.stderr
+    assert "CUDA is not available" in p.stderr and not out.exists()
+
+
+def test_a_small_fleet_on_the_cpu_finishes_and_is_recorded(repo: Path, tmp_path: Path) -> None:
+    out = tmp_path / "fleet.json"
+    args = ["--device", "cpu", "--clients", "4", "--workers", "2", "--slots", "1", "--model", "cnn"]
+    args += ["--dataset", "synthetic-cifar10", "--rounds", "2", "--json", str(out)]
+    p = subprocess.run(
+        [sys.executable, "benchmarks/gpu_fleet.py", *args], cwd=repo, capture_output=True, text=True, timeout=300
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    r = json.loads(out.read_text())
+    assert r["ok"] and r["rounds"] == 2 and len(r["round_s"]) == 2 and r["rounds_per_hour"] > 0
+    assert r["workers_done"] == 2 and r["resident_max"] is None  # no accelerator: nothing moves
+    assert r["gm_accuracy"] > 0.1  # ten classes
+    assert "rounds per hour" in out.with_suffix(".md").read_text()
