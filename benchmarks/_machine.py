@@ -1,8 +1,9 @@
-"""What machine a benchmark ran on (shared by the scripts in this folder)."""
+"""What machine a benchmark ran on, and what it did meanwhile (shared by the scripts in this folder)."""
 
 from __future__ import annotations
 
 import platform
+import threading
 from pathlib import Path
 
 
@@ -15,3 +16,29 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "cpu"
+
+
+class Sampler:
+    """Calls :meth:`sample` every ``period_s`` in a thread while in its ``with`` block; :meth:`sample`
+    returning False ends the sampling early."""
+
+    def __init__(self, period_s: float = 0.5) -> None:
+        self.period_s = period_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            if self.sample() is False:
+                return
+
+    def sample(self) -> bool | None:
+        raise NotImplementedError

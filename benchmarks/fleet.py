@@ -36,7 +36,6 @@ import os
 import shutil
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -46,45 +45,34 @@ sys.path.insert(0, str(ROOT))
 from wafl.cli.launcher import launch, split_clients, worker_slots  # noqa: E402
 from wafl.common.config import load_config  # noqa: E402
 
-from benchmarks._machine import cpu_name  # noqa: E402
+from benchmarks._machine import Sampler, cpu_name  # noqa: E402
 
 PAPER = ROOT / "configs" / "paper" / "asd-cifar100-delta0.3-100clients.toml"
 
 
-class RssSampler:
+class RssSampler(Sampler):
     """Samples the resident memory of this process's children (server, clients, workers) every ``period_s``."""
 
     def __init__(self, period_s: float = 0.5) -> None:
-        self.period_s = period_s
+        super().__init__(period_s)
         self.peak_clients = 0  # bytes: the largest sum over client-hosting processes at one sample
         self.peak_server = 0
         self.peak_each = 0  # the largest single client-hosting process
         self.samples = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.me = os.getpid()
 
-    def __enter__(self) -> RssSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        me = os.getpid()
-        while not self._stop.wait(self.period_s):
-            clients = server = each = 0
-            for _pid, role, rss in _children(me):
-                if role == "server":
-                    server += rss
-                elif role in ("client", "worker"):
-                    clients += rss
-                    each = max(each, rss)
-            self.samples += 1
-            self.peak_clients = max(self.peak_clients, clients)
-            self.peak_server = max(self.peak_server, server)
-            self.peak_each = max(self.peak_each, each)
+    def sample(self) -> None:
+        clients = server = each = 0
+        for _pid, role, rss in _children(self.me):
+            if role == "server":
+                server += rss
+            elif role in ("client", "worker"):
+                clients += rss
+                each = max(each, rss)
+        self.samples += 1
+        self.peak_clients = max(self.peak_clients, clients)
+        self.peak_server = max(self.peak_server, server)
+        self.peak_each = max(self.peak_each, each)
 
 
 def _children(parent: int) -> list[tuple[int, str, int]]:

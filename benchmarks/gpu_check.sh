@@ -10,22 +10,6 @@
 #   bash benchmarks/gpu_check.sh --json /tmp/gpu_check.json    # also keep the measurements
 #   WAFL_PYTHON=/path/to/python bash benchmarks/gpu_check.sh   # a Python that already has wafl
 #
-# Without WAFL_PYTHON it uses the environment of scripts/venv.sh (created on first use, which
-# needs the package index; an existing one is reused, then only the editable install is refreshed).
+# Without WAFL_PYTHON it uses the environment of scripts/venv.sh (see _limited.sh).
 set -euo pipefail
-root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-if [ -n "${WAFL_PYTHON:-}" ]; then
-  py=$WAFL_PYTHON
-else
-  venv=$(bash "$root/scripts/venv.sh")
-  py="$venv/bin/python"
-fi
-cd "$root"
-set +e
-PYTHONUNBUFFERED=1 timeout --kill-after=10 280 "$py" benchmarks/gpu_check.py --device cuda "$@"
-rc=$?
-set -e
-if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
-  echo "gpu_check: stopped after 280 s (limit); see the lines above for how far it got" >&2
-fi
-exit "$rc"
+exec bash "$(dirname "${BASH_SOURCE[0]}")/_limited.sh" gpu_check 280 benchmarks/gpu_check.py --device cuda "$@"

@@ -33,12 +33,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from _machine import cpu_name
+from _machine import Sampler, cpu_name
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -60,37 +59,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-class GpuSampler:
+class GpuSampler(Sampler):
     """``nvidia-smi`` every ``period_s``: (seconds since start, memory used MiB, utilization %) of one GPU."""
 
     def __init__(self, index: int, period_s: float = 0.5) -> None:
-        self.index, self.period_s = index, period_s
+        super().__init__(period_s)
+        self.index = index
         self.samples: list[tuple[float, float, float]] = []
         self.error: str | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
         self.t0 = time.monotonic()
 
-    def __enter__(self) -> GpuSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
+    def sample(self) -> bool:
         query = ["nvidia-smi", f"--id={self.index}", "--query-gpu=memory.used,utilization.gpu"]
-        while not self._stop.wait(self.period_s):
-            try:
-                out = subprocess.run(
-                    [*query, "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=5, check=True
-                ).stdout
-                mem, util = (float(x) for x in out.strip().splitlines()[0].split(","))
-            except (OSError, subprocess.SubprocessError, ValueError, IndexError) as e:
-                self.error = f"{type(e).__name__}: {e}"
-                return
-            self.samples.append((time.monotonic() - self.t0, mem, util))
+        try:
+            out = subprocess.run(
+                [*query, "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=5, check=True
+            ).stdout
+            mem, util = (float(x) for x in out.strip().splitlines()[0].split(","))
+        except (OSError, subprocess.SubprocessError, ValueError, IndexError) as e:
+            self.error = f"{type(e).__name__}: {e}"
+            return False
+        self.samples.append((time.monotonic() - self.t0, mem, util))
+        return True
 
 
 def residency(logs: Path) -> dict[str, Any]:
