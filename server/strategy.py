@@ -452,8 +452,8 @@ class BufferedStrategy(Strategy):
         """Hands free slots to idle clients (random, reproducible), with the newest version; a client
         never trains twice on one version (a slot it frees waits for the next one instead)."""
         out: Deliveries = {}
-        if self.done:
-            return out
+        if self.done or len(self.assigned) >= self.concurrency:
+            return out  # no free slot: nothing to draw (and no pass over every client)
         idle = sorted(
             (
                 c
