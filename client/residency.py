@@ -37,42 +37,45 @@ def _never(obj: Any) -> bool:
     return False
 
 
-def relocate(root: Any, move: Move, move_param: Move | None = None, skip: Callable[[Any], bool] = _never) -> set[int]:
-    """Moves every tensor reachable from ``root``, in place; returns the ids of the tensors that moved.
+def relocate(
+    root: Any, move: Move, move_module: Move | None = None, skip: Callable[[Any], bool] = _never
+) -> list[torch.Tensor]:
+    """Moves every tensor reachable from ``root``, in place; returns the moved tensors that belong to no module.
 
-    ``move`` decides per tensor and returns it unchanged to leave it where it is; a parameter's data
-    goes through ``move_param`` (default: ``move``) and the parameter object stays (so do the
-    optimizers and modules that refer to it). Tensors are reached through dicts, lists, tuples
-    (rebuilt), function closures, modules (parameters, gradients, buffers), optimizers (their
-    state) and the attributes of wafl's own objects; one tensor referred to twice moves once.
-    ``skip(obj)`` prunes objects that are shared with others (the dataset) or are not the client's.
+    ``move`` decides per tensor and returns it unchanged to leave it where it is. The tensors of a
+    module (its parameters' data, their gradients, its buffers) and any parameter's data go through
+    ``move_module`` (default: ``move``); a parameter object stays itself, so the optimizers and
+    modules that refer to it stay valid. Tensors are reached through dicts, lists, tuples
+    (rebuilt), function closures, modules, optimizers (their state) and the attributes of wafl's own
+    objects; one tensor referred to twice moves once and stays one tensor. ``skip(obj)`` prunes
+    objects that are shared with others (the dataset) or are not the client's.
     """
-    move_param = move_param or move
-    memo: dict[int, torch.Tensor] = {}  # id(original) -> moved
+    move_module = move_module or move
+    memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(original) -> (original, kept alive; moved)
     seen: set[int] = set()
-    moved: set[int] = set()
+    moved: list[torch.Tensor] = []
 
-    def tensor(t: torch.Tensor) -> torch.Tensor:
+    def tensor(t: torch.Tensor, mover: Move) -> torch.Tensor:
         if id(t) in memo:
-            return memo[id(t)]
+            return memo[id(t)][1]
         if isinstance(t, nn.Parameter):
-            t.data = move_param(t.data)
-            memo[id(t)] = t
-            return t
-        out = move(t)
-        memo[id(t)] = out
-        if out is not t:
-            moved.add(id(out))
+            t.data = move_module(t.data)
+            out = t
+        else:
+            out = mover(t)
+            if mover is move and out is not t:
+                moved.append(out)
+        memo[id(t)] = (t, out)
         return out
 
     def module_tensor(t: torch.Tensor) -> torch.Tensor:
-        # Module._apply sets param.data to what this returns (the parameter stays) and stores buffers
-        return tensor(t).data if isinstance(t, nn.Parameter) else tensor(t)
+        # Module._apply sets a parameter's (and a gradient's) data to what this returns, and stores buffers
+        return tensor(t, move_module).data if isinstance(t, nn.Parameter) else tensor(t, move_module)
 
     def walk(o: Any) -> Any:
         """``o`` with its contents moved in place, or a tensor's (or tuple's) replacement."""
         if isinstance(o, torch.Tensor):
-            return tensor(o)
+            return tensor(o, move)
         if o is None or isinstance(o, str | bytes | int | float | bool | torch.device | torch.dtype) or skip(o):
             return o
         if id(o) in seen:

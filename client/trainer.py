@@ -98,7 +98,7 @@ class Trainer:
         self.pm_optimizer: torch.optim.Optimizer | None = None  # kept across rounds: the PM's training never restarts
         self._pm_optimizer_state: dict[str, Any] | None = None  # loaded from state_dir, applied on first use
         self.pm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._offloaded: set[int] | None = None  # ids of the tensors offload() moved to the host
+        self._offloaded: list[torch.Tensor] | None = None  # what offload() moved to the host, outside the models
         self._load_state()
 
     @property
@@ -253,8 +253,7 @@ class Trainer:
     def offload(self, home: torch.device | str = "cpu") -> None:
         """Moves this client's tensors on the training device to ``home`` (a hosted client between its
         trainings, :class:`~wafl.client.residency.Residency`); :meth:`onload` brings them back."""
-        home = torch.device(home)
-        device = self.device
+        home, device = torch.device(home), self.device
 
         def move(t: torch.Tensor) -> torch.Tensor:
             return t.to(home, copy=True) if t.device == device else t
@@ -262,10 +261,11 @@ class Trainer:
         self._offloaded = relocate(vars(self), move, skip=_not_the_clients)
 
     def onload(self) -> None:
-        """Returns what :meth:`offload` moved (and every model parameter) to the training device."""
-        offloaded, device = self._offloaded, self.device
-        if offloaded is None:
+        """Brings the models (parameters, gradients, buffers) and what :meth:`offload` moved back to the
+        training device; tensors that always live on the host stay there."""
+        if self._offloaded is None:
             return
+        offloaded, device = {id(t) for t in self._offloaded}, self.device  # the list keeps the ids unique
 
         def move(t: torch.Tensor) -> torch.Tensor:
             return t.to(device, copy=True) if id(t) in offloaded else t

@@ -118,6 +118,11 @@ def test_offloading_every_client_around_each_call_changes_no_result_and_reaches_
         missed = [path for path, t in tensors(trainer) if t.numel() and t.untyped_storage().data_ptr() in old]
         assert missed == [], f"{algorithm}: offload missed these tensors"
         assert before
+        away = [t.detach() for _, t in tensors(trainer)]
+        old = {t.untyped_storage().data_ptr() for t in away}
+        trainer.onload()  # everything offload moved comes back (copied again): model gradients too
+        missed = [path for path, t in tensors(trainer) if t.numel() and t.untyped_storage().data_ptr() in old]
+        assert missed == [], f"{algorithm}: onload left these tensors on the host"
 
 
 def test_offload_moves_only_tensors_on_the_training_device_and_onload_returns_exactly_those() -> None:
@@ -160,7 +165,13 @@ def test_relocate_keeps_one_tensor_one_and_rebuilds_tuples() -> None:
     moved = relocate(root, lambda t: t.clone())
     assert root["a"] is root["b"][0] is root["b"][1][0] is closure() and root["a"] is not original
     assert root["p"][0] is lin.weight is param  # parameters stay themselves, their data moves
-    assert id(root["a"]) in moved
+    assert [id(t) for t in moved] == [id(root["a"])]  # the one free tensor (the module's go their own way)
+    lin.weight.grad = torch.ones(2, 2)
+    grad, ptrs = lin.weight.grad, [lin.weight.grad.data_ptr(), lin.weight.data_ptr(), lin.bias.data_ptr()]
+    moved = relocate({"m": lin}, lambda t: t, lambda t: t.clone())  # module tensors only: gradients too
+    assert moved == [] and lin.weight is param and lin.weight.grad is grad and torch.equal(grad, torch.ones(2, 2))
+    new = [lin.weight.grad.data_ptr(), lin.weight.data_ptr(), lin.bias.data_ptr()]
+    assert all(a != b for a, b in zip(ptrs, new))  # each copied (a copy is made while its original lives)
 
 
 class Fake:
@@ -211,7 +222,9 @@ def test_an_offloaded_client_frees_its_device_memory_and_trains_on_after_onload(
     assert torch.cuda.memory_allocated() < resident
     assert [path for path, x in tensors(t) if x.device.type == "cuda"] == []
     t.onload()
-    assert all(p.device.type == "cuda" for p in [*t.gm.parameters(), *t.pm.parameters()])
+    params = [*t.gm.parameters(), *t.pm.parameters()]
+    assert all(p.device.type == "cuda" and (p.grad is None or p.grad.device.type == "cuda") for p in params)
+    assert all(s["momentum_buffer"].device.type == "cuda" for s in t.pm_optimizer.state.values())
     t.train_pm(None, 0.2)
     t.gm_upload_state()
 
