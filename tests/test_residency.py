@@ -88,7 +88,7 @@ def _cfg(algorithm: str, **extra: object):
     )
 
 
-ALGORITHMS = registry.names()[0]
+ALGORITHMS = [*registry.names()[0], *(f"feddyn+{r}" for r in registry.names()[1])]  # and each regularizer
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
