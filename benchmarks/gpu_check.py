@@ -18,10 +18,15 @@ What one round does, in this process, with the client's real :class:`wafl.client
 3. the main thread simulates the next broadcast's arrival once the PM has completed
    ``--pm-steps`` steps by setting the stop condition; the PM stops before its next batch.
 
+4. the client's tensors go to host memory and back (``Trainer.offload``/``onload``, what a worker
+   does for an idle hosted client), and the PM trains two more steps.
+
 Printed: the device, GM and PM step times (ms; on CUDA the PM steps also from CUDA events on
 the PM stream), the PM steps completed, the stream the PM ran on, the upload's interval and
-whether PM work ran during it (the intervals overlap). Exit 0 when every check passed, 1 when
-one failed (PM on the default stream on CUDA, no overlap, the stop not honoured), 2 when the
+whether PM work ran during it (the intervals overlap), the offload's and onload's times and the
+device memory in use before and after the offload. Exit 0 when every check passed, 1 when one
+failed (PM on the default stream on CUDA, no overlap, the stop not honoured, no device memory
+freed by the offload, the PM not training after the onload), 2 when the
 requested device is not available. ``--json FILE`` also writes everything measured.
 """
 
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import threading
@@ -228,12 +234,31 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     overlapped = work_overlap_s > 0
     stop_lag_steps = stats.steps - steps_at_broadcast
 
+    # ---------------------------------------------------------------- a hosted client between its trainings
+    # (wafl worker on a GPU, client/residency.py): its tensors to host memory and back, then two more PM steps
+    sync()
+    resident_bytes = torch.cuda.memory_allocated(dev) if cuda else 0
+    t_off = time.perf_counter()
+    trainer.offload("cpu")
+    sync()
+    off_ms = (time.perf_counter() - t_off) * 1e3
+    offloaded_bytes = torch.cuda.memory_allocated(dev) if cuda else 0
+    t_on = time.perf_counter()
+    trainer.onload()
+    sync()
+    on_ms = (time.perf_counter() - t_on) * 1e3
+    back = all(p.device == dev for p in [*trainer.gm.parameters(), *trainer.pm.parameters()])
+    checks_after: list[int] = []
+    after = trainer.train_pm(lambda: checks_after.append(0) or len(checks_after) > 2, None, 0)
+
     checks = {
         "pm_stopped_after_broadcast": bool(stats.stopped_early) and 0 <= stop_lag_steps <= 1,
         "pm_overlapped_upload": overlapped,
+        "onload_trains_on": back and after.steps == 2 and math.isfinite(after.mean_loss),
     }
     if cuda:
         checks["pm_on_own_stream"] = bool(pm_stream_info.get("own")) and not pm_stream_info.get("default", True)
+        checks["offload_frees_device_memory"] = offloaded_bytes < resident_bytes
     rel = lambda x: round(x - ref_host, 6)  # noqa: E731
     return {
         "device": str(dev),
@@ -280,6 +305,13 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             "pm_work_during_upload_ms": work_overlap_s * 1e3,
             "pm_steps_during_upload": steps_during_upload,
         },
+        "residency": {
+            "offload_ms": off_ms,
+            "onload_ms": on_ms,
+            "device_bytes_resident": resident_bytes,
+            "device_bytes_offloaded": offloaded_bytes,
+            "pm_steps_after_onload": after.steps,
+        },
         "checks": checks,
         "wall_s": time.perf_counter() - t0,
     }
@@ -318,6 +350,12 @@ def report(r: dict[str, Any]) -> str:
         f"overlap: PM ran concurrently with the upload: {'yes' if o['overlapped'] else 'NO'} "
         f"({o['pm_work_during_upload_ms']:.1f} ms of PM work incl. its set-up; {o['pm_steps_during_upload']} "
         "PM steps overlapped the upload)"
+    )
+    h = r["residency"]
+    lines.append(
+        f"hosted client off the device and back: offload {h['offload_ms']:.1f} ms, onload {h['onload_ms']:.1f} ms; "
+        f"device memory {h['device_bytes_resident'] / 1e6:.1f} -> {h['device_bytes_offloaded'] / 1e6:.1f} MB; "
+        f"{h['pm_steps_after_onload']} PM steps after the onload"
     )
     for name, ok in r["checks"].items():
         lines.append(f"check {name}: {'ok' if ok else 'FAILED'}")

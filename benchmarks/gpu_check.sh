@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # GPU check: one short wait-free round of SCD with ResNet-18 on synthetic CIFAR-shaped data, on
 # this machine's GPU. Prints GM and PM step times (ms), the PM steps completed, the stream the PM
-# ran on and whether the PM overlapped the upload; exits 0 when every check passed, 1 when one
+# ran on, whether the PM overlapped the upload, and whether moving the client's tensors to host
+# memory and back (as a worker does for an idle client) freed device memory and let the PM train
+# on; exits 0 when every check passed, 1 when one
 # failed, 2 without CUDA, 124 when it ran past its limit. Takes well under 5 minutes: the Python
 # part is stopped after 280 s.
 #

@@ -1,5 +1,7 @@
-"""``benchmarks/gpu_fleet.sh``: says so and exits 2 where CUDA is absent; the script itself, run on the
-CPU with a small fleet, finishes its rounds and saves what it measured."""
+"""The GPU scripts where CUDA is absent: ``benchmarks/gpu_fleet.sh`` says so and exits 2; run on the CPU,
+``gpu_fleet.py`` with a small fleet finishes its rounds and saves what it measured, and ``gpu_check.py``'s
+smoke check passes its checks (the PM stops at the broadcast, overlaps the upload, and trains on after
+its client's tensors went to host memory and came back)."""
 
 from __future__ import annotations
 
@@ -41,3 +43,16 @@ def test_a_small_fleet_on_the_cpu_finishes_and_is_recorded(repo: Path, tmp_path:
     assert r["workers_done"] == 2 and r["resident_max"] is None  # no accelerator: nothing moves
     assert r["gm_accuracy"] > 0.1  # ten classes
     assert "rounds per hour" in out.with_suffix(".md").read_text()
+
+
+def test_gpu_check_smoke_on_the_cpu_passes_its_checks(repo: Path, tmp_path: Path) -> None:
+    out = tmp_path / "check.json"
+    args = ["--device", "cpu", "--gm-steps", "2", "--pm-steps", "2", "--batch-size", "8", "--model", "cnn"]
+    args += ["--dataset", "synthetic-cifar10", "--json", str(out)]
+    p = subprocess.run(
+        [sys.executable, "benchmarks/gpu_check.py", *args], cwd=repo, capture_output=True, text=True, timeout=300
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    r = json.loads(out.read_text())
+    assert r["checks"] == {"pm_stopped_after_broadcast": True, "pm_overlapped_upload": True, "onload_trains_on": True}
+    assert r["residency"]["pm_steps_after_onload"] == 2
