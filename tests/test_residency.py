@@ -229,10 +229,11 @@ def test_an_offloaded_client_frees_its_device_memory_and_trains_on_after_onload(
     t.gm_upload_state()
 
 
-def test_wait_free_clients_sharing_one_slot_and_one_resident_place_build_the_same_global_models() -> None:
+def test_wait_free_clients_sharing_one_slot_and_one_resident_place_finish_and_learn() -> None:
     """The wait-free PM holds its client resident while it waits for its slot back, so another client's
-    GM makes two resident for a while. Ditto's GM does not depend on the PM: the global models equal
-    those of clients in their own threads, and every client's PM is evaluated in every round."""
+    GM makes two resident for a while. (Its global models are not compared with a plain run's: the PM
+    draws from the client's batch order for as many steps as time allows, so a wait-free GM depends on
+    timing.) Every round closes with every client's PM evaluated, and the global model learns."""
     cfg = _cfg("ditto", protocol="wait-free", rounds=4)
     made: list[Recording] = []
 
@@ -240,8 +241,8 @@ def test_wait_free_clients_sharing_one_slot_and_one_resident_place_build_the_sam
         made.append(Recording(1))
         return SharedSlots(1, made[0])
 
-    hosted = simulate(cfg, pool=pool)
-    plain = simulate(cfg)
-    assert [r["gm_accuracy"] for r in hosted] == [r["gm_accuracy"] for r in plain]
-    assert [r["pm_reports"] for r in hosted] == [cfg.num_clients] * cfg.rounds
+    rows = simulate(cfg, pool=pool)
+    assert [r["round"] for r in rows] == list(range(1, cfg.rounds + 1))
+    assert [r["pm_reports"] for r in rows] == [cfg.num_clients] * cfg.rounds
+    assert rows[-1]["gm_accuracy"] > 0.3  # ten classes: chance is 0.1
     assert made[0].offloads > 0 and 1 <= made[0].resident_max <= cfg.num_clients
