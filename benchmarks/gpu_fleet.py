@@ -26,6 +26,7 @@ Exit 0 when the run finished its rounds, 1 when it did not, 2 when the device is
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -137,9 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     error = None
     sampler = GpuSampler(gpu.index or 0) if gpu.type == "cuda" else None
-    try:
-        if sampler is not None:
-            sampler.__enter__()
+    with sampler or contextlib.nullcontext():
         try:
             s = launch(cfg, run_dir, show_progress=False, timeout_s=a.timeout, workers=a.workers, slots=a.slots)
         except (TimeoutError, RuntimeError) as e:
@@ -147,9 +146,6 @@ def main(argv: list[str] | None = None) -> int:
 
             error = f"{type(e).__name__}: {e}"
             s = RunSummary(run_dir, ok=False, rows=_read_rows(run_dir / "results.jsonl"))
-    finally:
-        if sampler is not None:
-            sampler.__exit__()
     wall = time.monotonic() - t0
     rounds = [r["round_s"] for r in s.rows]
     steady = rounds[1:] or rounds
