@@ -14,7 +14,9 @@ from wafl.common.algorithms.spectral import (
     flat_weights,
     layer_weights,
     magnitude_spectrum,
+    mirrored,
     normalize,
+    real_dft,
     scd_term,
     spectral_kl,
     teacher_spectrum,
@@ -86,6 +88,35 @@ def test_model_spectrum_matches_numpy():
     # the eps version differs only by sqrt(|X|^2 + eps)
     got_eps = magnitude_spectrum(model, "model", eps=1e-4).detach().double().numpy()
     np.testing.assert_allclose(got_eps, np.sqrt(expected**2 + 1e-4), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("d", [1, 2, 7, 8, 33, 154_474])  # 154,474: the cnn's parameter count (2 x a prime)
+def test_real_dft_and_its_gradient_match_torch_fft(d: int):
+    """The scipy-backed real DFT (CPU) against torch.fft.fft: values, the mirrored half, and the gradient."""
+    torch.manual_seed(d)
+    x = torch.randn(d, dtype=torch.float64, requires_grad=True)
+    weights = torch.randn(d, dtype=torch.float64)
+    half = real_dft(x)
+    assert half.shape == (d // 2 + 1,)
+    mag = mirrored(half.abs(), d)
+    ref = torch.fft.fft(x).abs()
+    np.testing.assert_allclose(mag.detach().numpy(), ref.detach().numpy(), rtol=1e-10, atol=1e-9)
+    (got,) = torch.autograd.grad((mag * weights).sum(), x)
+    (want,) = torch.autograd.grad((ref * weights).sum(), x)
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-8, atol=1e-8 * math.sqrt(d))
+    # a loss through the complex values themselves (real and imaginary parts weighted differently)
+    c = torch.randn(d // 2 + 1, dtype=torch.complex128)
+    (got,) = torch.autograd.grad((real_dft(x) * c).real.sum(), x)
+    (want,) = torch.autograd.grad((torch.fft.rfft(x) * c).real.sum(), x)
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-8, atol=1e-8 * math.sqrt(d))
+    if d <= 33:
+        assert torch.autograd.gradcheck(real_dft, (x,))
+
+
+def test_real_dft_keeps_float32():
+    x = torch.randn(10)
+    assert real_dft(x).dtype == torch.complex64
+    assert real_dft(x.double()).dtype == torch.complex128
 
 
 def test_layer_spectrum_matches_numpy():
