@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
+from wafl.common.algorithms import spectral
 from wafl.common.algorithms.spectral import (
     flat_weights,
     layer_weights,
@@ -90,9 +91,12 @@ def test_model_spectrum_matches_numpy():
     np.testing.assert_allclose(got_eps, np.sqrt(expected**2 + 1e-4), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("host", [True, False], ids=["scipy", "torch"])
 @pytest.mark.parametrize("d", [1, 2, 7, 8, 33, 154_474])  # 154,474: the cnn's parameter count (2 x a prime)
-def test_real_dft_and_its_gradient_match_torch_fft(d: int):
-    """The scipy-backed real DFT (CPU) against torch.fft.fft: values, the mirrored half, and the gradient."""
+def test_real_dft_and_its_gradient_match_torch_fft(d: int, host: bool, monkeypatch: pytest.MonkeyPatch):
+    """The real DFT (scipy-backed up to HOST_DFT_MAX on the CPU, torch.fft beyond) against torch.fft.fft: values,
+    the mirrored half, and the gradient."""
+    monkeypatch.setattr(spectral, "HOST_DFT_MAX", d if host else d - 1)
     torch.manual_seed(d)
     x = torch.randn(d, dtype=torch.float64, requires_grad=True)
     weights = torch.randn(d, dtype=torch.float64)
@@ -109,6 +113,7 @@ def test_real_dft_and_its_gradient_match_torch_fft(d: int):
     (got,) = torch.autograd.grad((real_dft(x) * c).real.sum(), x)
     (want,) = torch.autograd.grad((torch.fft.rfft(x) * c).real.sum(), x)
     np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-8, atol=1e-8 * math.sqrt(d))
+    assert (type(half.grad_fn).__name__ == "HostRealDFTBackward") == host
     if d <= 33:
         assert torch.autograd.gradcheck(real_dft, (x,))
 

@@ -10,11 +10,15 @@ parameters, so a loss built from it has a gradient. Two ways to build it exist:
 
 The whole-model DFT's length is the model's parameter count, which rarely has only small prime
 factors (the ``cnn``: 154,474 = 2 x 77,237), so the transform is a Bluestein one, several times
-slower than a transform of a smooth length. On the CPU it runs through ``scipy.fft`` (pocketfft),
-whose Bluestein transform is about 2.5 x faster than Torch's there, as a real-input transform
-with its adjoint as the backward (:class:`HostRealDFT`); the spectrum of a real vector is
-symmetric, ``|X_(d-k)| = |X_k|``, so its first half determines it. Other devices use
-``torch.fft.rfft``. The values are the same DFT either way, to float rounding.
+slower than a transform of a smooth length. On the CPU, vectors of up to ``HOST_DFT_MAX`` entries
+go through ``scipy.fft`` (pocketfft) as a real-input transform with its adjoint as the backward
+(:class:`HostRealDFT`); the spectrum of a real vector is symmetric, ``|X_(d-k)| = |X_k|``, so its
+first half determines it. Measured on this project's 2-core CPU, transform and gradient: the
+``cnn``'s 154,474 entries 24 ms against Torch's 44-58 ms, ``shufflenetv2``'s 1,286,734 58-83 ms
+against 69 ms (2 threads); ``resnet18``'s 11,185,578 3.0 s against Torch's 0.7 s with 2 threads,
+so longer vectors and other devices use ``torch.fft.rfft``. The choice depends on the length
+alone, so a run's results do not depend on timing. The values are the same DFT either way, to
+float rounding.
 
 The SCD term is ``D(normalize(trunc s(student)) || normalize(trunc s(teacher)))`` where ``D`` is
 a KL divergence (a sum over frequencies). Truncation keeps the lowest frequencies (the first
@@ -102,9 +106,12 @@ class HostRealDFT(torch.autograd.Function):
         return torch.from_numpy(scipy.fft.irfft(h, d) * d)
 
 
+HOST_DFT_MAX = 1 << 21  # the longest vector whose DFT goes through scipy.fft on the CPU (see the module docstring)
+
+
 def real_dft(x: Tensor) -> Tensor:
     """The non-negative-frequency half ``X_0 .. X_(d//2)`` of the DFT of the real 1-D ``x`` (differentiable)."""
-    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and x.shape[0] <= HOST_DFT_MAX:
         return HostRealDFT.apply(x)  # type: ignore[no-any-return]
     return torch.fft.rfft(x)
 
