@@ -3,7 +3,8 @@
 # machine's cores split evenly between the server and the 4 clients, 10 ms quota period), each
 # client behind its own 20 Mbit/s link and the server behind one of 4 x 20 Mbit/s, SCD and
 # Ditto, at the bench's default settings and at the README's settings, three repetitions each,
-# one at a time. Earlier runs (100 ms period, a 20 Mbit/s server link): earlier-100ms-server-link-20mbit/.
+# one at a time. Earlier runs (100 ms period, a 20 Mbit/s server link): earlier-100ms-server-link-20mbit/;
+# SCD before its faster CPU transform: earlier-torch-fft/.
 # Usage: run.sh [WAFL]   (from the repository root; WAFL defaults to `wafl`)
 set -eu
 WAFL=${1:-wafl}
