@@ -118,6 +118,13 @@ def test_real_dft_and_its_gradient_match_torch_fft(d: int, host: bool, monkeypat
         assert torch.autograd.gradcheck(real_dft, (x,))
 
 
+def test_real_dft_second_derivative_is_refused():
+    x = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    (g,) = torch.autograd.grad(real_dft(x).abs().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError):
+        g.sum().backward()
+
+
 def test_real_dft_keeps_float32():
     x = torch.randn(10)
     assert real_dft(x).dtype == torch.complex64

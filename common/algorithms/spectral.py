@@ -35,6 +35,7 @@ from typing import Literal
 import scipy.fft
 import torch
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 SpectrumMode = Literal["model", "layer"]
 _MODES = ("model", "layer")
@@ -99,6 +100,7 @@ class HostRealDFT(torch.autograd.Function):
         return torch.from_numpy(scipy.fft.rfft(x.detach().numpy()))
 
     @staticmethod
+    @once_differentiable  # computed outside autograd: a second derivative raises instead of coming out zero
     def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> Tensor:  # type: ignore[override]
         d: int = ctx.d  # type: ignore[attr-defined]
         h = grad.detach().resolve_conj().numpy().copy()
