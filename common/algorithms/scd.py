@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from wafl.common.algorithms.base import Algorithm, Forward, LossTerm, RoundContext
 from wafl.common.algorithms.registry import Param, register
-from wafl.common.algorithms.spectral import scd_term, teacher_spectrum
+from wafl.common.algorithms.spectral import SpectralTarget, prepare_target, spectral_divergence, teacher_spectrum
 
 
 class SpectralDistillation(LossTerm):
@@ -22,16 +22,16 @@ class SpectralDistillation(LossTerm):
     def __init__(self, weight: float, teacher: str, mode: str, tau: float | None) -> None:
         self.weight, self.teacher, self.mode, self.tau = weight, teacher, mode, tau
         self.name = f"scd_{'gm' if teacher == 'pm' else 'pm'}"
-        self.target: torch.Tensor | None = None
+        self.target: SpectralTarget | None = None
 
     def begin(self, ctx: RoundContext, model: nn.Module) -> None:
         source = ctx.pm if self.teacher == "pm" else ctx.gm
         assert source is not None, "SCD needs both models"
-        self.target = teacher_spectrum(source, self.mode)  # type: ignore[arg-type]
+        self.target = prepare_target(teacher_spectrum(source, self.mode), self.mode, self.tau)  # type: ignore[arg-type]
 
     def __call__(self, model: nn.Module, out: Forward, ctx: RoundContext) -> torch.Tensor:
         assert self.target is not None
-        return self.weight * scd_term(model, self.target, self.mode, self.tau)  # type: ignore[arg-type]
+        return self.weight * spectral_divergence(model, self.target)
 
 
 def build(p: dict, run: dict) -> Algorithm:

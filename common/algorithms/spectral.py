@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from dataclasses import dataclass
 from typing import Literal
 
 import scipy.fft
@@ -196,6 +197,90 @@ def spectral_kl(p: Tensor, q: Tensor) -> Tensor:
     return (torch.xlogy(p, p) - torch.xlogy(p, q)).sum()
 
 
+@dataclass(frozen=True)
+class SpectralTarget:
+    """A teacher's spectrum prepared once per training phase for :func:`spectral_divergence`.
+
+    The divergence runs over ``used`` entries, entry ``k`` counted ``weight[k]`` times: in
+    ``"model"`` mode these are the non-negative-frequency half of the spectrum (a real vector's
+    magnitude spectrum is symmetric, so the truncated full spectrum is the half with each entry
+    counted as often as it or its mirror image ``d - k`` lies among the kept ones), in ``"layer"``
+    mode the kept entries themselves (``weight`` None: once each). ``log_q`` is the teacher's
+    log-probability per used entry, normalized over the kept entries of the full spectrum.
+    """
+
+    mode: SpectrumMode
+    length: int  # the full spectrum's length, which the student's must have
+    used: int
+    weight: Tensor | None  # float64
+    log_q: Tensor  # float64
+    eps: float
+
+
+def _half_weight(d: int, kept: int) -> tuple[int, Tensor | None]:
+    """How many half-spectrum entries the first ``kept`` entries of a length-``d`` symmetric spectrum
+    involve, and how often each occurs among them (None: once each)."""
+    half = d // 2 + 1
+    if kept <= half:  # no mirror image d - k (k >= 1, d - k != k) is below kept
+        return kept, None
+    k = torch.arange(half)
+    weight = 1 + ((k >= 1) & (d - k != k) & (d - k < kept)).to(torch.int64)
+    return half, weight
+
+
+def prepare_target(
+    teacher_spectrum: Tensor, mode: SpectrumMode = "model", tau: float | None = None, eps: float = 1e-12
+) -> SpectralTarget:
+    """The teacher side of ``D(normalize(trunc s(student)) || normalize(trunc teacher_spectrum))``, computed once.
+
+    ``teacher_spectrum`` is a magnitude spectrum from :func:`teacher_spectrum` built with the same
+    ``mode``; ``tau=None`` keeps every entry (the PM term), a ``tau`` in (0, 1] the lowest
+    ``ceil(tau * d)`` (the GM term).
+    """
+    _check_mode(mode)
+    t = teacher_spectrum.detach()
+    if t.dim() != 1 or t.shape[0] == 0:
+        raise ValueError(f"teacher spectrum must be a non-empty 1-D tensor, got shape {tuple(t.shape)}")
+    d = t.shape[0]
+    kept = d if tau is None else truncated_length(d, tau)
+    used, weight = _half_weight(d, kept) if mode == "model" else (kept, None)
+    b = t[:used].to(torch.float64) + eps  # the divergence is summed in float64 (see spectral_divergence)
+    if weight is not None:
+        weight = weight.to(device=t.device, dtype=torch.float64)
+    total = b.sum() if weight is None else (weight * b).sum()
+    return SpectralTarget(mode, d, used, weight, torch.log(b / total), eps)
+
+
+def spectral_divergence(student: nn.Module, target: SpectralTarget) -> Tensor:
+    """``D(p || q)`` between the student's truncated, normalized spectrum ``p`` and the prepared teacher's ``q``.
+
+    With ``a`` the student's used entries (plus ``eps``), ``m`` their weights and ``Z = sum m a``:
+    ``p = a / Z`` and ``D = sum m p (log p - log q) = sum m a (log p - log q) / Z``, the same
+    sum as :func:`spectral_kl` over the full spectrum, without building the mirrored half or the
+    normalized vector. Differentiable with respect to the student's trainable parameters.
+    """
+    eps = target.eps
+    if target.mode == "model":
+        w = flat_weights(student)
+        d = w.shape[0]
+    else:
+        s = magnitude_spectrum(student, "layer", eps)
+        d = s.shape[0]
+    if d != target.length:
+        raise ValueError(
+            f"teacher spectrum has shape ({target.length},) but the student's is ({d},); "
+            "were they built with the same mode and architecture?"
+        )
+    s = _magnitude(real_dft(w)[: target.used], eps) if target.mode == "model" else s[: target.used]
+    # In float64 from here (a few element-wise passes over the used entries): p log(p / q) is summed over
+    # up to millions of entries whose terms nearly cancel, and the divergence is small against each term.
+    a = s.to(torch.float64) + eps
+    ma = a if target.weight is None else target.weight.to(a.device) * a
+    total = ma.sum()
+    divergence = (ma * (torch.log(a / total) - target.log_q.to(a.device))).sum() / total
+    return divergence.to(s.dtype)
+
+
 def scd_term(
     student: nn.Module,
     teacher_spectrum: Tensor,
@@ -209,16 +294,7 @@ def scd_term(
     with the same ``mode`` and is treated as a constant. ``tau=None`` means no truncation (the PM
     term ``D(s(w_p) || s(w_G))``); a ``tau`` in (0, 1] gives the GM term. Both spectra are truncated
     first and normalized afterwards. The result has a gradient with respect to the student's
-    trainable parameters.
+    trainable parameters. A training phase prepares the teacher once (:func:`prepare_target`) and
+    calls :func:`spectral_divergence` every step.
     """
-    s = magnitude_spectrum(student, mode, eps)
-    t = teacher_spectrum.detach().to(device=s.device, dtype=s.dtype)
-    if t.shape != s.shape:
-        raise ValueError(
-            f"teacher spectrum has shape {tuple(t.shape)} but the student's is {tuple(s.shape)}; "
-            "were they built with the same mode and architecture?"
-        )
-    if tau is not None:
-        s = truncate(s, tau)
-        t = truncate(t, tau)
-    return spectral_kl(normalize(s, eps), normalize(t, eps))
+    return spectral_divergence(student, prepare_target(teacher_spectrum, mode, tau, eps))
