@@ -23,7 +23,10 @@ float rounding.
 The SCD term is ``D(normalize(trunc s(student)) || normalize(trunc s(teacher)))`` where ``D`` is
 a KL divergence (a sum over frequencies). Truncation keeps the lowest frequencies (the first
 ``ceil(tau * d)`` entries) and happens *before* normalization, so each truncated spectrum is
-renormalized to a probability vector over the kept entries only.
+renormalized to a probability vector over the kept entries only. A training phase prepares its
+teacher once (:func:`prepare_target`); :func:`spectral_divergence` then computes the same sum in
+``"model"`` mode over the spectrum's non-negative half, each entry counted as often as it or its
+mirror image is kept, and sums in float64.
 """
 
 from __future__ import annotations
