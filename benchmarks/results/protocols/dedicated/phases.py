@@ -8,6 +8,10 @@
   per round where the run folder still has ``reports.jsonl``. Under wait-free a client trains its
   PM from its upload until the next broadcast, so the client whose GM phase ends last (the
   largest shard) gets the least.
+* PM share: each client's PM seconds per round over its mean round length (from its first GM
+  phase to its last event, per GM phase): the share of wall-clock time its PM trains. Wait-free
+  gives the last client ``T_comm / (T_GM + T_comm)``, compute-and-wait ``T_PM / (T_GM + T_PM +
+  T_comm)``.
 
 Usage: python phases.py [FOLDER]   (default: this folder)
 """
@@ -51,6 +55,19 @@ def pm_seconds(timelines: dict) -> dict[str, float]:
     return out
 
 
+def pm_share(timelines: dict) -> dict[str, float]:
+    """Each client's PM training seconds per round over its mean round length."""
+    secs = pm_seconds(timelines)
+    out = {}
+    for client, t in sorted(timelines.items()):
+        gms = [e for e in t["events"] if e["phase"] == "gm_train"]
+        if not gms:
+            continue
+        span = max(e["end_s"] for e in t["events"]) - gms[0]["start_s"]
+        out[client] = secs[client] / (span / len(gms))
+    return out
+
+
 def pm_curves(reports: Path) -> dict[str, list[float]]:
     """Each client's PM accuracy per round, from ``reports.jsonl``."""
     acc: dict[str, dict[int, float]] = {}
@@ -86,6 +103,13 @@ def main(root: Path) -> None:
         if reports.is_file():
             curves = "<br>".join(f"{c}: " + " ".join(f"{a:.2f}" for a in v) for c, v in pm_curves(reports).items())
         print(f"| {path.parent.parent.relative_to(root)} | {path.parent.name} | {secs} | {curves} |")
+
+    print()
+    print("| run | protocol | PM share of wall-clock time, per client |")
+    print("|---|---|---|")
+    for path in paths:
+        shares = " ".join(f"{c}: {s:.2f}" for c, s in pm_share(json.loads(path.read_text())).items())
+        print(f"| {path.parent.parent.relative_to(root)} | {path.parent.name} | {shares} |")
 
 
 if __name__ == "__main__":
