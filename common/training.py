@@ -44,7 +44,7 @@ def batches(
     for start in range(0, len(idx), batch_size):
         part = idx[start : start + batch_size]
         if tensors is not None:
-            t = torch.from_numpy(part)
+            t = torch.tensor(part)  # a copy of the batch's indices: ``indices`` may be a read-only array
             x, y = tensors[0][t], tensors[1][t]
         else:
             items = [dataset[int(i)] for i in part]
