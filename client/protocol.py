@@ -173,7 +173,7 @@ class RoundProtocol:
             log.info("offline", round=r)
             return False
         if selected:
-            start = self.timeline.now()
+            start, cpu = self.timeline.now(), time.process_time()
             with self.timeline.phase("gm_train", r):
                 stats = await self.compute.run(t.train_gm)
                 knowledge = await self.compute.run(t.knowledge)
@@ -192,14 +192,16 @@ class RoundProtocol:
                     if n:
                         metrics.update({M.LOCAL_ACCURACY: acc, M.LOCAL_TEST_SAMPLES: float(n)})
                 state = await self.compute.run(t.gm_upload_state, base)
+            _trained("gm", r, stats.steps, self.timeline.now() - start, time.process_time() - cpu)
             await self._slow_down(self.timeline.now() - start, r)
         # the personal phase: after the GM (selected), or alone when the algorithm trains the personal
         # part of an unselected client on the model it received (README, "Partial participation")
         trains_pm = t.algorithm.personalized and (selected or t.algorithm.pm_when_unselected)
         if trains_pm and self.protocol == "compute-and-wait" and cfg.pm_epochs > 0:
-            start = self.timeline.now()
+            start, cpu = self.timeline.now(), time.process_time()
             with self.timeline.phase("pm_train", r):
-                await self.compute.run(t.train_pm, None, float(cfg.pm_epochs))
+                pm_stats = await self.compute.run(t.train_pm, None, float(cfg.pm_epochs))
+            _trained("pm", r, pm_stats.steps, self.timeline.now() - start, time.process_time() - cpu)
             await self._slow_down(self.timeline.now() - start, r)
             self.pm_trained_round = r
         if selected:
@@ -217,8 +219,10 @@ class RoundProtocol:
                 stop = lambda: self.arrived > seen  # noqa: E731
             pacer = self._pacer()
             train = lambda should_stop: t.train_pm(should_stop, cfg.pm_max_epochs, cfg.pm_min_steps, pacer)  # noqa: E731
+            start, cpu = self.timeline.now(), time.process_time()
             with self.timeline.phase("pm_train", r):
-                await self.compute.fill(train, stop, self.wake)
+                pm_stats = await self.compute.fill(train, stop, self.wake)
+            _trained("pm", r, pm_stats.steps, self.timeline.now() - start, time.process_time() - cpu)
             self.pm_trained_round = r
         return True
 
@@ -244,6 +248,13 @@ class RoundProtocol:
     async def _drain_uploads(self) -> None:
         if self.uploads or self.reports:
             await asyncio.gather(*self.uploads, *self.reports, return_exceptions=True)
+
+
+def _trained(model: str, r: int, steps: int, wall_s: float, cpu_s: float) -> None:
+    """One log line per training phase: its steps, wall-clock seconds and the CPU seconds the process
+    used meanwhile (all its threads; in a worker, all its clients'), which tell a slower machine (more
+    CPU per step) from a phase that did not get its CPU (more wall-clock per CPU second)."""
+    log.info(f"{model}.trained", round=r, steps=steps, wall_s=round(wall_s, 4), process_cpu_s=round(cpu_s, 4))
 
 
 async def _prefetch(models: Any, on_arrival: Callable[[], None] | None = None) -> Any:

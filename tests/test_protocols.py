@@ -222,6 +222,17 @@ def test_bench_protocols_end_to_end(tmp_path: Path) -> None:
                     assert pms[r]["start_s"] < uploads[r]["end_s"], (client, r)
                 else:  # the PM is done before the upload starts
                     assert pms[r]["end_s"] <= uploads[r]["start_s"], (client, r)
+            # every training phase is logged with its steps, wall-clock and process CPU seconds
+            lines = [json.loads(x) for x in (tmp_path / name / "logs" / f"{client}.jsonl").read_text().splitlines()]
+            gms = {x["round"]: x for x in lines if x["event"] == "gm.trained"}
+            pm_lines = {x["round"]: x for x in lines if x["event"] == "pm.trained"}
+            assert set(gms) == set(pm_lines) == set(uploads), (name, client)
+            for r, x in gms.items():
+                gm_phase = _by_round(tl["events"], "gm_train")[r]
+                assert x["steps"] > 0 and x["process_cpu_s"] > 0, x
+                assert x["wall_s"] <= gm_phase["end_s"] - gm_phase["start_s"] + 1e-3, (x, gm_phase)
+            if name == "compute-and-wait":  # one PM epoch: every round the same number of steps
+                assert len({x["steps"] for x in pm_lines.values()}) == 1 and pm_lines[1]["steps"] > 0
 
 
 class _Model:
