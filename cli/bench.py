@@ -97,6 +97,23 @@ def read_timelines(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
+def trained_phases(logs: Path, event: str = "gm.trained") -> list[dict[str, Any]]:
+    """Every client's ``gm.trained`` (or ``pm.trained``) log lines: steps, wall-clock and process CPU seconds."""
+    return [r for f in sorted(logs.glob("client-*.jsonl")) for r in read_jsonl(f) if r.get("event") == event]
+
+
+def cpu_per_step(phases: Iterable[Mapping[str, Any]]) -> tuple[float | None, float | None]:
+    """Medians over training phases of the process CPU seconds per step and per wall-clock second.
+
+    A phase that took longer in one run than in another either cost more CPU per step (the machine
+    ran slower) or got less CPU per wall-clock second (its share was not delivered)."""
+    ok = [p for p in phases if p.get("steps") and p.get("wall_s") and p.get("process_cpu_s") is not None]
+    return (
+        median(float(p["process_cpu_s"]) / int(p["steps"]) for p in ok),
+        median(float(p["process_cpu_s"]) / float(p["wall_s"]) for p in ok),
+    )
+
+
 def _events(timeline: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     return sorted(timeline.get("events", []), key=lambda e: (e["start_s"], e["end_s"]))
 
@@ -239,6 +256,7 @@ def summarize_run(out_dir: Path, target: float) -> dict[str, Any]:
     t_up = median(phase_durations(timelines, "upload"))
     t_comm = median(comm_durations(timelines))
     idle = sum(phase_durations(timelines, "idle"))
+    gm_cpu_step, gm_cpu_wall = cpu_per_step(trained_phases(out_dir / "logs"))
     return {
         "total_s": _r(float(rows[-1]["wall_s"]) - t0) if rows else None,
         "rounds": len(rows),
@@ -254,6 +272,8 @@ def summarize_run(out_dir: Path, target: float) -> dict[str, Any]:
         "t_pm_s": _r(t_pm),
         "t_upload_s": _r(t_up),
         "t_comm_s": _r(t_comm),
+        "gm_cpu_per_step_s": _r(gm_cpu_step, 5),
+        "gm_cpu_per_wall_s": _r(gm_cpu_wall),
         "final_gm_accuracy": rows[-1].get("gm_accuracy") if rows else None,
         "final_pm_accuracy": _r(curve[-1][1]) if curve else None,
         "best_pm_accuracy": _r(max(a for _, a in curve)) if curve else None,
@@ -283,6 +303,9 @@ def compare(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     round_speedup = None
     if caw.get("round_s") and wf.get("round_s"):
         round_speedup = caw["round_s"] / wf["round_s"]
+    cpu_ratio = None
+    if caw.get("gm_cpu_per_step_s") and wf.get("gm_cpu_per_step_s"):
+        cpu_ratio = wf["gm_cpu_per_step_s"] / caw["gm_cpu_per_step_s"]
     return {
         "speedup": _r(speedup),
         "round_speedup": _r(round_speedup),
@@ -290,6 +313,8 @@ def compare(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
         "speedup_vs_ideal": _r(speedup / ideal) if speedup is not None and ideal else None,
         "round_speedup_vs_ideal": _r(round_speedup / ideal) if round_speedup is not None and ideal else None,
         "zeta_speedup": _r(zeta_speedup),
+        # the machine's speed during the two runs: > 1 when a GM step cost the wait-free run more CPU
+        "gm_cpu_per_step_ratio": _r(cpu_ratio),
         "ideal_definition": IDEAL_DEFINITION,
         "t_comm_definition": COMM_DEFINITION,
     }
@@ -525,6 +550,8 @@ def format_table(doc: Mapping[str, Any]) -> str:
         "t_gm_s",
         "t_pm_s",
         "t_comm_s",
+        "gm_cpu_per_step_s",
+        "gm_cpu_per_wall_s",
         "best_pm_accuracy",
     )
     protos = list(doc["protocols"])
@@ -542,6 +569,7 @@ def format_table(doc: Mapping[str, Any]) -> str:
         "speedup_vs_ideal",
         "round_speedup_vs_ideal",
         "zeta_speedup",
+        "gm_cpu_per_step_ratio",
     ):
         lines.append(f"{k:<18}{_fmt(doc.get(k)):>18}")
     return "\n".join(lines)

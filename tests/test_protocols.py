@@ -165,6 +165,34 @@ def test_summarize_run_and_compare(tmp_path: Path) -> None:
     assert c["ideal_speedup"] == pytest.approx(7.75 / 5.75, abs=1e-4)
     assert c["speedup_vs_ideal"] == pytest.approx(1.5 / (7.75 / 5.75), abs=1e-3)
     assert c["zeta_speedup"] == pytest.approx(1.5)
+    assert s["gm_cpu_per_step_s"] is None and c["gm_cpu_per_step_ratio"] is None  # no client logs in this run
+
+
+def test_gm_cpu_per_step_from_the_clients_logs(tmp_path: Path) -> None:
+    """The median over GM phases of process CPU per step and per wall-clock second, from every client's log;
+    other lines, PM phases and phases without steps do not count."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    a = [
+        {"event": "gm.trained", "round": 1, "steps": 10, "wall_s": 2.0, "process_cpu_s": 0.8},  # 80 ms, 0.4
+        {"event": "pm.trained", "round": 1, "steps": 5, "wall_s": 9.0, "process_cpu_s": 0.1},
+        {"event": "gm.trained", "round": 2, "steps": 10, "wall_s": 2.5, "process_cpu_s": 1.0},  # 100 ms, 0.4
+        {"event": "run.final", "round": 2},
+    ]
+    b = [
+        {"event": "gm.trained", "round": 1, "steps": 20, "wall_s": 6.0, "process_cpu_s": 1.8},  # 90 ms, 0.3
+        {"event": "gm.trained", "round": 2, "steps": 0, "wall_s": 0.1, "process_cpu_s": 0.0},  # no step: left out
+    ]
+    for name, rows in (("client-0", a), ("client-1", b)):
+        (logs / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (logs / "server.jsonl").write_text(json.dumps({"event": "gm.trained", "steps": 1, "wall_s": 1, "process_cpu_s": 9}))
+    phases = bench.trained_phases(logs)
+    assert [p["round"] for p in phases] == [1, 2, 1, 2]
+    per_step, per_wall = bench.cpu_per_step(phases)
+    assert per_step == pytest.approx(0.09) and per_wall == pytest.approx(0.4)
+    assert bench.cpu_per_step(bench.trained_phases(logs, "pm.trained")) == pytest.approx((0.02, 0.1 / 9))
+    c = bench.compare({"compute-and-wait": {"gm_cpu_per_step_s": 0.08}, "wait-free": {"gm_cpu_per_step_s": 0.09}})
+    assert c["gm_cpu_per_step_ratio"] == pytest.approx(1.125)
 
 
 def _by_round(events: list[dict[str, Any]], phase: str) -> dict[int, dict[str, Any]]:
