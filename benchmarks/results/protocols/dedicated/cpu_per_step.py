@@ -4,7 +4,10 @@ steps per round.
 
 A GM phase that takes longer under one protocol either cost more CPU per step (the machine ran
 slower, or the step did more work) or got less CPU per wall-clock second (its quota was not
-delivered); these two columns tell which.
+delivered); these two columns tell which. A second table bins every GM phase by how busy the
+other clients were meanwhile (the share of its duration the others spent in gm_train or pm_train)
+and gives the median CPU per step in each bin: whether a step costs more when the machine is
+fuller.
 
 Usage: python cpu_per_step.py RUN_FOLDER [...]   (folders holding compute-and-wait/ and wait-free/)
 """
@@ -50,5 +53,41 @@ def main(folders: list[Path]) -> None:
                 )
 
 
+def busy_bins(folders: list[Path]) -> None:
+    points: list[tuple[float, float]] = []
+    for run in folders:
+        for proto in ("compute-and-wait", "wait-free"):
+            path = run / proto / "timelines.json"
+            if not path.is_file():
+                continue
+            tl = json.loads(path.read_text())
+            busy = {
+                c: [
+                    (t["client_start_unix"] + e["start_s"], t["client_start_unix"] + e["end_s"])
+                    for e in t["events"]
+                    if e["phase"] in ("gm_train", "pm_train")
+                ]
+                for c, t in tl.items()
+            }
+            gms = phases(run / proto / "logs", "gm.trained")
+            for c, t in tl.items():
+                per_round = {r["round"]: r for r in gms.get(c, []) if r["steps"]}
+                for e in t["events"]:
+                    if e["phase"] != "gm_train" or e["round"] not in per_round or e["end_s"] <= e["start_s"]:
+                        continue
+                    s, end = t["client_start_unix"] + e["start_s"], t["client_start_unix"] + e["end_s"]
+                    others = sum(max(0.0, min(end, y) - max(s, x)) for c2 in tl if c2 != c for x, y in busy[c2])
+                    row = per_round[e["round"]]
+                    points.append((others / (end - s) / max(1, len(tl) - 1), row["process_cpu_s"] / row["steps"]))
+    print()
+    print("| other clients busy during the GM phase | GM phases | GM CPU s/step (median) |")
+    print("|---|---|---|")
+    for lo, hi in ((0.0, 0.7), (0.7, 0.85), (0.85, 0.95), (0.95, 1.01)):
+        v = [cpu for share, cpu in points if lo <= share < hi]
+        if v:
+            print(f"| {lo:.2f}-{min(hi, 1.0):.2f} | {len(v)} | {statistics.median(v) * 1e3:.1f} ms |")
+
+
 if __name__ == "__main__":
     main([Path(a) for a in sys.argv[1:]])
+    busy_bins([Path(a) for a in sys.argv[1:]])
