@@ -7,7 +7,9 @@ slower, or the step did more work) or got less CPU per wall-clock second (its qu
 delivered); these two columns tell which. A second table bins every GM phase by how busy the
 other clients were meanwhile (the share of its duration the others spent in gm_train or pm_train)
 and gives the median CPU per step in each bin: whether a step costs more when the machine is
-fuller.
+fuller. A third table puts, per run, the round speedup's share of the ideal next to the ratio
+of the slowest GM phase of a round (what the round waits for) and of the GM step's CPU cost
+between the two runs, for all clients and per client.
 
 Usage: python cpu_per_step.py RUN_FOLDER [...]   (folders holding compute-and-wait/ and wait-free/)
 """
@@ -88,6 +90,42 @@ def busy_bins(folders: list[Path]) -> None:
             print(f"| {lo:.2f}-{min(hi, 1.0):.2f} | {len(v)} | {statistics.median(v) * 1e3:.1f} ms |")
 
 
+def runs(folders: list[Path]) -> None:
+    print()
+    print(
+        "| run | round speedup / ideal | slowest GM phase WF / C&W (median over rounds) "
+        "| GM CPU s/step WF / C&W, all clients | per client |"
+    )
+    print("|---|---|---|---|---|")
+    for run in folders:
+        doc_path = run / "protocols.json"
+        if not doc_path.is_file():
+            continue
+        doc = json.loads(doc_path.read_text())
+        per = {proto: phases(run / proto / "logs", "gm.trained") for proto in ("compute-and-wait", "wait-free")}
+        caw, wf = per["compute-and-wait"], per["wait-free"]
+        if not caw or not wf:
+            continue
+
+        def cost(rows: list[dict]) -> float:
+            return statistics.median(r["process_cpu_s"] / r["steps"] for r in rows if r["steps"])
+
+        def slowest(by_client: dict[str, list[dict]]) -> float:
+            rounds: dict[int, float] = {}
+            for rows in by_client.values():
+                for r in rows:
+                    rounds[r["round"]] = max(rounds.get(r["round"], 0.0), r["wall_s"])
+            return statistics.median(rounds.values())
+
+        every = cost([r for v in wf.values() for r in v]) / cost([r for v in caw.values() for r in v])
+        clients = " ".join(f"{c[7:]}: {cost(wf[c]) / cost(caw[c]):.2f}" for c in sorted(caw) if wf.get(c) and caw[c])
+        print(
+            f"| {run} | {doc.get('round_speedup_vs_ideal')} | {slowest(wf) / slowest(caw):.3f} "
+            f"| {every:.3f} | {clients} |"
+        )
+
+
 if __name__ == "__main__":
     main([Path(a) for a in sys.argv[1:]])
     busy_bins([Path(a) for a in sys.argv[1:]])
+    runs([Path(a) for a in sys.argv[1:]])
