@@ -173,8 +173,8 @@ class RoundProtocol:
             log.info("offline", round=r)
             return False
         if selected:
-            start, cpu = self.timeline.now(), time.process_time()
-            with self.timeline.phase("gm_train", r):
+            cpu = time.process_time()
+            with self.timeline.phase("gm_train", r) as phase:
                 stats = await self.compute.run(t.train_gm)
                 knowledge = await self.compute.run(t.knowledge)
                 # only declared, finite values travel (the server refuses others): no steps, no loss
@@ -192,17 +192,17 @@ class RoundProtocol:
                     if n:
                         metrics.update({M.LOCAL_ACCURACY: acc, M.LOCAL_TEST_SAMPLES: float(n)})
                 state = await self.compute.run(t.gm_upload_state, base)
-            _trained("gm", r, stats.steps, self.timeline.now() - start, time.process_time() - cpu)
-            await self._slow_down(self.timeline.now() - start, r)
+            _trained("gm", r, stats.steps, phase.duration_s, time.process_time() - cpu)
+            await self._slow_down(phase.duration_s, r)
         # the personal phase: after the GM (selected), or alone when the algorithm trains the personal
         # part of an unselected client on the model it received (README, "Partial participation")
         trains_pm = t.algorithm.personalized and (selected or t.algorithm.pm_when_unselected)
         if trains_pm and self.protocol == "compute-and-wait" and cfg.pm_epochs > 0:
-            start, cpu = self.timeline.now(), time.process_time()
-            with self.timeline.phase("pm_train", r):
+            cpu = time.process_time()
+            with self.timeline.phase("pm_train", r) as phase:
                 pm_stats = await self.compute.run(t.train_pm, None, float(cfg.pm_epochs))
-            _trained("pm", r, pm_stats.steps, self.timeline.now() - start, time.process_time() - cpu)
-            await self._slow_down(self.timeline.now() - start, r)
+            _trained("pm", r, pm_stats.steps, phase.duration_s, time.process_time() - cpu)
+            await self._slow_down(phase.duration_s, r)
             self.pm_trained_round = r
         if selected:
             upload = asyncio.create_task(self._upload(r, state, metrics, knowledge))
@@ -219,10 +219,10 @@ class RoundProtocol:
                 stop = lambda: self.arrived > seen  # noqa: E731
             pacer = self._pacer()
             train = lambda should_stop: t.train_pm(should_stop, cfg.pm_max_epochs, cfg.pm_min_steps, pacer)  # noqa: E731
-            start, cpu = self.timeline.now(), time.process_time()
-            with self.timeline.phase("pm_train", r):
+            cpu = time.process_time()
+            with self.timeline.phase("pm_train", r) as phase:
                 pm_stats = await self.compute.fill(train, stop, self.wake)
-            _trained("pm", r, pm_stats.steps, self.timeline.now() - start, time.process_time() - cpu)
+            _trained("pm", r, pm_stats.steps, phase.duration_s, time.process_time() - cpu)
             self.pm_trained_round = r
         return True
 

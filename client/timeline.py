@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,6 +18,10 @@ class PhaseEvent:
     start_s: float
     end_s: float
 
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
 
 class Timeline:
     def __init__(self) -> None:
@@ -28,11 +33,13 @@ class Timeline:
         return time.monotonic() - self.t0
 
     @contextlib.contextmanager
-    def phase(self, name: str, round: int) -> Iterator[None]:
+    def phase(self, name: str, round: int) -> Iterator[PhaseEvent]:
+        """Records the phase on exit; the event it yields has its end (and so its duration) once the block is left."""
         if name not in PHASES:
             raise ValueError(f"phase {name!r} is not one of {PHASES}")
-        start = self.now()
+        event = PhaseEvent(name, round, self.now(), math.nan)
         try:
-            yield
+            yield event
         finally:
-            self.events.append(PhaseEvent(name, round, start, self.now()))
+            event.end_s = self.now()
+            self.events.append(event)
