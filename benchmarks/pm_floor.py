@@ -11,7 +11,8 @@ example: one server and four client processes sharing this machine's cores) thre
 ``--protocol wait-free``, ``--protocol compute-and-wait`` and ``--protocol wait-free --set
 pm_min_steps=FLOOR``. For each run it records the wall-clock time, the final GM and PM accuracy,
 and per client its final PM accuracy, its test samples (the PM accuracy is their weighted mean) and
-the PM steps it trained per round (median, min, max; from the clients' ``pm.trained`` log lines).
+the PM steps it trained per round (median, min, max; from the clients' ``pm.trained`` log lines),
+and the machine's load average before and after.
 A wait-free PM trains from its client's upload until the next broadcast, so the client whose GM
 phase ends last gets the fewest PM steps; the floor trades round time for them.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -122,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         "commit": git_commit(),
         "cpu": cpu_name(),
         "started": stamp,
+        "loadavg_before": os.getloadavg(),
         "runs": [],
     }
     for rep in range(1, args.reps + 1):
@@ -129,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         for i, (name, extra) in enumerate(settings(args.floor).items()):
             row = run_one(name, example + extra, runs_dir / f"rep{rep}-{i}")
             doc["runs"].append({"rep": rep, **row})
+    doc["loadavg_after"] = os.getloadavg()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{stamp}.json").write_text(json.dumps(doc, indent=2) + "\n")
     (args.out / f"{stamp}.md").write_text(table(doc) + "\n")

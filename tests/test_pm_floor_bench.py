@@ -21,6 +21,7 @@ def test_pm_floor_bench_short(repo: Path, tmp_path: Path) -> None:
     (saved,) = (tmp_path / "results").glob("*.json")
     doc = json.loads(saved.read_text())
     assert saved.with_suffix(".md").read_text().count("| 1 |") == 3
+    assert len(doc["loadavg_before"]) == len(doc["loadavg_after"]) == 3
     runs = {r["setting"]: r for r in doc["runs"]}
     assert list(runs) == ["wait-free", "compute-and-wait", "wait-free, pm_min_steps=7"]
     for r in runs.values():
