@@ -40,14 +40,15 @@ def batches(
     if shuffle:
         idx = (generator or np.random.default_rng()).permutation(idx)
     tensors = getattr(dataset, "tensors", None)
+    # one copy of the pass's order as a tensor (``indices`` may be a read-only array, which Torch does not wrap)
+    order = torch.tensor(idx) if tensors is not None else None
     pin = device is not None and device.type == "cuda"
     for start in range(0, len(idx), batch_size):
-        part = idx[start : start + batch_size]
-        if tensors is not None:
-            t = torch.tensor(part)  # a copy of the batch's indices: ``indices`` may be a read-only array
+        if order is not None:
+            t = order[start : start + batch_size]
             x, y = tensors[0][t], tensors[1][t]
         else:
-            items = [dataset[int(i)] for i in part]
+            items = [dataset[int(i)] for i in idx[start : start + batch_size]]
             x = torch.stack([it[0] for it in items])
             y = torch.as_tensor([int(it[1]) for it in items], dtype=torch.int64)
         if device is not None and device.type != "cpu":
