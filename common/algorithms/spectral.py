@@ -263,18 +263,14 @@ def spectral_divergence(student: nn.Module, target: SpectralTarget) -> Tensor:
     normalized vector. Differentiable with respect to the student's trainable parameters.
     """
     eps = target.eps
-    if target.mode == "model":
-        w = flat_weights(student)
-        d = w.shape[0]
-    else:
-        s = magnitude_spectrum(student, "layer", eps)
-        d = s.shape[0]
-    if d != target.length:
+    # "model": the flat weights' length is the spectrum's, only the used half is transformed
+    whole = flat_weights(student) if target.mode == "model" else magnitude_spectrum(student, "layer", eps)
+    if whole.shape[0] != target.length:
         raise ValueError(
-            f"teacher spectrum has shape ({target.length},) but the student's is ({d},); "
+            f"teacher spectrum has shape ({target.length},) but the student's is ({whole.shape[0]},); "
             "were they built with the same mode and architecture?"
         )
-    s = _magnitude(real_dft(w)[: target.used], eps) if target.mode == "model" else s[: target.used]
+    s = _magnitude(real_dft(whole)[: target.used], eps) if target.mode == "model" else whole[: target.used]
     # In float64 from here (a few element-wise passes over the used entries): p log(p / q) is summed over
     # up to millions of entries whose terms nearly cancel, and the divergence is small against each term.
     a = s.to(torch.float64) + eps
