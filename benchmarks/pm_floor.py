@@ -12,7 +12,7 @@ example: one server and four client processes sharing this machine's cores) thre
 pm_min_steps=FLOOR``. For each run it records the wall-clock time, the final GM and PM accuracy,
 and per client its final PM accuracy, its test samples (the PM accuracy is their weighted mean) and
 the PM steps it trained per round (median, min, max; from the clients' ``pm.trained`` log lines),
-and the machine's load average before and after.
+and the machine's load average before and after. The JSON and table are saved after every run.
 A wait-free PM trains from its client's upload until the next broadcast, so the client whose GM
 phase ends last gets the fewest PM steps; the floor trades round time for them.
 """
@@ -101,6 +101,13 @@ def table(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def save(doc: dict[str, Any], out: Path, stamp: str) -> None:
+    doc["loadavg_after"] = os.getloadavg()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stamp}.json").write_text(json.dumps(doc, indent=2) + "\n")
+    (out / f"{stamp}.md").write_text(table(doc) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=1, help="repetitions of the three runs (default 1)")
@@ -132,10 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         for i, (name, extra) in enumerate(settings(args.floor).items()):
             row = run_one(name, example + extra, runs_dir / f"rep{rep}-{i}")
             doc["runs"].append({"rep": rep, **row})
-    doc["loadavg_after"] = os.getloadavg()
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{stamp}.json").write_text(json.dumps(doc, indent=2) + "\n")
-    (args.out / f"{stamp}.md").write_text(table(doc) + "\n")
+            save(doc, args.out, stamp)  # after every run: a failure later keeps what was measured
     print(table(doc))
     print(f"saved {args.out / stamp}.json and .md (run folders in {runs_dir})")
     return 0
