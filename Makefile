@@ -5,7 +5,7 @@ ifeq ($(VENV),)
 $(error scripts/venv.sh could not create the virtual environment; run it by hand to see why)
 endif
 
-.PHONY: run test protos bench
+.PHONY: run test docs protos bench
 
 run:  ## a whole federation on the embedded digits data (server + 10 client processes)
 	$(VENV)/bin/wafl run $(ARGS)
@@ -13,8 +13,12 @@ run:  ## a whole federation on the embedded digits data (server + 10 client proc
 test:  ## style (ruff check, ruff format --check), then the whole test suite
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mkdocs build --strict --quiet  # docs/: a broken link, an unlisted page or an unresolved API reference fails
 	bash scripts/node_modules.sh >/dev/null  # the Node.js conformance client's npm packages (cached outside the clone)
 	$(VENV)/bin/python -m pytest -q $(ARGS)
+
+docs:  ## the documentation site (docs/ -> build/site)
+	$(VENV)/bin/mkdocs build --strict
 
 protos:  ## regenerate common/proto from protos/
 	$(VENV)/bin/python -m wafl.common.protogen

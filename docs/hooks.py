@@ -1,0 +1,26 @@
+"""mkdocs hook: the API reference reads the source as the package ``wafl`` it installs as.
+
+The repository keeps the design card's top-level folders (``common/``, ``server/``, ...), which
+the installed package maps to ``wafl.common``, ``wafl.server``, ...; mkdocstrings reads source
+files, so this hook lays out ``build/api-src/wafl/`` as links to those folders.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("common", "server", "client", "cli")
+
+
+def on_config(config: Any) -> Any:
+    package = ROOT / "build" / "api-src" / "wafl"
+    package.mkdir(parents=True, exist_ok=True)
+    # A regular package, so that the console script ``bin/wafl`` on the path is not merged into it.
+    (package / "__init__.py").write_text('"""wafl: wait-free federated learning over gRPC."""\n')
+    for name in PACKAGES:
+        link = package / name
+        if not link.is_symlink():
+            link.symlink_to(ROOT / name, target_is_directory=True)
+    return config
