@@ -98,8 +98,9 @@ def launch(
     host = "127.0.0.1"
     bind_port = 0
     if link_rate:
-        from wafl.cli.netns import Star, check_permissions, parse_rate
+        from wafl.cli.netns import Star, check_permissions
         from wafl.common.heterogeneity import link_rates
+        from wafl.common.rates import parse_rate
 
         check_permissions()
         rates = link_rates(link_rate, cfg.num_clients, cfg.seed)

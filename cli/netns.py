@@ -25,13 +25,14 @@ import threading
 from collections.abc import Sequence
 from types import TracebackType
 
+from wafl.common.rates import parse_rate
+
 __all__ = [
     "LinkShapingUnavailable",
     "NetnsCommandError",
     "Star",
     "check_permissions",
     "main",
-    "parse_rate",
     "tbf_command",
 ]
 
@@ -39,14 +40,6 @@ _MIN_BURST_BYTES = 32 * 1024
 _IFNAMSIZ = 15  # usable characters in a Linux interface name
 _COMMAND_TIMEOUT_S = 30.0
 
-# Multipliers to bits per second.  "bps" units are bytes per second, as in tc(8).
-_SI = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-_IEC = {"ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
-_RATE_UNITS: dict[str, int] = {}
-for _prefix, _mult in {**_SI, **_IEC}.items():
-    _RATE_UNITS[f"{_prefix}bit"] = _mult
-    _RATE_UNITS[f"{_prefix}bps"] = _mult * 8
-_RATE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
@@ -69,28 +62,6 @@ class NetnsCommandError(RuntimeError):
         self.stderr = stderr
         detail = stderr.strip() or "(no stderr)"
         super().__init__(f"command failed (exit {returncode}): {shlex.join(self.cmd)}\n  {detail}")
-
-
-def parse_rate(text: str) -> int:
-    """Parse a tc-style rate (``20mbit``, ``1gbit``, ``500kbit``, ``100mbps``) into bits/s.
-
-    ``bit`` units are bits per second, ``bps`` units bytes per second; SI prefixes
-    (k, m, g, t) are powers of 1000, IEC prefixes (ki, mi, gi, ti) powers of 1024.
-    A bare number means bits per second.
-    """
-    if not isinstance(text, str):
-        raise ValueError(f"invalid link-rate {text!r}: expected a string such as '20mbit'")
-    match = _RATE_RE.match(text.lower())
-    if match is None or (match.group(2) and match.group(2) not in _RATE_UNITS):
-        raise ValueError(
-            f"invalid link-rate {text!r}: expected a number with a unit such as "
-            "'500kbit', '20mbit', '1gbit' (bits/s) or '100mbps' (bytes/s)"
-        )
-    number, unit = match.groups()
-    bits = round(float(number) * _RATE_UNITS.get(unit, 1))
-    if bits <= 0:
-        raise ValueError(f"invalid link-rate {text!r}: the rate must be positive")
-    return bits
 
 
 def _coerce_rate(rate: str | int) -> int:

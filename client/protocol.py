@@ -58,7 +58,7 @@ log = structlog.get_logger("client")
 
 class Transport(Protocol):
     """What the protocol needs from its connection to the server: the gRPC
-    :class:`~wafl.client.session.Session` or the in-process :class:`~wafl.client.local.LocalSession`."""
+    :class:`~wafl.client.session.Session` or the in-process :class:`~wafl.cli.local_transport.LocalSession`."""
 
     client_id: str
     on_header: Callable[[], None] | None  # set by the protocol: called as each broadcast's header arrives

@@ -8,7 +8,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-PHASES = ("gm_train", "upload", "pm_train", "idle", "evaluate", "slowdown", "offline")
+from wafl.common.metrics import PHASES
 
 
 @dataclass

@@ -18,6 +18,7 @@ import math
 import re
 
 import numpy as np
+from wafl.common.rates import parse_rate
 
 _LOGNORMAL = re.compile(r"^lognormal:(.*)$")
 
@@ -82,8 +83,6 @@ def slowdowns(spec: str, num_clients: int, seed: int) -> list[float]:
 
 def link_rates(spec: str, num_clients: int, seed: int) -> list[str]:
     """Each client's tc rate (e.g. ``20mbit``); raises ``ValueError`` naming ``link-rate``."""
-    from wafl.cli.netns import parse_rate
-
     spec = str(spec).strip()
     if _LOGNORMAL.match(spec):
         p = _lognormal_params(spec, "link-rate", {"median", "sigma"})

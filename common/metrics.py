@@ -34,6 +34,9 @@ FINAL = "final"  # 1: the client received the final model and stops
 BYTES_UP = "bytes_up"  # bytes the client's uploads carried
 GLOBAL_CRC32 = "global_crc32"  # CRC-32 of the final global model as the client received it
 
+# the phases of a client's timeline (ReportRequest.timeline; the server refuses any other)
+PHASES = ("gm_train", "upload", "pm_train", "idle", "evaluate", "slowdown", "offline")
+
 
 @dataclass(frozen=True)
 class Declared:

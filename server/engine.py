@@ -4,7 +4,7 @@ join -> start -> (collect -> close -> drain -> aggregate -> evaluate -> checkpoi
 final model. The engine owns the global model, the clients' mailboxes and the record of the run;
 it waits on events and deadlines, runs heavy work (aggregation, evaluation, encoding, zeroing
 sums) in worker threads, and hands each client what the strategy decided. It knows no transport:
-the gRPC service (``service.py``) and the in-process transport (``wafl.client.local``) both call
+the gRPC service (``service.py``) and the in-process transport (``wafl.cli.local_transport``) both call
 :meth:`RoundEngine.join`, :meth:`RoundEngine.deliveries`, :func:`~wafl.server.upload.receive_upload`
 and :meth:`RoundEngine.report`.
 """
@@ -25,7 +25,6 @@ from pathlib import Path
 import numpy as np
 import structlog
 import torch
-from wafl.client.timeline import PHASES
 from wafl.common import metrics as M
 from wafl.common.algorithms import registry
 from wafl.common.algorithms.base import split_payload
@@ -567,8 +566,8 @@ def _check_timeline(req: pb.ReportRequest, rounds: int) -> None:
     if not math.isfinite(req.client_start_unix) or req.client_start_unix < 0:
         raise Refused("client_start_unix must be a finite, non-negative number")
     for e in req.timeline:
-        if e.phase not in PHASES:
-            raise Refused(f"timeline phase {e.phase[:32]!r} is not one of {', '.join(PHASES)}")
+        if e.phase not in M.PHASES:
+            raise Refused(f"timeline phase {e.phase[:32]!r} is not one of {', '.join(M.PHASES)}")
         if not 0 <= e.round <= rounds + 1:
             raise Refused(f"timeline round {e.round} is outside 0..{rounds + 1}")
         if not (math.isfinite(e.start_s) and math.isfinite(e.end_s) and 0 <= e.start_s <= e.end_s):

@@ -10,7 +10,8 @@ import time
 
 import pytest
 from wafl.cli import netns
-from wafl.cli.netns import LinkShapingUnavailable, NetnsCommandError, Star, parse_rate, tbf_command
+from wafl.cli.netns import LinkShapingUnavailable, NetnsCommandError, Star, tbf_command
+from wafl.common.rates import parse_rate
 
 RATE = "20mbit"
 RATE_BPS = 20_000_000

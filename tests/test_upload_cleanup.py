@@ -8,7 +8,7 @@ import asyncio
 import uuid
 from pathlib import Path
 
-from wafl.client.local import LocalSession
+from wafl.cli.local_transport import LocalSession
 from wafl.client.session import upload_header
 from wafl.common.config import load_config
 from wafl.common.proto import federation_pb2 as pb
