@@ -123,6 +123,9 @@ def _dataset(
     num_classes: int | None,
 ) -> FederatedDataset:
     """Reads and checks the four files; ``counts``, ``size`` and ``num_classes`` are checked when given."""
+    for path in paths.values():  # every file is there before any is read
+        if not os.path.isfile(path):
+            raise _bad(path, "missing", fix)
     train_x, train_y = _read_split(paths["train_images"], paths["train_labels"], fix)
     test_x, test_y = _read_split(paths["test_images"], paths["test_labels"], fix)
     for split, path, x, n in (("train", paths["train_images"], train_x, 0), ("test", paths["test_images"], test_x, 1)):
