@@ -8,6 +8,7 @@ endif
 .PHONY: run test docs protos bench
 
 run:  ## a whole federation on the embedded digits data (server + 10 client processes)
+	bash scripts/datasets.sh $(ARGS)  # installs Fashion-MNIST when ARGS ask for it and it is missing
 	$(VENV)/bin/wafl run $(ARGS)
 
 test:  ## style (ruff check, ruff format --check), then the whole test suite
@@ -15,6 +16,7 @@ test:  ## style (ruff check, ruff format --check), then the whole test suite
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mkdocs build --strict --quiet  # docs/: a broken link, an unlisted page or an unresolved API reference fails
 	bash scripts/node_modules.sh >/dev/null  # the Node.js conformance client's npm packages (cached outside the clone)
+	bash scripts/datasets.sh fashion-mnist  # the tests read the real Fashion-MNIST files
 	$(VENV)/bin/python -m pytest -q $(ARGS)
 
 docs:  ## the documentation site (docs/ -> build/site)

@@ -227,7 +227,12 @@ def _check_dataset(cfg: RunConfig) -> None:
     """The run's dataset loads here (its files are present and readable) before any process starts."""
     from wafl.common.datasets import load_dataset
 
-    load_dataset(cfg.dataset, cfg.data_dir)
+    data = load_dataset(cfg.dataset, cfg.data_dir)
+    if cfg.client_size is not None and cfg.client_size * cfg.num_clients > len(data.train_labels):
+        raise ConfigError(
+            f"client_size={cfg.client_size} for {cfg.num_clients} clients needs {cfg.client_size * cfg.num_clients} "
+            f"samples; {cfg.dataset}'s training split has {len(data.train_labels)}"
+        )
 
 
 def _creatable(out: Path) -> None:

@@ -72,6 +72,7 @@ class Trainer:
             cfg.seed,
             index,
             cfg.local_test_fraction,
+            cfg.client_size,
         )
         self.train_idx = shard.train if pool is None else pool[shard.train]
         self.test_idx = shard.test

@@ -33,6 +33,7 @@ class RunConfig:
     partition: str = "dirichlet"
     alpha: float = 0.5  # per-class Dirichlet concentration
     delta: float = 0.3  # class-prior concentration of the equal-size Dirichlet split
+    client_size: int | None = None  # dirichlet-equal: samples per client (None: the train split shared out)
     local_test_fraction: float = 0.25
     # federation
     num_clients: int = 10
@@ -106,6 +107,10 @@ class RunConfig:
         _one_of("optimizer", self.optimizer, OPTIMIZERS)
         _positive("alpha", self.alpha)
         _positive("delta", self.delta)
+        if self.client_size is not None:
+            _int_at_least("client_size", self.client_size, 1)
+            if self.partition != "dirichlet-equal":
+                raise ConfigError(f"client_size={self.client_size} needs partition='dirichlet-equal'")
         _in_range("local_test_fraction", self.local_test_fraction, 0.0, 1.0, low_open=True)
         _int_at_least("num_clients", self.num_clients, 1)
         _int_at_least("rounds", self.rounds, 1)

@@ -60,11 +60,16 @@ def dirichlet_partition(
     return [np.sort(np.asarray(s, dtype=np.int64)) for s in best]
 
 
-def dirichlet_equal_partition(labels: np.ndarray, num_clients: int, delta: float, seed: int) -> list[np.ndarray]:
+def dirichlet_equal_partition(
+    labels: np.ndarray, num_clients: int, delta: float, seed: int, size: int | None = None
+) -> list[np.ndarray]:
     """Equal-size clients, each with a class prior ~ Dir(delta) (the FedDyn/ASD papers' split).
 
-    Each sample slot of a client draws a class from that client's prior, renormalized over the
-    classes that still have samples left, and takes one sample of it without replacement.
+    Every client gets ``size`` samples (default: the whole split shared out, ``len // num_clients``);
+    a fixed ``size`` keeps the local sets as large whatever the client count, as the FedHKD paper
+    does, and leaves the rest of the split unallocated. Each sample slot of a client draws a class
+    from that client's prior, renormalized over the classes that still have samples left, and takes
+    one sample of it without replacement.
     """
     labels = np.asarray(labels)
     num_classes = int(labels.max()) + 1
@@ -72,7 +77,13 @@ def dirichlet_equal_partition(labels: np.ndarray, num_clients: int, delta: float
     priors = rng.dirichlet(np.full(num_classes, delta), size=num_clients)
     pools = [list(rng.permutation(np.flatnonzero(labels == c))) for c in range(num_classes)]
     remaining = np.array([len(p) for p in pools], dtype=float)
-    size = len(labels) // num_clients
+    if size is None:
+        size = len(labels) // num_clients
+    elif size * num_clients > len(labels):
+        raise ValueError(
+            f"client_size={size} for {num_clients} clients needs {size * num_clients} samples, "
+            f"the training split has {len(labels)}"
+        )
     left = np.full(num_clients, size)
     shards: list[list[int]] = [[] for _ in range(num_clients)]
     while left.sum() > 0:
@@ -124,13 +135,20 @@ _CACHE: dict[tuple[Any, ...], list[np.ndarray]] = {}
 
 
 def partition(
-    train_labels: np.ndarray, num_clients: int, kind: str, alpha: float, delta: float, seed: int
+    train_labels: np.ndarray,
+    num_clients: int,
+    kind: str,
+    alpha: float,
+    delta: float,
+    seed: int,
+    size: int | None = None,
 ) -> list[np.ndarray]:
-    """Every client's train indices; the last few splits are kept (a worker builds one per hosted client)."""
+    """Every client's train indices; the last few splits are kept (a worker builds one per hosted client).
+    ``size``: samples per client of ``dirichlet-equal`` (None: the whole split shared out)."""
     labels = np.ascontiguousarray(train_labels)
-    key = (hashlib.sha1(labels.tobytes()).hexdigest(), labels.dtype.str, num_clients, kind, alpha, delta, seed)
+    key = (hashlib.sha1(labels.tobytes()).hexdigest(), labels.dtype.str, num_clients, kind, alpha, delta, seed, size)
     if key not in _CACHE:
-        shards = _partition(labels, num_clients, kind, alpha, delta, seed)
+        shards = _partition(labels, num_clients, kind, alpha, delta, seed, size)
         for s in shards:
             s.flags.writeable = False  # shared by every caller
         if len(_CACHE) >= 4:
@@ -140,12 +158,12 @@ def partition(
 
 
 def _partition(
-    train_labels: np.ndarray, num_clients: int, kind: str, alpha: float, delta: float, seed: int
+    train_labels: np.ndarray, num_clients: int, kind: str, alpha: float, delta: float, seed: int, size: int | None
 ) -> list[np.ndarray]:
     if kind == "dirichlet":
         return dirichlet_partition(train_labels, num_clients, alpha, seed)
     if kind == "dirichlet-equal":
-        return dirichlet_equal_partition(train_labels, num_clients, delta, seed)
+        return dirichlet_equal_partition(train_labels, num_clients, delta, seed, size)
     if kind == "iid":
         return iid_partition(len(train_labels), num_clients, seed)
     raise ValueError(f"partition={kind!r} is not one of {PARTITIONS}")
@@ -161,11 +179,12 @@ def client_shard(
     seed: int,
     index: int,
     test_fraction: float,
+    size: int | None = None,
 ) -> Shard:
     """Client ``index``'s shard, rebuilt from the seed alone."""
     if not 0 <= index < num_clients:
         raise ValueError(f"client index {index} is outside 0..{num_clients - 1}")
-    train = partition(train_labels, num_clients, kind, alpha, delta, seed)[index]
+    train = partition(train_labels, num_clients, kind, alpha, delta, seed, size)[index]
     test = local_test_indices(test_labels, np.asarray(train_labels)[train], test_fraction, seed, index)
     return Shard(index, train, test)
 

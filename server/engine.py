@@ -169,7 +169,8 @@ class RoundEngine:
         labels = np.asarray(self.dataset.train_labels)
         if self.algorithm.public_size:
             labels = labels[public_split(labels, self.algorithm.public_size, cfg.seed)[1]]
-        return [len(s) for s in partition(labels, cfg.num_clients, cfg.partition, cfg.alpha, cfg.delta, cfg.seed)]
+        shards = partition(labels, cfg.num_clients, cfg.partition, cfg.alpha, cfg.delta, cfg.seed, cfg.client_size)
+        return [len(s) for s in shards]
 
     # ----------------------------------------------------------------- state
     def _resume(self) -> None:

@@ -107,3 +107,31 @@ def test_a_split_is_computed_once_and_shared_read_only(digits, monkeypatch) -> N
     assert len(calls) == 1 and all(a is b for a, b in zip(first, again))
     assert not first[0].flags.writeable
     assert P.partition(digits.train_labels, 13, "dirichlet", 0.37, 0.3, 6) is not None and len(calls) == 2
+
+
+def test_equal_split_with_a_fixed_client_size(digits):
+    y = digits.train_labels
+    for n in (5, 10, 20):
+        shards = dirichlet_equal_partition(y, n, 0.5, seed=0, size=60)
+        assert [len(s) for s in shards] == [60] * n  # the same local size whatever the client count
+        allocated = np.concatenate(shards)
+        assert len(np.unique(allocated)) == 60 * n  # disjoint; the rest of the split is left out
+    assert partition(y, 10, "dirichlet-equal", 0.1, 0.5, 0, 60)[3].tolist() == shards_of(y, 10, 60)[3].tolist()
+    shard = client_shard(y, digits.test_labels, 10, "dirichlet-equal", 0.1, 0.5, 0, 3, 0.25, 60)
+    assert len(shard.train) == 60 and len(shard.test) == 15
+    with pytest.raises(ValueError, match=r"client_size=100 for 20 clients needs 2000 samples"):
+        dirichlet_equal_partition(y, 20, 0.5, seed=0, size=100)
+
+
+def shards_of(y, n, size):
+    return dirichlet_equal_partition(y, n, 0.5, seed=0, size=size)
+
+
+def test_client_size_needs_the_equal_split():
+    from wafl.common.config import ConfigError, load_config
+
+    assert load_config(None, {"partition": "dirichlet-equal", "client_size": 50}).client_size == 50
+    with pytest.raises(ConfigError, match="client_size=50 needs partition='dirichlet-equal'"):
+        load_config(None, {"partition": "dirichlet", "client_size": 50})
+    with pytest.raises(ConfigError, match="client_size=0"):
+        load_config(None, {"partition": "dirichlet-equal", "client_size": 0})

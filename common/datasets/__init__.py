@@ -1,4 +1,5 @@
-"""Dataset registry. ``digits`` is embedded; the others load from a local folder (``--data-dir``)."""
+"""Dataset registry. ``digits`` is embedded; the others load from a local folder (``--data-dir``;
+``fashion-mnist`` defaults to where Debian's ``dataset-fashion-mnist`` package installs it)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Callable
 from wafl.common.datasets.base import DatasetNotFoundError, FederatedDataset
 from wafl.common.datasets.cifar import load_cifar10, load_cifar100
 from wafl.common.datasets.digits import load_digits_dataset
+from wafl.common.datasets.idx import load_fashion_mnist, load_mnist_idx
 from wafl.common.datasets.imagefolder import load_imagefolder
 from wafl.common.datasets.svhn import load_svhn
 from wafl.common.datasets.synthetic import LOADERS as SYNTHETIC
@@ -15,6 +17,8 @@ from wafl.common.datasets.tinyimagenet import load_tinyimagenet
 # name -> loader(data_dir) -> FederatedDataset
 DATASETS: dict[str, Callable[[str | None], FederatedDataset]] = {
     "digits": load_digits_dataset,
+    "fashion-mnist": load_fashion_mnist,
+    "mnist-idx": load_mnist_idx,
     "cifar10": load_cifar10,
     "cifar100": load_cifar100,
     "svhn": load_svhn,

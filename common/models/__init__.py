@@ -6,12 +6,17 @@ from collections.abc import Callable
 
 from wafl.common.models.base import SplitModel
 from wafl.common.models.cnn import digits_cnn
+from wafl.common.models.cnn2 import cnn2, cnn2_same
+from wafl.common.models.lenet5 import lenet5
 from wafl.common.models.resnet import resnet18, resnet34, resnet50
 from wafl.common.models.shufflenet import shufflenetv2
 
 # name -> builder(num_classes, in_channels, image_size, code_len) -> SplitModel
 MODELS: dict[str, Callable[..., SplitModel]] = {
     "cnn": digits_cnn,
+    "lenet5": lenet5,
+    "cnn2": cnn2,
+    "cnn2-same": cnn2_same,
     "resnet18": resnet18,
     "resnet34": resnet34,
     "resnet50": resnet50,
