@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 from wafl.cli.launcher import launch, split_clients, worker_slots  # noqa: E402
 from wafl.common.config import load_config  # noqa: E402
 
-from benchmarks._machine import Sampler, cpu_name  # noqa: E402
+from benchmarks._machine import Sampler, cpu_name, provenance  # noqa: E402
 
 PAPER = ROOT / "configs" / "paper" / "asd-cifar100-delta0.3-100clients.toml"
 
@@ -189,6 +189,7 @@ def save(rows: list[dict[str, Any]], out: Path, rounds: int) -> None:
     works = [r["round_s_median"] for r in rows if r["mode"] == "workers" and r["clients"] == 10]
     ratio = round(statistics.mean(works) / statistics.mean(procs), 3) if procs and works else None
     result = {
+        **provenance(),
         "machine": {"cpu": cpu_name(), "cpus": os.cpu_count()},
         "rounds": rounds,
         "round_time_ratio_10_workers_over_processes": ratio,
@@ -203,7 +204,7 @@ def save(rows: list[dict[str, Any]], out: Path, rounds: int) -> None:
     (out / "fleet.md").write_text(md)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--points", default="10,100,1000", help="logical clients per worker run")
     p.add_argument("--rounds", type=int, default=4)
@@ -215,7 +216,10 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fleet"))
     p.add_argument("--runs", default=str(ROOT / "runs" / "fleet"), help="run folders (models removed)")
-    a = p.parse_args()
+    p.add_argument("--smoke", action="store_true", help="4 clients in workers, 2 rounds, no pairs, no paper run")
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.points, a.rounds, a.repeats, a.no_paper = "4", 2, 0, True
     out, runs = Path(a.out), Path(a.runs)
     out.mkdir(parents=True, exist_ok=True)
     from wafl.cli.launcher import default_workers

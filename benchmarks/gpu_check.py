@@ -44,7 +44,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from _machine import cpu_name
+from _machine import cpu_name, provenance
 
 
 def _fail(msg: str, code: int) -> None:
@@ -65,7 +65,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--wait-limit-s", type=float, default=150.0, help="longest wait for --pm-steps PM steps")
     p.add_argument("--json", help="also write the measurements to this file")
+    p.add_argument(
+        "--smoke", action="store_true", help="on the CPU, the cnn, 2 GM and 2 PM steps of 8: checks the script"
+    )
     a = p.parse_args(argv)
+    if a.smoke:
+        a.device, a.gm_steps, a.pm_steps, a.batch_size, a.model = "cpu", 2, 2, 8, "cnn"
     if a.gm_steps < 1 or a.pm_steps < 1 or a.batch_size < 2:
         p.error("--gm-steps and --pm-steps must be >= 1, --batch-size >= 2")
     return a
@@ -367,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     r = run(a)
     print(report(r), flush=True)
+    r.update(provenance())
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(r, indent=2, default=str))

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _machine import Sampler, cpu_name
+from _machine import Sampler, cpu_name, provenance
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -57,7 +57,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--timeout", type=float, default=270.0, help="seconds for the whole run")
     p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "gpu" / "gpu_fleet.json"))
-    return p.parse_args(argv)
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="on the CPU: 4 clients of the cnn, 2 workers of 1 slot, 2 rounds, synthetic-cifar10: checks the script",
+    )
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.device, a.clients, a.workers, a.slots, a.model, a.rounds = "cpu", 4, 2, 1, "cnn", 2
+        a.dataset = "synthetic-cifar10"
+    return a
 
 
 class GpuSampler(Sampler):
@@ -182,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             gpu_samples=len(sampler.samples),
             gpu_sampler_error=sampler.error,
         )
+    result.update(provenance())
     out = Path(a.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

@@ -60,7 +60,8 @@ def per_client(out: Path) -> dict[str, dict[str, Any]]:
 
 
 def run_one(name: str, args: list[str], out: Path) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "wafl.cli.main", "run", *args, "--out", str(out), "--quiet"]
+    # one process per client (--workers 0): the wall-clock protocol behaviour measured here, and its client logs
+    cmd = [sys.executable, "-m", "wafl.cli.main", "run", *args, "--workers", "0", "--out", str(out), "--quiet"]
     print(f"  {name}: {' '.join(cmd[3:])}", flush=True)
     start = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -115,7 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=None, help="rounds of every run (default: wafl run's)")
     ap.add_argument("--out", type=Path, default=RESULTS, help=f"results folder (default {RESULTS})")
     ap.add_argument("--runs", type=Path, default=Path("runs"), help="where the run folders go (default runs/)")
+    ap.add_argument("--smoke", action="store_true", help="2 rounds, floor 7: checks the script (what the tests run)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.rounds, args.floor = args.rounds or 2, 7
     if args.reps < 1:
         ap.error(f"--reps {args.reps} must be >= 1")
     if args.floor < 1:

@@ -788,7 +788,10 @@ def main() -> None:
     p.add_argument("--no-bare", action="store_true", help="skip the bare grpc.aio server")
     p.add_argument("--results", default=str(RESULTS), help="folder for scale.json and scale.md")
     p.add_argument("--out", help="keep the servers' folders here (default: a temporary folder, removed)")
+    p.add_argument("--smoke", action="store_true", help="30 clients, 2 rounds, one generator: checks the script")
     a = p.parse_args()
+    if a.smoke:
+        a.fleet, a.rounds, a.generators = ["30:1.0"], 2, 1
     specs = a.fleet or ["2000:1.0", "10000:0.01"]
     work = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="wafl-scale-"))
     fleets = []
@@ -802,7 +805,10 @@ def main() -> None:
     finally:
         if not a.out:
             shutil.rmtree(work, ignore_errors=True)
+    from _machine import provenance
+
     doc = {
+        **provenance(),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "fleets": fleets,

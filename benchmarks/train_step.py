@@ -178,7 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-steps", type=int, default=20)
     p.add_argument("--min-time", type=float, default=2.0, help="seconds of timed steps per kind (at least --min-steps)")
     p.add_argument("--out", default=str(RESULTS / "train_step.json"))
+    p.add_argument("--smoke", action="store_true", help="the cnn, one or two steps per kind: checks the script")
     a = p.parse_args(argv)
+    if a.smoke:
+        a.models, a.warmup, a.min_steps, a.max_steps, a.min_time = ["cnn"], 0, 1, 2, 0.0
     torch.set_num_threads(a.threads)
     load_before = os.getloadavg()
     t0 = time.perf_counter()

@@ -68,8 +68,21 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "transport.json"
 MB = 1e6
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-NUM_SAMPLES = 100
+NUM_SAMPLES = 100  # declared at Join; the server weighs an upload by its own shard size for the client
+# what each upload states: the server refuses more than the client's shard holds (it computes the shards
+# itself, and a shard of 11 clients' Dirichlet split can be small); the aggregation weight plays no part here
+UPLOAD_SAMPLES = 1
 NOOP_CLIENTS = 5
+# (module, class or "" for a module function, function, key): what the server-stage-times diagnostic times;
+# checked to exist before any server starts (a sitecustomize error would only be printed by the server)
+STAGE_WRAPS = [
+    ("wafl.server.aggregator", "UploadFold", "add", "UploadFold.add (executor thread)"),
+    ("wafl.common.codec", "TransferChecker", "check", "TransferChecker.check (event loop)"),
+    ("wafl.server.service", "", "decode_upload", "decode_upload (event loop)"),
+    ("wafl.server.aggregator", "Accumulator", "mean", "Accumulator.mean (per round)"),
+    ("wafl.server.engine", "RoundEngine", "_encode", "RoundEngine._encode (per round)"),
+]
+
 # Diagnostics: extra runs against a server changed in one respect, to attribute what the main
 # phases measure. Product files stay as they are: the changes are made at interpreter start by a
 # ``sitecustomize`` module that only a diagnostic server's PYTHONPATH sees.
@@ -86,10 +99,10 @@ DIAGNOSTICS: dict[str, dict[str, Any]] = {
         "kind": "single",
         "what": (
             "single-client uploads against a server whose UploadFold.add, TransferChecker.check, "
-            "decode_upload, Accumulator.mean and RoundEngine._encode_broadcast are wrapped in "
+            "decode_upload, Accumulator.mean and RoundEngine._encode are wrapped in "
             "time.perf_counter accumulators"
         ),
-        "env": {"WAFL_BENCH_STAGE_TIMES": "{dir}/stage_times.json"},
+        "env": {"WAFL_BENCH_STAGE_TIMES": "{dir}/stage_times.json", "WAFL_BENCH_STAGE_WRAPS": json.dumps(STAGE_WRAPS)},
     },
     "malloc-fixed-mmap-threshold": {
         "kind": "concurrent",
@@ -110,11 +123,7 @@ if _opts:
     _app.GRPC_OPTIONS[:] = [o for o in _app.GRPC_OPTIONS if o[0] not in {k for k, _ in _new}] + _new
 _out = os.environ.get("WAFL_BENCH_STAGE_TIMES")
 if _out:
-    import signal, threading, time
-    import wafl.common.codec as _codec
-    import wafl.server.aggregator as _agg
-    import wafl.server.engine as _eng
-    import wafl.server.service as _svc
+    import importlib, signal, threading, time
     _stats, _lock, _seq = {}, threading.Lock(), [0]
 
     def _wrap(owner, name, key):
@@ -133,11 +142,9 @@ if _out:
 
         setattr(owner, name, timed)
 
-    _wrap(_agg.UploadFold, "add", "UploadFold.add (executor thread)")
-    _wrap(_codec.TransferChecker, "check", "TransferChecker.check (event loop)")
-    _wrap(_svc, "decode_upload", "decode_upload (event loop)")
-    _wrap(_agg.Accumulator, "mean", "Accumulator.mean (per round)")
-    _wrap(_eng.RoundEngine, "_encode_broadcast", "RoundEngine._encode_broadcast (per round)")
+    for _mod, _cls, _name, _key in json.loads(os.environ["WAFL_BENCH_STAGE_WRAPS"]):
+        _owner = importlib.import_module(_mod)
+        _wrap(getattr(_owner, _cls) if _cls else _owner, _name, _key)
 
     def _dump(*_):
         with _lock:
@@ -149,6 +156,23 @@ if _out:
 
     signal.signal(signal.SIGUSR1, _dump)
 """
+
+
+def check_stage_wraps() -> None:
+    """Raises SystemExit naming any function of :data:`STAGE_WRAPS` that the code no longer has."""
+    import importlib
+
+    missing = []
+    for mod, cls, name, _ in STAGE_WRAPS:
+        owner: Any = importlib.import_module(mod)
+        if cls:
+            owner = getattr(owner, cls, None)
+        if owner is None or not callable(getattr(owner, name, None)):
+            missing.append(f"{mod}.{cls + '.' if cls else ''}{name}")
+    if missing:
+        raise SystemExit(f"server-stage-times: the server no longer has {missing}; update STAGE_WRAPS")
+
+
 NOOP_TIMED_ROUND = 2  # not the run's last round (that one also evaluates the model)
 
 TARGETS = {
@@ -559,7 +583,7 @@ async def _client(task: dict[str, Any], msg_q: Any, gates: dict[str, Any]) -> No
             if prof is not None:
                 prof.enable()
             t0 = time.monotonic()
-            n = await session.upload(model.round, model.state, NUM_SAMPLES, {})
+            n = await session.upload(model.round, model.state, UPLOAD_SAMPLES, {})
             t1 = time.monotonic()
             if prof is not None:
                 prof.disable()
@@ -1440,7 +1464,21 @@ def main(argv: list[str] | None = None) -> int:
             f"from {sorted(DIAGNOSTICS)}, or 'none' (default: {DEFAULT_DIAGNOSTICS})"
         ),
     )
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="every phase at a tiny size (20 MB TCP trials, 1 upload, 2 concurrent clients, one fresh server, the "
+        "server-stage-times diagnostic): checks the script, not the machine; JSON to --out (default: a smoke file)",
+    )
     a = ap.parse_args(argv)
+    if a.smoke:
+        a.tcp_bytes, a.tcp_trials, a.tcp_paired_bytes = 20_000_000, 1, 10_000_000
+        a.single_uploads, a.concurrent, a.concurrent_runs, a.concurrent_rounds = 1, 2, 1, 1
+        a.diagnostics = "server-stage-times"
+        if a.out == RESULTS:
+            a.out = RESULTS.with_name("transport-smoke.json")
+    if "server-stage-times" in a.diagnostics.split(","):
+        check_stage_wraps()
 
     t_start = time.monotonic()
     ctx = mp.get_context("spawn")

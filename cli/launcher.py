@@ -67,6 +67,7 @@ def launch(
     quota_optional: bool | None = None,
     workers: int | None = None,
     slots: int | None = None,
+    fork: bool = False,
 ) -> RunSummary:
     """Runs the federation described by ``cfg`` to its end; returns what it measured.
 
@@ -77,6 +78,9 @@ def launch(
     ``host_cpus`` is None) instead of raising :class:`wafl.cli.cgroups.CpuQuotaUnavailable`.
     ``workers``: host the clients in this many worker processes (None: one process per client),
     each running ``slots`` trainings at once (default: this machine's cores shared out between them).
+    ``fork``: fork the processes that run without a namespace or control group from this one, after
+    importing what they import (:mod:`wafl.cli.forking`), instead of starting each afresh; ignored
+    (processes started afresh) where :func:`wafl.cli.forking.can_fork` says this process may not fork.
     """
     if workers is not None:
         if not 1 <= workers <= cfg.num_clients:
@@ -117,9 +121,16 @@ def launch(
             star.close()
         raise
     proc_cfg = plan.pop("_proc_cfg", cfg)
+    forker = None
+    if fork:
+        from wafl.cli import forking
+
+        if forking.can_fork():
+            forking.preload()
+            forker = forking.fork_main
     cfg_file = out / "run-config.json"
     cfg_file.write_text(json.dumps(json.loads(proc_cfg.to_json()), indent=2))
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[Any] = []  # subprocess.Popen or wafl.cli.forking.ForkedProcess
     hosts: list[str] = []
     t0 = time.monotonic()
     summary = RunSummary(out, ok=False)
@@ -147,7 +158,7 @@ def launch(
             "--quiet",
         ]
         token = secrets.token_urlsafe(24)  # this run's join token: only the processes started here know it
-        server = _spawn(server_cmd, logs / "server.log", token)
+        server = _spawn(server_cmd, logs / "server.log", token, forker)
         procs.append(server)
         hosts.append("server")
         bound = _wait_ready(ready, server, logs / "server.log")
@@ -174,7 +185,7 @@ def launch(
             ]
             if cfg.data_dir:
                 cmd += ["--data-dir", cfg.data_dir]
-            procs.append(_spawn(cmd, logs / f"worker-{w}.log", token))
+            procs.append(_spawn(cmd, logs / f"worker-{w}.log", token, forker))
             hosts.append(f"worker{w}")
         for i in range(0 if workers else cfg.num_clients):
             prefix = (groups.exec_prefix(f"client{i}") if groups else []) + (
@@ -200,7 +211,7 @@ def launch(
             ]
             if cfg.data_dir:
                 cmd += ["--data-dir", cfg.data_dir]
-            procs.append(_spawn(cmd, logs / f"client-{i}.log", token))
+            procs.append(_spawn(cmd, logs / f"client-{i}.log", token, forker))
             hosts.append(f"client{i}")
         progress = Progress(cfg.rounds, enabled=show_progress)
         results = out / "results.jsonl"
@@ -337,7 +348,7 @@ def _cpu_groups(cfg: RunConfig, spec: str, optional: bool) -> tuple[Any, dict[st
     return groups, plan
 
 
-def _mark_exits(groups: Any, hosts: list[str], procs: list[subprocess.Popen[bytes]]) -> None:
+def _mark_exits(groups: Any, hosts: list[str], procs: list[Any]) -> None:
     if groups is not None:
         for h, p in zip(hosts, procs):
             if p.poll() is not None:
@@ -361,12 +372,20 @@ def _exit_on_sigterm() -> Any:
     return lambda: signal.signal(signal.SIGTERM, old)
 
 
-def _spawn(cmd: list[str], log: Path, token: str = "") -> subprocess.Popen[bytes]:
-    """Starts one process; ``token`` travels in its environment (``WAFL_TOKEN``), not its command line."""
-    f = open(log, "wb")
+MAIN = [sys.executable, "-m", "wafl.cli.main"]
+
+
+def _spawn(cmd: list[str], log: Path, token: str = "", forker: Any = None) -> Any:
+    """Starts one process; ``token`` travels in its environment (``WAFL_TOKEN``), not its command line.
+
+    With ``forker`` (:func:`wafl.cli.forking.fork_main`) a bare ``python -m wafl.cli.main ARGS`` (no
+    namespace or control group in front) is forked from this process instead of started afresh."""
     env = _env()
     if token:
         env["WAFL_TOKEN"] = token
+    if forker is not None and cmd[: len(MAIN)] == MAIN:
+        return forker(cmd[len(MAIN) :], log, env)
+    f = open(log, "wb")
     # Its own process group (killpg, no terminal signals) but the launcher's session: one
     # scheduler autogroup, so that without CPU quotas the wait-free PM's nice value counts
     # against the other processes (with quotas each process is scheduled in its own control
@@ -374,7 +393,7 @@ def _spawn(cmd: list[str], log: Path, token: str = "") -> subprocess.Popen[bytes
     return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, process_group=0)
 
 
-def _wait_ready(ready: Path, server: subprocess.Popen[bytes], log: Path, timeout_s: float = 120.0) -> int:
+def _wait_ready(ready: Path, server: Any, log: Path, timeout_s: float = 120.0) -> int:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
         if ready.exists():
@@ -385,7 +404,7 @@ def _wait_ready(ready: Path, server: subprocess.Popen[bytes], log: Path, timeout
     raise TimeoutError(f"the server did not start listening within {timeout_s}s:\n{_tail(log)}")
 
 
-def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+def _stop(procs: list[Any]) -> None:
     for p in procs:
         if p.poll() is None:
             try:

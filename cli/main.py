@@ -135,7 +135,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     _check_host_cpus(a.host_cpus, cfg)
     workers = _workers(a.workers, cfg, bool(a.link_rate or (a.host_cpus or "none") != "none"))
     if a.slots is not None and (workers is None or a.slots < 1):
-        raise ConfigError(f"--slots={a.slots} needs --workers and must be at least 1")
+        raise ConfigError(f"--slots={a.slots} needs --workers (not off or 0) and must be at least 1")
     summary = launch(
         cfg,
         Path(a.out) if a.out else None,
@@ -145,6 +145,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         host_cpus=a.host_cpus,
         workers=workers,
         slots=a.slots,
+        fork=True,  # this process is the command: the run's processes fork from it (wafl.cli.forking)
     )
     return 0 if summary.ok else 1
 
@@ -158,8 +159,8 @@ def _run_on_ray(a: argparse.Namespace, cfg: RunConfig) -> int:
     if a.link_rate or (a.host_cpus or "none") != "none":
         raise UsageError("--ray places workers on a cluster: it has no per-client links (--link-rate) or CPU shares")
     workers = None if a.workers in (None, "auto") else _workers(a.workers, cfg, False)
-    if a.workers == "off":
-        raise UsageError("--ray runs the clients in worker actors: --workers off is not available with it")
+    if a.workers in OFF:
+        raise UsageError(f"--ray runs the clients in worker actors: --workers {a.workers} is not available with it")
     _check_dataset(cfg)  # the server actor starts on this node when it has room
     if a.out:
         _creatable(Path(a.out))
@@ -179,17 +180,18 @@ def _run_on_ray(a: argparse.Namespace, cfg: RunConfig) -> int:
     return 0 if summary.ok else 1
 
 
-WORKERS_FROM = 33  # without --workers: one process per client up to 32 clients, workers (auto) beyond
+OFF = ("off", "0")  # --workers off / 0: one process per client
 
 
 def _workers(spec: str | None, cfg: RunConfig, per_client_hosts: bool) -> int | None:
-    """``--workers``: a count, ``auto`` (one per core, at most one per client) or ``off`` (one process per
-    client); unset: ``off`` up to 32 clients or with per-client links or CPU shares, else ``auto``."""
+    """``--workers``: a count, ``auto`` (one per core, at most one per client) or ``off``/``0`` (one process
+    per client); unset: ``auto``, or ``off`` with per-client links or CPU shares (a namespace or a control
+    group holds one process)."""
     from wafl.cli.launcher import default_workers
 
     if spec is None:
-        spec = "off" if cfg.num_clients < WORKERS_FROM or per_client_hosts else "auto"
-    if spec == "off":
+        spec = "off" if per_client_hosts else "auto"
+    if spec in OFF:
         return None
     if spec == "auto":
         return default_workers(cfg.num_clients)
@@ -483,8 +485,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument(
         "--workers",
-        help="host the clients in W worker processes (wafl worker): a count, auto (one per core) or off (one process "
-        "per client, what the protocol comparisons use); default: off up to 32 clients, auto beyond",
+        help="host the clients in W worker processes (wafl worker): a count, auto (one per core, at most one per "
+        "client) or off or 0 (one process per client, what the wall-clock protocol comparisons use); default: auto, "
+        "off with --link-rate or --host-cpus (one namespace or control group per client)",
     )
     r.add_argument("--slots", type=POSITIVE_INT, help="trainings at once per worker (default: the cores shared out)")
     g = r.add_argument_group("Ray (pip install 'wafl[ray]')")

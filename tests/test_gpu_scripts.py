@@ -32,8 +32,7 @@ def test_without_cuda_it_says_so_and_exits_2(repo: Path, tmp_path: Path) -> None
 
 def test_a_small_fleet_on_the_cpu_finishes_and_is_recorded(repo: Path, tmp_path: Path) -> None:
     out = tmp_path / "fleet.json"
-    args = ["--device", "cpu", "--clients", "4", "--workers", "2", "--slots", "1", "--model", "cnn"]
-    args += ["--dataset", "synthetic-cifar10", "--rounds", "2", "--json", str(out)]
+    args = ["--smoke", "--json", str(out)]  # the CPU, 4 clients of the cnn in 2 workers of 1 slot, 2 rounds
     p = subprocess.run(
         [sys.executable, "benchmarks/gpu_fleet.py", *args], cwd=repo, capture_output=True, text=True, timeout=300
     )
@@ -47,8 +46,7 @@ def test_a_small_fleet_on_the_cpu_finishes_and_is_recorded(repo: Path, tmp_path:
 
 def test_gpu_check_smoke_on_the_cpu_passes_its_checks(repo: Path, tmp_path: Path) -> None:
     out = tmp_path / "check.json"
-    args = ["--device", "cpu", "--gm-steps", "2", "--pm-steps", "2", "--batch-size", "8", "--model", "cnn"]
-    args += ["--dataset", "synthetic-cifar10", "--json", str(out)]
+    args = ["--smoke", "--json", str(out)]  # the CPU, the cnn, 2 GM and 2 PM steps of 8
     p = subprocess.run(
         [sys.executable, "benchmarks/gpu_check.py", *args], cwd=repo, capture_output=True, text=True, timeout=300
     )

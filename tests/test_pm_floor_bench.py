@@ -13,7 +13,7 @@ import pytest
 
 @pytest.mark.slow
 def test_pm_floor_bench_short(repo: Path, tmp_path: Path) -> None:
-    args = ["--rounds", "2", "--floor", "7", "--out", str(tmp_path / "results"), "--runs", str(tmp_path / "runs")]
+    args = ["--smoke", "--out", str(tmp_path / "results"), "--runs", str(tmp_path / "runs")]  # 2 rounds, floor 7
     p = subprocess.run(
         [sys.executable, "benchmarks/pm_floor.py", *args], cwd=repo, capture_output=True, text=True, timeout=540
     )

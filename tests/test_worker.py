@@ -30,18 +30,19 @@ def test_run_refuses_bad_worker_counts(capsys) -> None:
     assert main(["run", "--clients", "4", "--workers", "5", "--rounds", "1"]) == 2
     assert "--workers=5 must lie in 1..4" in capsys.readouterr().err
     assert main(["run", "--clients", "4", "--workers", "many", "--rounds", "1"]) == 2
-    assert main(["run", "--clients", "4", "--slots", "2", "--rounds", "1"]) == 2  # slots without workers
+    assert main(["run", "--clients", "4", "--slots", "2", "--workers", "0", "--rounds", "1"]) == 2  # no workers
     assert "--slots=2 needs --workers" in capsys.readouterr().err
 
 
-def test_run_hosts_many_clients_in_workers_by_default_beyond_32() -> None:
+def test_run_hosts_the_clients_in_workers_by_default() -> None:
     from wafl.cli.launcher import default_workers
     from wafl.cli.main import _workers
 
-    assert _workers(None, load_config(None, {"num_clients": 32}), False) is None  # one process per client
-    assert _workers(None, load_config(None, {"num_clients": 33}), False) == default_workers(33)
+    assert _workers(None, load_config(None, {"num_clients": 10}), False) == default_workers(10)
+    assert _workers(None, load_config(None, {"num_clients": 1}), False) == 1  # never more workers than clients
     assert _workers(None, load_config(None, {"num_clients": 100}), True) is None  # per-client links or CPU shares
     assert _workers("off", load_config(None, {"num_clients": 100}), False) is None
+    assert _workers("0", load_config(None, {"num_clients": 100}), False) is None  # one process per client
     assert _workers("3", load_config(None, {"num_clients": 100}), False) == 3
     assert default_workers(100, cores=16) == 16 and default_workers(4, cores=16) == 4
 

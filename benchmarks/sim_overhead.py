@@ -1,0 +1,208 @@
+#!/usr/bin/env python
+"""What the in-process simulation costs beyond its training: a workload simulated, then its local training alone.
+
+Run from the repository root::
+
+    python benchmarks/sim_overhead.py                # FedAvg, SCD, FedHKD on digits at 10 and 100 clients
+    python benchmarks/sim_overhead.py --profile      # also a cProfile of each simulation (top functions)
+    python benchmarks/sim_overhead.py --smoke        # 3 clients, 2 rounds (what the test suite runs)
+
+For each point (algorithm, clients, rounds; digits, Dirichlet 0.5, the ``cnn``, compute-and-wait so
+that every round's PM trains a fixed ``pm_epochs``, seed 0):
+
+* **simulation**: :func:`wafl.cli.simulate.simulate` with the clients sharing ``--cores`` training
+  slots (:class:`~wafl.client.compute.SharedSlots`, as the clients of a ``wafl worker`` do), one torch
+  thread each: wall-clock of the whole call (engine, trainers, rounds, evaluation, results). Every
+  broadcast a client receives is recorded as it enters ``Trainer.begin_round``.
+* **training alone**: fresh trainers of the same seed (the same shards, the same data order and
+  initial models), split over ``--cores`` forked processes, replay exactly the training the
+  simulation did: per round, per client, ``begin_round`` on the broadcast it received, the GM's
+  local phases (``train_gm``), the knowledge the algorithm computes (``knowledge``), the PM's
+  epochs (``train_pm``). No evaluation, no encoding, no aggregation, no transport. Wall-clock from
+  the fork to the last process's exit, trainers built before the clock starts.
+
+The ratio simulation / training alone is what the federation costs on top of its training
+(target: at most 1.3). The JSON names the commit and the load average before and after each
+point; figures from a machine shared with other work are not the machine's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+from _machine import cpu_name
+from wafl.cli.bench import git_commit
+from wafl.cli.simulate import simulate
+from wafl.client.compute import SharedSlots
+from wafl.client.trainer import Trainer
+from wafl.common.config import RunConfig, load_config
+from wafl.common.datasets import load_dataset
+from wafl.common.logs import configure_logging
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ALGORITHMS = ("fedavg", "scd", "fedhkd")
+POINTS = {10: 25, 100: 20}  # clients -> rounds
+
+
+def workload(algorithm: str, clients: int, rounds: int, seed: int = 0) -> RunConfig:
+    over = {
+        "algorithm": algorithm,
+        "num_clients": clients,
+        "rounds": rounds,
+        "protocol": "compute-and-wait",
+        "seed": seed,
+        "device": "cpu",
+        "checkpoint": False,
+    }
+    return load_config(None, over)
+
+
+class Recorder:
+    """Wraps ``Trainer.begin_round``: keeps, per client and round, the broadcast it received."""
+
+    def __init__(self) -> None:
+        self.received: dict[int, list[tuple[int, Any, Any, bool]]] = {}
+        self._orig = Trainer.begin_round
+
+    def __enter__(self) -> Recorder:
+        orig, received = self._orig, self.received
+
+        def begin_round(t: Trainer, round: int, state: Any, knowledge: Any = None, selected: bool = True) -> Any:
+            received.setdefault(t.index, []).append((round, dict(state), knowledge, selected))
+            return orig(t, round, state, knowledge, selected)
+
+        Trainer.begin_round = begin_round  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        Trainer.begin_round = self._orig  # type: ignore[method-assign]
+
+
+def train_alone(cfg: RunConfig, received: dict[int, list[tuple[int, Any, Any, bool]]], cores: int) -> dict[str, Any]:
+    """Replays the recorded rounds' training in ``cores`` forked processes; their wall-clock and steps."""
+    data = load_dataset(cfg.dataset, cfg.data_dir)
+    trainers = [Trainer(cfg, i, dataset=data, device="cpu") for i in range(cfg.num_clients)]
+    parts = [trainers[k::cores] for k in range(cores)]
+    rfd, wfd = os.pipe()
+    t0 = time.monotonic()
+    pids = []
+    for part in parts:
+        pid = os.fork()
+        if pid == 0:
+            os.close(rfd)
+            steps = 0
+            try:
+                for t in part:
+                    for r, state, knowledge, selected in received.get(t.index, []):
+                        t.begin_round(r, state, knowledge, selected)
+                        if selected:
+                            steps += t.train_gm().steps
+                            t.knowledge()
+                        if t.algorithm.personalized and (selected or t.algorithm.pm_when_unselected):
+                            if cfg.pm_epochs > 0:
+                                steps += t.train_pm(None, float(cfg.pm_epochs)).steps
+                os.write(wfd, f"{steps}\n".encode())
+            finally:
+                os._exit(0)
+        pids.append(pid)
+    os.close(wfd)
+    codes = [os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in pids]
+    wall = time.monotonic() - t0
+    with os.fdopen(rfd) as f:
+        steps = [int(x) for x in f.read().split()]
+    if any(codes) or len(steps) != len(parts):
+        raise RuntimeError(f"a training-alone process failed: exit codes {codes}")
+    return {"wall_s": round(wall, 3), "steps": sum(steps), "processes": cores}
+
+
+def measure(cfg: RunConfig, cores: int, profile: bool) -> dict[str, Any]:
+    load_before = os.getloadavg()
+    prof = cProfile.Profile() if profile else None
+    with Recorder() as rec:
+        t0 = time.monotonic()
+        if prof is not None:
+            prof.enable()
+        rows = simulate(cfg, pool=lambda: SharedSlots(cores))
+        if prof is not None:
+            prof.disable()
+        sim_wall = time.monotonic() - t0
+    alone = train_alone(cfg, rec.received, cores)
+    out: dict[str, Any] = {
+        "algorithm": cfg.algorithm,
+        "clients": cfg.num_clients,
+        "rounds": cfg.rounds,
+        "simulation_s": round(sim_wall, 3),
+        "training_alone_s": alone["wall_s"],
+        "ratio": round(sim_wall / alone["wall_s"], 3),
+        "training_steps": alone["steps"],
+        "gm_accuracy": rows[-1]["gm_accuracy"],
+        "pm_accuracy": rows[-1].get("pm_accuracy"),
+        "loadavg_before": list(load_before),
+        "loadavg_after": list(os.getloadavg()),
+    }
+    if prof is not None:
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(40)
+        out["profile_cumulative_top40"] = s.getvalue().splitlines()[-48:]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--algorithms", default=",".join(ALGORITHMS))
+    p.add_argument("--clients", default="10,100", help="points: client counts (rounds: 25 at 10, 20 at 100)")
+    p.add_argument("--rounds", type=int, help="rounds at every point (default: 25 at 10 clients, 20 at 100)")
+    p.add_argument("--cores", type=int, default=min(2, os.cpu_count() or 1), help="training slots / processes")
+    p.add_argument("--profile", action="store_true", help="cProfile each simulation (slows it down)")
+    p.add_argument("--smoke", action="store_true", help="3 clients, 2 rounds: checks the script")
+    p.add_argument("--out", type=Path, help="JSON (default benchmarks/results/sim_overhead[-smoke].json)")
+    a = p.parse_args(argv)
+    if a.cores < 1:
+        p.error("--cores must be at least 1")
+    if a.smoke:
+        a.clients, a.rounds = "3", a.rounds or 2
+    configure_logging("sim_overhead", level="WARNING")
+    torch.set_num_threads(1)
+    simulate(workload("fedavg", 2, 1))  # untimed: torch's and the dataset's first-use costs are not the first point's
+    points = []
+    for n in [int(x) for x in a.clients.split(",") if x.strip()]:
+        for algo in [x.strip() for x in a.algorithms.split(",") if x.strip()]:
+            cfg = workload(algo, n, a.rounds or POINTS.get(n, 20))
+            r = measure(cfg, a.cores, a.profile)
+            points.append(r)
+            print(
+                f"{algo:<7} {n:>4} clients {cfg.rounds:>3} rounds: simulation {r['simulation_s']:7.2f} s, training "
+                f"alone {r['training_alone_s']:7.2f} s, ratio {r['ratio']:.2f} (gm {r['gm_accuracy']:.4f}, load "
+                f"{r['loadavg_before'][0]:.1f})",
+                flush=True,
+            )
+    doc = {
+        "benchmark": "sim_overhead",
+        "commit": git_commit(),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "cpu": cpu_name(),
+        "cpus": os.cpu_count(),
+        "cores_used": a.cores,
+        "smoke": a.smoke,
+        "points": points,
+    }
+    out = a.out or RESULTS / ("sim_overhead-smoke.json" if a.smoke else "sim_overhead.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Every script in ``benchmarks/`` runs in its smoke mode (``--smoke``: tiny sizes) and records what it
+measured with the commit it measured: a benchmark that no longer runs on today's code fails here."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# scripts whose smoke run is tested in a file of its own (with checks of their own)
+ELSEWHERE = {
+    "gpu_check": "test_gpu_scripts.py",
+    "gpu_fleet": "test_gpu_scripts.py",
+    "pm_floor": "test_pm_floor_bench.py",
+}
+
+
+def _commit(doc: dict[str, Any]) -> None:
+    assert re.fullmatch(r"[0-9a-f]{40}", doc["commit"] or ""), doc.get("commit")
+
+
+def _main_job(d: dict[str, Any]) -> None:
+    (r,) = d["runs"]
+    assert r["ok"] and r["rounds"] == 2 and r["gm_accuracy"] > 0.1, r
+    assert r["peak_pss_gb"] > 0 and r["peak_rss_gb"] >= r["peak_pss_gb"] and r["peak_processes"] >= 3  # launcher+
+    assert len(r["loadavg_before"]) == 3 and r["cpu_s"] > 0
+
+
+def _transport(d: dict[str, Any]) -> None:
+    assert d["single_client"]["all_bytes_acknowledged"] and d["concurrent"]["all_bytes_acknowledged"]
+    assert d["single_client"]["median_MBps"] > 0 and d["noop_round"]["server_round_s"] > 0
+    assert d["grpc_alone"]["plain"]["MBps"] > 0 and d["raw_tcp"]
+    (upload, *_) = d["diagnostics"]["server-stage-times"]["uploads"]
+    assert {"UploadFold.add (executor thread)", "TransferChecker.check (event loop)"} <= set(upload["stages"])
+    assert set(d["checks"]) and all("pass" in c for c in d["checks"].values())
+
+
+def _sim_overhead(d: dict[str, Any]) -> None:
+    assert [(p["algorithm"], p["clients"], p["rounds"]) for p in d["points"]] == [
+        ("fedavg", 3, 2),
+        ("scd", 3, 2),
+        ("fedhkd", 3, 2),
+    ]
+    for p in d["points"]:
+        assert p["simulation_s"] > 0 and p["training_alone_s"] > 0 and p["training_steps"] > 0
+        assert p["ratio"] == pytest.approx(p["simulation_s"] / p["training_alone_s"], rel=0.01)
+        assert p["gm_accuracy"] > 0.1
+
+
+def _train_step(d: dict[str, Any]) -> None:
+    assert {(r["model"], r["kind"]) for r in d["results"]} == {("cnn", k) for k in ("gm", "pm_scd", "pm_ditto")}
+    assert all(r["samples_per_s"] > 0 for r in d["results"])
+
+
+def _fleet(d: dict[str, Any]) -> None:
+    (r,) = d["runs"]
+    assert r["ok"] and r["clients"] == 4 and r["mode"] == "workers"
+
+
+def _scale(d: dict[str, Any]) -> None:
+    (f,) = d["fleets"]
+    assert f["clients"] == 30 and f["real"]["ok"] and f["bare"]["ok"] and f["cost_ratio"] > 0
+
+
+# script -> (arguments after --smoke given the test's folder, the JSON it writes there, its checks)
+SMOKE: dict[str, tuple[Callable[[Path], list[str]], str, Callable[[dict[str, Any]], None]]] = {
+    "main_job": (lambda t: ["--out", str(t / "r.json")], "r.json", _main_job),
+    "transport": (lambda t: ["--out", str(t / "r.json")], "r.json", _transport),
+    "sim_overhead": (lambda t: ["--out", str(t / "r.json")], "r.json", _sim_overhead),
+    "train_step": (lambda t: ["--out", str(t / "r.json")], "r.json", _train_step),
+    "fleet": (lambda t: ["--out", str(t), "--runs", str(t / "runs")], "fleet.json", _fleet),
+    "scale": (lambda t: ["--results", str(t)], "scale.json", _scale),
+}
+
+
+def test_every_benchmark_script_has_a_smoke_test() -> None:
+    scripts = {p.stem for p in (REPO / "benchmarks").glob("*.py") if not p.name.startswith("_")}
+    assert scripts == set(SMOKE) | set(ELSEWHERE)
+    for name, test_file in ELSEWHERE.items():
+        text = (REPO / "tests" / test_file).read_text()
+        assert f"benchmarks/{name}.py" in text and "--smoke" in text, (name, test_file)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)  # the transport smoke run starts six servers and a dozen clients
+@pytest.mark.parametrize("name", sorted(SMOKE))
+def test_benchmark_smoke_run(name: str, tmp_path: Path) -> None:
+    args, saved, check = SMOKE[name]
+    p = subprocess.run(
+        [sys.executable, f"benchmarks/{name}.py", "--smoke", *args(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1100,
+    )
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    doc = json.loads((tmp_path / saved).read_text())
+    _commit(doc)
+    check(doc)
