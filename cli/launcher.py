@@ -78,6 +78,9 @@ def launch(
     ``workers``: host the clients in this many worker processes (None: one process per client),
     each running ``slots`` trainings at once (default: this machine's cores shared out between them).
     """
+    from wafl.server.app import check_networked
+
+    check_networked(cfg)  # before any process starts
     if workers is not None:
         if not 1 <= workers <= cfg.num_clients:
             raise UsageError(f"--workers {workers} must lie in 1..{cfg.num_clients} (the clients)")
