@@ -270,7 +270,7 @@ def cmd_flatness(a: argparse.Namespace) -> int:
 
 
 def add_parser(sub: Any, positive_int: Any, positive: Any) -> None:
-    """Registers ``wafl analyze`` and its ``flatness`` command on the ``wafl`` sub-parsers."""
+    """Registers ``wafl analyze`` and its commands (``flatness``, ``curves``) on the ``wafl`` sub-parsers."""
     an = sub.add_parser("analyze", help="measurements of finished runs' models")
     asub = an.add_subparsers(dest="analysis", required=True)
     f = asub.add_parser(
@@ -295,3 +295,6 @@ def add_parser(sub: Any, positive_int: Any, positive: Any) -> None:
     f.add_argument("--table", action="store_true", help="a table even for one run")
     f.add_argument("--json", help="write the measurements (and table) as JSON here")
     f.set_defaults(fn=cmd_flatness)
+    from wafl.cli.curves import add_parser as add_curves
+
+    add_curves(asub)
