@@ -2,8 +2,9 @@
 
 A run folder (``config.json``, ``results.jsonl`` and ``checkpoint.pt``, as ``wafl run``,
 ``wafl sweep`` and the in-process runs write them with ``checkpoint = true``) holds the global
-model of its last finished round in ``checkpoint.pt``; ``--checkpoint FILE`` takes any other
-checkpoint of the run instead. The model is rebuilt from the configuration in the checkpoint,
+model of its last finished round in ``checkpoint.pt``, and with ``keep_checkpoint_every = N`` that of
+every N-th round in ``checkpoints/round-R.pt`` (``--round R``); ``--checkpoint FILE`` takes any other
+checkpoint file of the run. The model is rebuilt from the configuration in the checkpoint,
 and the loss is the mean cross-entropy over the union of the clients' training shards, rebuilt
 from the seed as the clients built them (over what a public split leaves), or over a fixed
 sample of ``--samples`` of them drawn from ``--sample-seed``. The sample is drawn (and, where the
@@ -79,7 +80,11 @@ def load_run_model(run_dir: Path, checkpoint: Path | None = None, data_dir: str 
     path = checkpoint or run_dir / CHECKPOINT
     ck = load_checkpoint(path)
     if ck is None:
-        how = "" if checkpoint else " (the run was made with checkpoint = false: run it again with checkpoint = true)"
+        how = (
+            " (rounds are kept with keep_checkpoint_every = N)"
+            if checkpoint
+            else " (the run was made with checkpoint = false: run it again with checkpoint = true)"
+        )
         raise UsageError(f"{path}: no checkpoint there{how}")
     try:
         cfg = RunConfig.from_mapping(ck["config"])
@@ -230,11 +235,16 @@ def cmd_flatness(a: argparse.Namespace) -> int:
         raise UsageError(f"--density draws one run's density; {len(folders)} run folders were given")
     if a.checkpoint and len(folders) > 1:
         raise UsageError(f"--checkpoint names one run's checkpoint; {len(folders)} run folders were given")
+    if a.checkpoint and a.round:
+        raise UsageError("--checkpoint and --round both name a checkpoint: give one")
     results = []
     for f in folders:
+        chosen = Path(a.checkpoint) if a.checkpoint else None
+        if a.round:
+            chosen = f / "checkpoints" / f"round-{a.round}.pt"
         r = flatness(
             f,
-            checkpoint=Path(a.checkpoint) if a.checkpoint else None,
+            checkpoint=chosen,
             samples=a.samples,
             sample_seed=a.sample_seed,
             probes=a.probes,
@@ -280,6 +290,11 @@ def add_parser(sub: Any, positive_int: Any, positive: Any) -> None:
     )
     f.add_argument("dirs", nargs="+", metavar="RUN_DIR", help="run folders, or folders holding them (a sweep's)")
     f.add_argument("--checkpoint", help="a checkpoint file of the run (default: RUN_DIR/checkpoint.pt, the last round)")
+    f.add_argument(
+        "--round",
+        type=positive_int,
+        help="the checkpoint of this round, RUN_DIR/checkpoints/round-R.pt (kept with keep_checkpoint_every)",
+    )
     f.add_argument("--samples", type=positive_int, help="a seeded sample of this many training points (default: all)")
     f.add_argument("--sample-seed", dest="sample_seed", type=int, default=0, help="seed of the sample and probes")
     f.add_argument("--probes", type=positive_int, default=100, help="Rademacher probes of the trace (default 100)")

@@ -210,8 +210,14 @@ class RoundEngine:
         log.info("resume", round=ck["round"], run_id=self.run_id)
 
     def _checkpoint(self) -> None:
+        n, keep = self.strategy.aggregations, self.cfg.keep_checkpoint_every
+        if keep and n % keep == 0:  # kept as it is written: the same bytes as checkpoint.pt
+            self._save_checkpoint(self.out_dir / "checkpoints" / f"round-{n}.pt")
+        self._save_checkpoint(self.checkpoint_path)
+
+    def _save_checkpoint(self, path: Path) -> None:
         save_checkpoint(
-            self.checkpoint_path,
+            path,
             {
                 "round": self.strategy.aggregations,
                 "run_id": self.run_id,
