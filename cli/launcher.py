@@ -82,6 +82,9 @@ def launch(
     importing what they import (:mod:`wafl.cli.forking`), instead of starting each afresh; ignored
     (processes started afresh) where :func:`wafl.cli.forking.can_fork` says this process may not fork.
     """
+    from wafl.server.app import check_networked
+
+    check_networked(cfg)  # before any process starts
     if workers is not None:
         if not 1 <= workers <= cfg.num_clients:
             raise UsageError(f"--workers {workers} must lie in 1..{cfg.num_clients} (the clients)")

@@ -1,4 +1,4 @@
-"""The ``wafl`` command: ``run``, ``server``, ``client``, ``worker``, ``bench``, ``health``."""
+"""The ``wafl`` command: ``run``, ``server``, ``client``, ``worker``, ``bench``, ``analyze``, ``health``."""
 
 from __future__ import annotations
 
@@ -666,6 +666,10 @@ def build_parser() -> argparse.ArgumentParser:
         "time_to_target, mbytes",
     )
     tb.set_defaults(fn=cmd_table)
+
+    from wafl.cli.analyze import add_parser as add_analyze
+
+    add_analyze(sub, POSITIVE_INT, POSITIVE_SECONDS)
 
     h = sub.add_parser("health", help="gRPC health check of a server (exit 0 when SERVING)")
     h.add_argument("--server", default=os.environ.get("WAFL_SERVER", "localhost:50051"))

@@ -272,6 +272,9 @@ def launch_ray(
     each running ``slots`` trainings at once (default: its whole CPUs, at least one). The actors are
     named ``server`` and ``worker-<w>`` in the Ray namespace ``wafl-<output folder name>``.
     """
+    from wafl.server.app import check_networked
+
+    check_networked(cfg)  # before any process starts
     ray = import_ray()
     from ray.exceptions import RayActorError
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy

@@ -10,8 +10,9 @@ in one event loop. Training runs in worker threads as in a client process; with 
 from __future__ import annotations
 
 import asyncio
+import copy
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,8 @@ from wafl.client.app import warm_up_torch
 from wafl.client.compute import SharedSlots
 from wafl.client.protocol import RoundProtocol
 from wafl.client.trainer import Trainer
+from wafl.common.algorithms.base import split_payload
+from wafl.common.analysis.dissimilarity import full_gradient, gradient_dissimilarity
 from wafl.common.config import RunConfig
 from wafl.server.engine import RoundEngine
 
@@ -53,6 +56,8 @@ async def _simulate(
         session = LocalSession(engine, f"client-{i}", i, trainer.num_samples)
         session.join()
         clients.append(RoundProtocol(session, trainer, cfg.protocol, shared.view(trainer) if shared else None))
+    if cfg.grad_dissimilarity_every:
+        engine.round_probe = dissimilarity_probe(cfg, engine, {c.session.client_id: c.trainer for c in clients})
     tasks = [asyncio.create_task(c.run()) for c in clients]
     try:
         await engine.run_to_end()
@@ -64,6 +69,26 @@ async def _simulate(
         if shared is not None:
             shared.shutdown()
     return engine.results.rows
+
+
+def dissimilarity_probe(
+    cfg: RunConfig, engine: RoundEngine, trainers: Mapping[str, Trainer]
+) -> Callable[[int, Mapping[str, torch.Tensor], list[str]], dict[str, Any]]:
+    """The engine's round probe of ``grad_dissimilarity_every``: every N rounds, ``G_d`` of the selected
+    clients' full training-loss gradients at the global model they were sent
+    (:mod:`wafl.common.analysis.dissimilarity`), computed on a copy of the model."""
+    model = copy.deepcopy(engine.model)
+
+    def probe(round: int, state: Mapping[str, torch.Tensor], selected: list[str]) -> dict[str, Any]:
+        if round % cfg.grad_dissimilarity_every or not selected:
+            return {}
+        model.load_state_dict(split_payload(state)[0], strict=False)
+        grads = [
+            full_gradient(model, engine.dataset.train, trainers[c].train_idx, cfg.eval_batch_size) for c in selected
+        ]
+        return gradient_dissimilarity(grads)
+
+    return probe
 
 
 def run_many(configs: dict[str, RunConfig], seeds: list[int], log: Callable[[str], None] = print) -> dict[str, Any]:

@@ -122,6 +122,11 @@ def run_point(cfg_json: str, folder: str, network: bool) -> dict[str, Any]:
 def sweep(path: Path, network: bool = False, jobs: int = 1, out: Path | None = None, show_progress: bool = True) -> int:
     """Runs every point not yet done; 0 when every point has finished."""
     default_out, points = load_sweep(path)
+    if network:
+        from wafl.server.app import check_networked
+
+        for _, cfg in points:
+            check_networked(cfg)
     out = out or default_out
     out.mkdir(parents=True, exist_ok=True)
     todo = [(n, c) for n, c in points if not (out / n / DONE).exists()]

@@ -90,7 +90,10 @@ class RunConfig:
     device: str = "auto"
     eval_batch_size: int = 256
     eval_every: int = 1  # evaluate the global model every N rounds (0: only after the last)
+    # every N rounds (0: never) record the clients' gradient dissimilarity G_d at the global model (in process only)
+    grad_dissimilarity_every: int = 0
     checkpoint: bool = True
+    keep_checkpoint_every: int = 0  # also keep every N-th round's checkpoint as checkpoints/round-N.pt (0: none)
     tensorboard: str | None = None  # folder for TensorBoard event files (the server writes them)
 
     def validate(self) -> RunConfig:
@@ -155,6 +158,15 @@ class RunConfig:
             raise ConfigError(f"pm_yield_transfers={self.pm_yield_transfers!r} must be true or false")
         _int_at_least("eval_batch_size", self.eval_batch_size, 1)
         _int_at_least("eval_every", self.eval_every, 0)
+        _int_at_least("grad_dissimilarity_every", self.grad_dissimilarity_every, 0)
+        _int_at_least("keep_checkpoint_every", self.keep_checkpoint_every, 0)
+        if self.keep_checkpoint_every and not self.checkpoint:
+            raise ConfigError(f"keep_checkpoint_every={self.keep_checkpoint_every} needs checkpoint = true")
+        if self.grad_dissimilarity_every and self.aggregation != "sync":
+            raise ConfigError(
+                f"grad_dissimilarity_every={self.grad_dissimilarity_every} needs aggregation='sync' (the clients of a "
+                f"round at one global model), not {self.aggregation!r}"
+            )
         if not (
             self.device in ("auto", "cpu", "cuda") or (self.device.startswith("cuda:") and self.device[5:].isdigit())
         ):

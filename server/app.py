@@ -75,6 +75,17 @@ def check_exposure(host: str, secrets: JoinSecrets, allow_open: bool, client_cer
         )
 
 
+def check_networked(cfg: RunConfig) -> None:
+    """Refuses what only an in-process run can measure: the gradient dissimilarity needs every selected
+    client's full gradient at the global model, a model-sized tensor the protocol does not carry."""
+    if cfg.grad_dissimilarity_every:
+        raise ConfigError(
+            f"grad_dissimilarity_every={cfg.grad_dissimilarity_every} is measured in process only (wafl sweep "
+            "without --network, wafl.cli.simulate): over the network each client would have to send its full "
+            "gradient, which the protocol does not carry; set it to 0"
+        )
+
+
 def check_out_dir(out_dir: Path, resume: bool) -> None:
     """A new run never writes into a folder that holds another run's record (``UsageError``)."""
     if out_dir.exists() and not out_dir.is_dir():
@@ -111,6 +122,7 @@ async def serve(
     log = structlog.get_logger("server")
     mutual = tls is not None and tls.client_ca is not None
     check_exposure(host, JoinSecrets(token, dict(enrollment or {})), allow_open, mutual)
+    check_networked(cfg)
     check_out_dir(out_dir, resume)
     engine = RoundEngine(cfg, out_dir, token=token, resume=resume, enrollment=enrollment)
     if engine.secrets.open and not mutual:

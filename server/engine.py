@@ -17,10 +17,11 @@ import math
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import structlog
@@ -135,6 +136,10 @@ class RoundEngine:
         self.run_start = time.monotonic()
         self.results = ResultsLog(out_dir, self.run_start, latest_pm=cfg.aggregation == "buffered")
         self.checkpoint_path = out_dir / "checkpoint.pt"
+        # called in a worker thread as each round closes, before aggregation, with the round's number, the
+        # global model its clients trained from and its selected clients; its fields join the round's results
+        # line (the in-process runs' gradient dissimilarity: wafl.cli.simulate)
+        self.round_probe: Callable[[int, Mapping[str, torch.Tensor], list[str]], dict[str, Any]] | None = None
         self.tensorboard = TensorBoardLog(cfg.tensorboard, cfg) if cfg.tensorboard else None
         if self.tensorboard is not None:
             self.results.listeners.append(self.tensorboard.row)
@@ -205,8 +210,14 @@ class RoundEngine:
         log.info("resume", round=ck["round"], run_id=self.run_id)
 
     def _checkpoint(self) -> None:
+        n, keep = self.strategy.aggregations, self.cfg.keep_checkpoint_every
+        if keep and n % keep == 0:  # kept as it is written: the same bytes as checkpoint.pt
+            self._save_checkpoint(self.out_dir / "checkpoints" / f"round-{n}.pt")
+        self._save_checkpoint(self.checkpoint_path)
+
+    def _save_checkpoint(self, path: Path) -> None:
         save_checkpoint(
-            self.checkpoint_path,
+            path,
             {
                 "round": self.strategy.aggregations,
                 "run_id": self.run_id,
@@ -371,6 +382,10 @@ class RoundEngine:
     async def _finish_version(self, c: Collection) -> None:
         """Aggregates a closed collection, evaluates, checkpoints and records its results line."""
         loop = asyncio.get_running_loop()
+        probed: dict[str, Any] = {}
+        if self.round_probe is not None:
+            selected = sorted(getattr(self.strategy, "selected", c.metrics))
+            probed = await loop.run_in_executor(self.executor, self.round_probe, c.number, self.global_state, selected)
         state, knowledge, fields = await loop.run_in_executor(
             self.executor, self.strategy.aggregate, self.global_state, c
         )
@@ -400,6 +415,7 @@ class RoundEngine:
             "wall_s": round_(self.wall()),
             "round_s": round_(loop.time() - c.opened_at),
             **{k: round_(v) if isinstance(v, float) else v for k, v in fields.items()},
+            **probed,
             "bytes_down": self.bytes_down,
         }
         self.bytes_down = 0

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -136,9 +137,21 @@ def test_learning_check_sweep_files_load(repo: Path) -> None:
 
     files = sorted((repo / "configs" / "sweeps").glob("*.toml"))
     assert {f.stem for f in files} >= {"fedhkd_digits", "asd_digits", "asd_digits_uniform", "scd_digits"}
+    from wafl.common.datasets import DATASETS
+
     for f in files:
+        dataset = tomllib.loads(f.read_text())["base"].get("dataset")
+        if dataset not in DATASETS:  # a sweep for a dataset this checkout does not have yet: refused by name
+            with pytest.raises(ConfigError, match=f"dataset={dataset!r} is not one of"):
+                load_sweep(f)
+            continue
         out, points = load_sweep(f)
         assert out == Path(f"runs/sweep-{f.stem}")
+        seeds = {c.seed for _, c in points}
+        if f.stem.endswith(("_flatness", "_dissimilarity", "_sensitivity")):  # analysis sweeps: fewer seeds
+            assert len(seeds) >= (2 if f.stem.endswith("_flatness") else 1)
+            assert all(c.checkpoint for _, c in points) or not f.stem.endswith("_flatness")  # flatness reads them
+            continue
         if f.stem.endswith("_tuning"):  # tuning runs a seed apart from the evaluation seeds
             assert {c.seed for _, c in points}.isdisjoint({0, 1, 2})
             continue

@@ -1,0 +1,227 @@
+"""``wafl analyze curves``: results-row fields against rounds (or against a setting) over many runs.
+
+The run folders are found as ``wafl table`` finds them (finished runs at or below the folders
+given). ``--where FIELD=VALUE`` keeps the runs with that setting, ``--by FIELDS`` makes the
+curves (default: algorithm and parameters, as ``wafl table``'s rows); a field is a configuration
+field or ``params.NAME``, an algorithm parameter. Each curve is the mean over the runs of its
+group (their seeds) at every round where the field has a value, with the min-max band; one
+panel per ``--metrics`` field (``gm_accuracy``, ``pm_accuracy``, ``grad_dissimilarity``, any
+numeric column of ``results.jsonl``). ``--against FIELD`` draws instead each group's value of the
+metric (each run's mean over its rounds, or with ``--reduce last`` its last value, averaged over
+the group) against that (numeric) setting, e.g. G_d against ASD's lambda. ``--json``
+writes the numbers drawn, so a figure can be checked against its runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from wafl.cli.table import DEFAULT_BY, Run, TableError, find_runs, label
+from wafl.common.errors import UsageError
+
+
+def field(config: Mapping[str, Any], name: str) -> Any:
+    """A configuration field, or ``params.NAME`` for an algorithm parameter (None when absent)."""
+    if name.startswith("params."):
+        return (config.get("params") or {}).get(name[len("params.") :])
+    return config.get(name)
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def select(runs: Sequence[Run], where: Sequence[str]) -> list[Run]:
+    """The runs whose every ``FIELD=VALUE`` of ``where`` holds (numbers compare as numbers)."""
+    conds = []
+    for w in where:
+        if "=" not in w:
+            raise UsageError(f"--where {w!r} is not FIELD=VALUE")
+        k, v = w.split("=", 1)
+        conds.append((k.strip(), _parse_value(v)))
+
+    def holds(config: Mapping[str, Any], k: str, v: Any) -> bool:
+        got = field(config, k)
+        if isinstance(got, (int, float)) and isinstance(v, (int, float)) and not isinstance(got, bool):
+            return math.isclose(float(got), float(v), rel_tol=1e-9, abs_tol=1e-12)
+        return got == v
+
+    return [r for r in runs if all(holds(r.config, k, v) for k, v in conds)]
+
+
+def group_label(config: Mapping[str, Any], by: Sequence[str]) -> str:
+    """``wafl table``'s label for its fields; ``params.NAME`` fields as ``NAME=VALUE``."""
+    plain = [b for b in by if not b.startswith("params.")]
+    parts = [label(config, plain)] if plain else []
+    parts += [f"{b[len('params.') :]}={field(config, b)}" for b in by if b.startswith("params.")]
+    return " ".join(parts)
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def curves(
+    runs: Sequence[Run], by: Sequence[str], metrics: Sequence[str], settings: Sequence[str] = ()
+) -> dict[str, Any]:
+    """label -> seeds, runs, the ``by`` and ``settings`` fields' values and, per metric, the rounds with the
+    mean, min and max over the runs."""
+    groups: dict[str, list[Run]] = {}
+    for r in runs:
+        groups.setdefault(group_label(r.config, by), []).append(r)
+    out: dict[str, Any] = {}
+    for name, members in groups.items():
+        entry: dict[str, Any] = {
+            "seeds": sorted(int(r.config.get("seed", 0)) for r in members),
+            "runs": [str(r.path) for r in members],
+            "settings": {b: field(members[0].config, b) for b in (*by, *settings) if b != "params"},
+        }
+        for m in metrics:
+            per_round: dict[int, list[float]] = {}
+            for r in members:
+                for row in r.rows:
+                    v = row.get(m)
+                    if _number(v):
+                        per_round.setdefault(int(row["round"]), []).append(float(v))
+            rounds = sorted(per_round)
+            entry[m] = {
+                "round": rounds,
+                "mean": [sum(per_round[k]) / len(per_round[k]) for k in rounds],
+                "min": [min(per_round[k]) for k in rounds],
+                "max": [max(per_round[k]) for k in rounds],
+                "runs_per_round": [len(per_round[k]) for k in rounds],
+            }
+            per_run = [[float(row[m]) for row in r.rows if _number(row.get(m))] for r in members]
+            entry[m]["run_means"] = [sum(v) / len(v) for v in per_run if v]  # each run's mean over its rounds
+            entry[m]["run_lasts"] = [v[-1] for v in per_run if v]  # each run's last value
+        out[name] = entry
+    return out
+
+
+def plot_curves(doc: Mapping[str, Any], metrics: Sequence[str], path: Path, title: str = "") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5.5 * len(metrics), 4), squeeze=False)
+    for ax, m in zip(axes[0], metrics):
+        for name, entry in doc.items():
+            c = entry[m]
+            if not c["round"]:
+                continue
+            (line,) = ax.plot(c["round"], c["mean"], marker="o", ms=2.5, label=f"{name} ({len(entry['seeds'])})")
+            if any(n > 1 for n in c["runs_per_round"]):
+                ax.fill_between(c["round"], c["min"], c["max"], color=line.get_color(), alpha=0.15)
+        ax.set_xlabel("round")
+        ax.set_ylabel(m)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_against(
+    doc: Mapping[str, Any], metric: str, against: str, path: Path, title: str = "", reduce: str = "mean"
+) -> list[list[float]]:
+    """Each group's ``metric`` against its ``against`` setting: per run its mean over the rounds
+    (``reduce="mean"``) or its last value (``"last"``), then the mean, min and max over the group's runs;
+    returns the points ``[x, mean, min, max]`` drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = []
+    for entry in doc.values():
+        x = entry["settings"].get(against)
+        vals = entry[metric]["run_means" if reduce == "mean" else "run_lasts"]
+        if isinstance(x, (int, float)) and vals:
+            points.append([float(x), sum(vals) / len(vals), min(vals), max(vals)])
+    if not points:
+        raise UsageError(f"--against {against}: no group has a numeric {against} and values of {metric}")
+    points.sort()
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    xs = [p[0] for p in points]
+    ax.errorbar(
+        xs,
+        [p[1] for p in points],
+        yerr=[[p[1] - p[2] for p in points], [p[3] - p[1] for p in points]],
+        marker="o",
+        capsize=3,
+    )
+    ax.set_xlabel(against)
+    ax.set_ylabel(f"{metric} ({'mean over rounds' if reduce == 'mean' else 'last round'})")
+    ax.grid(alpha=0.3)
+    if title:
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return points
+
+
+def cmd_curves(a: argparse.Namespace) -> int:
+    def skipped(folder: Path, why: str) -> None:
+        print(f"wafl analyze curves: leaving out {folder}: {why}", file=sys.stderr)
+
+    try:
+        runs = find_runs([Path(p) for p in a.dirs], on_skip=skipped)
+    except TableError as e:
+        raise UsageError(str(e)) from None
+    runs = select(runs, a.where)
+    if not runs:
+        raise UsageError(f"no run matches --where {' '.join(a.where)}")
+    by = tuple(f.strip() for f in a.by.split(",")) if a.by else DEFAULT_BY
+    metrics = [m.strip() for m in a.metrics.split(",")]
+    doc = curves(runs, by, metrics, (a.against,) if a.against else ())
+    missing = [m for m in metrics if not any(e[m]["round"] for e in doc.values())]
+    if missing:
+        raise UsageError(f"no run has values of {', '.join(missing)} in its results.jsonl")
+    result: dict[str, Any] = {"by": list(by), "where": list(a.where), "metrics": metrics, "groups": doc}
+    if a.against:
+        if len(metrics) != 1:
+            raise UsageError("--against draws one metric: give one in --metrics")
+        result["against"] = a.against
+        result["reduce"] = a.reduce
+        result["points"] = plot_against(doc, metrics[0], a.against, Path(a.out), a.title, a.reduce)
+    else:
+        plot_curves(doc, metrics, Path(a.out), a.title)
+    for name, entry in doc.items():
+        last = {m: (f"{entry[m]['mean'][-1]:.4g}" if entry[m]["round"] else "-") for m in metrics}
+        print(f"{name} ({len(entry['seeds'])} runs): last " + ", ".join(f"{m} {v}" for m, v in last.items()))
+    print(f"wafl analyze curves: drawn in {a.out}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+def add_parser(asub: Any) -> None:
+    c = asub.add_parser("curves", help="results fields against rounds (or a setting), mean over seeds, as a PNG")
+    c.add_argument("dirs", nargs="+", help="run folders or folders holding them (a sweep's)")
+    c.add_argument("--metrics", default="gm_accuracy,pm_accuracy", help="results fields, comma-separated")
+    c.add_argument("--by", help="fields that make the curves (default: algorithm,params); params.NAME for one")
+    c.add_argument("--where", action="append", default=[], metavar="FIELD=VALUE", help="keep these runs; repeatable")
+    c.add_argument("--against", metavar="FIELD", help="draw each curve's mean over rounds against this setting")
+    c.add_argument(
+        "--reduce",
+        choices=["mean", "last"],
+        default="mean",
+        help="--against: each run's mean over its rounds or its last value (default mean)",
+    )
+    c.add_argument("--title", default="")
+    c.add_argument("--out", required=True, help="the PNG")
+    c.add_argument("--json", help="also write the numbers drawn here")
+    c.set_defaults(fn=cmd_curves)

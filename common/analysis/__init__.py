@@ -1,0 +1,1 @@
+"""Measurements of trained models: curvature of the loss, gradient dissimilarity across clients."""
