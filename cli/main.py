@@ -663,7 +663,7 @@ def build_parser() -> argparse.ArgumentParser:
     tb.add_argument(
         "--metrics",
         help="columns shown, comma-separated (default: all with values): final_gm, best_gm, final_pm, best_pm, "
-        "time_to_target, mbytes",
+        "final_local, best_local, time_to_target, mbytes, epsilon",
     )
     tb.set_defaults(fn=cmd_table)
 

@@ -12,7 +12,9 @@ mean +- population standard deviation over the row's seeds with the min-max spre
   personal phase, whose ``pm_accuracy`` it is);
 * ``time_to_target``: seconds from the first model's publication until ``gm_accuracy`` first
   reaches ``--target`` (a run that never does counts as missing);
-* ``mbytes``: megabytes that crossed the network (``bytes_up + bytes_down`` over the rounds).
+* ``mbytes``: megabytes that crossed the network (``bytes_up + bytes_down`` over the rounds);
+* ``epsilon``: the run's differential-privacy epsilon, for methods that report one (FedHKD with
+  ``sigma > 0``: the last round's ``epsilon``, a client that took part in every round).
 
 With ``--baseline LABEL`` every other row gets, per metric, the paired difference to the
 baseline on the same seeds: mean (min to max). Runs whose settings differ in anything but the
@@ -29,7 +31,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-METRICS = ("final_gm", "best_gm", "final_pm", "best_pm", "final_local", "best_local", "time_to_target", "mbytes")
+METRICS = (
+    "final_gm",
+    "best_gm",
+    "final_pm",
+    "best_pm",
+    "final_local",
+    "best_local",
+    "time_to_target",
+    "mbytes",
+    "epsilon",
+)
 PERCENT = {"final_gm", "best_gm", "final_pm", "best_pm", "final_local", "best_local"}
 DEFAULT_BY = ("algorithm", "params")
 
@@ -140,6 +152,7 @@ def run_metrics(run: Run, target: float) -> dict[str, float | None]:
         "best_local": max(local) if local else None,
         "time_to_target": reach,
         "mbytes": traffic / 1e6 if rows else None,
+        "epsilon": next((float(r["epsilon"]) for r in reversed(rows) if r.get("epsilon") is not None), None),
     }
 
 
@@ -223,6 +236,7 @@ def markdown(doc: Mapping[str, Any], metrics: Sequence[str] = METRICS) -> str:
         "best_local": "best local acc. (%)",
         "time_to_target": f"s to GM {doc['target']:g}",
         "mbytes": "MB moved",
+        "epsilon": "DP epsilon",
     }
     shown = [m for m in metrics if any(r.get(m) for r in doc["rows"].values())]
     head = ["run", "seeds", *[titles[m] for m in shown]]
