@@ -6,7 +6,10 @@
 #   wafl sweep configs/sweeps/scd_digits_sensitivity.toml --out $OUT/scd_digits_sensitivity
 #   wafl sweep configs/sweeps/asd_digits_flatness.toml            (checkpoints: the flatness table)
 #   wafl analyze flatness runs/sweep-asd_digits_flatness --samples 128 --probes 10 --max-iter 20 \
-#       --json $OUT/flatness.json
+#       --json $OUT/flatness.json     (and flatness.md: its table)
+#   wafl analyze flatness "runs/sweep-asd_digits_flatness/algorithm=fedavg+asd,seed=0" --samples 128 --probes 10 \
+#       --max-iter 20 --density $OUT/density_fedavg+asd_seed0.png --lanczos-steps 40 \
+#       --json $OUT/density_fedavg+asd_seed0.json         (the same for algorithm=fedavg,seed=0)
 # then run this script with OUT set to the folder (default: the committed records).
 set -euo pipefail
 cd "$(dirname "$0")/.."
