@@ -112,6 +112,7 @@ def plot_curves(doc: Mapping[str, Any], metrics: Sequence[str], path: Path, titl
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, axes = plt.subplots(1, len(metrics), figsize=(5.5 * len(metrics), 4), squeeze=False)
     for ax, m in zip(axes[0], metrics):
@@ -123,6 +124,7 @@ def plot_curves(doc: Mapping[str, Any], metrics: Sequence[str], path: Path, titl
             if any(n > 1 for n in c["runs_per_round"]):
                 ax.fill_between(c["round"], c["min"], c["max"], color=line.get_color(), alpha=0.15)
         ax.set_xlabel("round")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel(m)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
