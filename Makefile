@@ -7,7 +7,7 @@ endif
 
 .PHONY: run test protos bench
 
-run:  ## a whole federation on the embedded digits data (server + 10 client processes)
+run:  ## a whole federation on the embedded digits data (a server and the 10 clients in workers, over gRPC)
 	$(VENV)/bin/wafl run $(ARGS)
 
 test:  ## style (ruff check, ruff format --check), then the whole test suite

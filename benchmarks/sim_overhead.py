@@ -63,7 +63,6 @@ def workload(algorithm: str, clients: int, rounds: int, seed: int = 0) -> RunCon
         "protocol": "compute-and-wait",
         "seed": seed,
         "device": "cpu",
-        "checkpoint": False,
     }
     return load_config(None, over)
 
@@ -155,6 +154,7 @@ def measure(cfg: RunConfig, cores: int, profile: bool) -> dict[str, Any]:
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(40)
         out["profile_cumulative_top40"] = s.getvalue().splitlines()[-48:]
+        print("\n".join(out["profile_cumulative_top40"]), flush=True)
     return out
 
 
