@@ -7,7 +7,7 @@ endif
 
 .PHONY: run test docs protos bench
 
-run:  ## a whole federation on the embedded digits data (server + 10 client processes)
+run:  ## a whole federation on the embedded digits data (a server and the 10 clients in workers, over gRPC)
 	bash scripts/datasets.sh $(ARGS)  # installs Fashion-MNIST when ARGS ask for it and it is missing
 	$(VENV)/bin/wafl run $(ARGS)
 

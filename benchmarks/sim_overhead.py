@@ -19,7 +19,9 @@ that every round's PM trains a fixed ``pm_epochs``, seed 0):
   simulation did: per round, per client, ``begin_round`` on the broadcast it received, the GM's
   local phases (``train_gm``), the knowledge the algorithm computes (``knowledge``), the PM's
   epochs (``train_pm``). No evaluation, no encoding, no aggregation, no transport. Wall-clock from
-  the fork to the last process's exit, trainers built before the clock starts.
+  the fork to the last process's exit, trainers built before the clock starts. The same replay in
+  ``--cores`` threads of one process (``training_alone_threads_s``) tells what Python's GIL leaves of
+  the cores to a simulation's training threads from what the federation itself costs.
 
 The ratio simulation / training alone is what the federation costs on top of its training
 (target: at most 1.3). The JSON names the commit and the load average before and after each
@@ -63,7 +65,6 @@ def workload(algorithm: str, clients: int, rounds: int, seed: int = 0) -> RunCon
         "protocol": "compute-and-wait",
         "seed": seed,
         "device": "cpu",
-        "checkpoint": False,
     }
     return load_config(None, over)
 
@@ -89,11 +90,35 @@ class Recorder:
         Trainer.begin_round = self._orig  # type: ignore[method-assign]
 
 
-def train_alone(cfg: RunConfig, received: dict[int, list[tuple[int, Any, Any, bool]]], cores: int) -> dict[str, Any]:
-    """Replays the recorded rounds' training in ``cores`` forked processes; their wall-clock and steps."""
+def _replay(cfg: RunConfig, part: list[Trainer], received: dict[int, list[tuple[int, Any, Any, bool]]]) -> int:
+    """The training the simulation did for the clients of ``part``, in order; the steps it took."""
+    steps = 0
+    for t in part:
+        for r, state, knowledge, selected in received.get(t.index, []):
+            t.begin_round(r, state, knowledge, selected)
+            if selected:
+                steps += t.train_gm().steps
+                t.knowledge()
+            if t.algorithm.personalized and (selected or t.algorithm.pm_when_unselected) and cfg.pm_epochs > 0:
+                steps += t.train_pm(None, float(cfg.pm_epochs)).steps
+    return steps
+
+
+def train_alone(
+    cfg: RunConfig, received: dict[int, list[tuple[int, Any, Any, bool]]], cores: int, mode: str = "processes"
+) -> dict[str, Any]:
+    """Replays the recorded rounds' training split over ``cores`` forked processes (or threads of this
+    process, ``mode="threads"``: what Python's GIL leaves of the cores); their wall-clock and steps."""
     data = load_dataset(cfg.dataset, cfg.data_dir)
     trainers = [Trainer(cfg, i, dataset=data, device="cpu") for i in range(cfg.num_clients)]
     parts = [trainers[k::cores] for k in range(cores)]
+    if mode == "threads":
+        from concurrent.futures import ThreadPoolExecutor
+
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(cores) as pool:
+            steps = list(pool.map(lambda part: _replay(cfg, part, received), parts))
+        return {"wall_s": round(time.monotonic() - t0, 3), "steps": sum(steps), "threads": cores}
     rfd, wfd = os.pipe()
     t0 = time.monotonic()
     pids = []
@@ -101,18 +126,8 @@ def train_alone(cfg: RunConfig, received: dict[int, list[tuple[int, Any, Any, bo
         pid = os.fork()
         if pid == 0:
             os.close(rfd)
-            steps = 0
             try:
-                for t in part:
-                    for r, state, knowledge, selected in received.get(t.index, []):
-                        t.begin_round(r, state, knowledge, selected)
-                        if selected:
-                            steps += t.train_gm().steps
-                            t.knowledge()
-                        if t.algorithm.personalized and (selected or t.algorithm.pm_when_unselected):
-                            if cfg.pm_epochs > 0:
-                                steps += t.train_pm(None, float(cfg.pm_epochs)).steps
-                os.write(wfd, f"{steps}\n".encode())
+                os.write(wfd, f"{_replay(cfg, part, received)}\n".encode())
             finally:
                 os._exit(0)
         pids.append(pid)
@@ -138,6 +153,7 @@ def measure(cfg: RunConfig, cores: int, profile: bool) -> dict[str, Any]:
             prof.disable()
         sim_wall = time.monotonic() - t0
     alone = train_alone(cfg, rec.received, cores)
+    threads = train_alone(cfg, rec.received, cores, "threads")
     out: dict[str, Any] = {
         "algorithm": cfg.algorithm,
         "clients": cfg.num_clients,
@@ -146,6 +162,8 @@ def measure(cfg: RunConfig, cores: int, profile: bool) -> dict[str, Any]:
         "training_alone_s": alone["wall_s"],
         "ratio": round(sim_wall / alone["wall_s"], 3),
         "training_steps": alone["steps"],
+        "training_alone_threads_s": threads["wall_s"],
+        "ratio_to_threads": round(sim_wall / threads["wall_s"], 3),
         "gm_accuracy": rows[-1]["gm_accuracy"],
         "pm_accuracy": rows[-1].get("pm_accuracy"),
         "loadavg_before": list(load_before),
@@ -155,6 +173,7 @@ def measure(cfg: RunConfig, cores: int, profile: bool) -> dict[str, Any]:
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(40)
         out["profile_cumulative_top40"] = s.getvalue().splitlines()[-48:]
+        print("\n".join(out["profile_cumulative_top40"]), flush=True)
     return out
 
 
@@ -183,8 +202,9 @@ def main(argv: list[str] | None = None) -> int:
             points.append(r)
             print(
                 f"{algo:<7} {n:>4} clients {cfg.rounds:>3} rounds: simulation {r['simulation_s']:7.2f} s, training "
-                f"alone {r['training_alone_s']:7.2f} s, ratio {r['ratio']:.2f} (gm {r['gm_accuracy']:.4f}, load "
-                f"{r['loadavg_before'][0]:.1f})",
+                f"alone {r['training_alone_s']:7.2f} s, ratio {r['ratio']:.2f} (alone in threads "
+                f"{r['training_alone_threads_s']:.2f} s, ratio {r['ratio_to_threads']:.2f}; gm {r['gm_accuracy']:.4f}, "
+                f"load {r['loadavg_before'][0]:.1f})",
                 flush=True,
             )
     doc = {

@@ -95,6 +95,10 @@ def fork_main(argv: Sequence[str], log: Path, env: dict[str, str]) -> ForkedProc
     pid = os.fork()
     if pid:
         os.close(fd)
+        try:  # also from here (the child does it too): its group exists before the launcher signals it
+            os.setpgid(pid, pid)
+        except OSError:  # the child got there first, or already exited
+            pass
         return ForkedProcess(pid, argv)
     code = 1
     try:  # the child: never returns into the launcher's code

@@ -50,6 +50,7 @@ def _sim_overhead(d: dict[str, Any]) -> None:
     ]
     for p in d["points"]:
         assert p["simulation_s"] > 0 and p["training_alone_s"] > 0 and p["training_steps"] > 0
+        assert p["training_alone_threads_s"] > 0 and p["ratio_to_threads"] > 0
         assert p["ratio"] == pytest.approx(p["simulation_s"] / p["training_alone_s"], rel=0.01)
         assert p["gm_accuracy"] > 0.1
 
