@@ -110,8 +110,9 @@ def _read_split(images_path: str, labels_path: str, fix: str) -> tuple[np.ndarra
 
 
 def _tensor_set(images: np.ndarray, labels: np.ndarray) -> LabeledTensorDataset:
-    x = torch.from_numpy(images.astype(np.float32) / 255.0).unsqueeze(1)  # (N, 1, H, W) in [0, 1]
-    return LabeledTensorDataset(x, torch.from_numpy(labels))
+    x = images.astype(np.float32)
+    x /= 255.0  # in place: one float copy of the split at a time
+    return LabeledTensorDataset(torch.from_numpy(x).unsqueeze(1), torch.from_numpy(labels))  # (N, 1, H, W) in [0, 1]
 
 
 def _dataset(
