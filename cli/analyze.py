@@ -55,15 +55,20 @@ def training_union(cfg: RunConfig, dataset: FederatedDataset) -> np.ndarray:
     their shards: the partition of what the algorithm's public split leaves."""
     import numpy as np
     from wafl.common.algorithms import registry
-    from wafl.common.partition import partition, public_split
+    from wafl.common.partition import federation_shards
 
-    labels = np.asarray(dataset.train_labels)
-    pool = np.arange(len(labels))
-    size = registry.resolve(cfg.algorithm, cfg.params, vars(cfg)).public_size
-    if size:
-        pool = public_split(labels, size, cfg.seed)[1]
-    shards = partition(labels[pool], cfg.num_clients, cfg.partition, cfg.alpha, cfg.delta, cfg.seed)
-    return np.sort(pool[np.concatenate(shards)])
+    public_size = registry.resolve(cfg.algorithm, cfg.params, vars(cfg)).public_size
+    shards = federation_shards(
+        dataset.train_labels,
+        cfg.num_clients,
+        cfg.partition,
+        cfg.alpha,
+        cfg.delta,
+        cfg.seed,
+        cfg.client_size,
+        public_size,
+    )
+    return np.sort(np.concatenate(shards))
 
 
 def load_run_model(run_dir: Path, checkpoint: Path | None = None, data_dir: str | None = None) -> RunModel:

@@ -56,14 +56,11 @@ class Trainer:
         self.device = resolve_device(device or cfg.device)
         self.algorithm: Algorithm = registry.resolve(cfg.algorithm, cfg.params, vars(cfg))
         self.data = dataset or load_dataset(cfg.dataset, data_dir or cfg.data_dir)
-        labels = self.data.train_labels
-        pool: np.ndarray | None = None
         self.public_idx = np.zeros(0, dtype=np.int64)
         if self.algorithm.public_size:
-            self.public_idx, pool = public_split(labels, self.algorithm.public_size, cfg.seed)
-            labels = np.asarray(labels)[pool]
+            self.public_idx = public_split(self.data.train_labels, self.algorithm.public_size, cfg.seed)[0]
         shard = client_shard(
-            labels,
+            self.data.train_labels,
             self.data.test_labels,
             cfg.num_clients,
             cfg.partition,
@@ -73,8 +70,9 @@ class Trainer:
             index,
             cfg.local_test_fraction,
             cfg.client_size,
+            self.algorithm.public_size,
         )
-        self.train_idx = shard.train if pool is None else pool[shard.train]
+        self.train_idx = shard.train
         self.test_idx = shard.test
         counts = np.bincount(self.data.train_labels[self.train_idx], minlength=self.data.num_classes)
         self.label_freq = torch.as_tensor(counts / counts.sum(), dtype=torch.float32, device=self.device)

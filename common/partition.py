@@ -169,6 +169,28 @@ def _partition(
     raise ValueError(f"partition={kind!r} is not one of {PARTITIONS}")
 
 
+def federation_shards(
+    train_labels: np.ndarray,
+    num_clients: int,
+    kind: str,
+    alpha: float,
+    delta: float,
+    seed: int,
+    size: int | None = None,
+    public_size: int = 0,
+) -> list[np.ndarray]:
+    """Every client's training indices into the whole train split, rebuilt from the seed alone: the
+    partition of what a public split of ``public_size`` samples (0: none) leaves.
+
+    The clients build their shards from it, the server their aggregation weights, the analysis
+    their union: one rule for all three."""
+    labels = np.asarray(train_labels)
+    if not public_size:
+        return partition(labels, num_clients, kind, alpha, delta, seed, size)
+    pool = public_split(labels, public_size, seed)[1]
+    return [pool[s] for s in partition(labels[pool], num_clients, kind, alpha, delta, seed, size)]
+
+
 def client_shard(
     train_labels: np.ndarray,
     test_labels: np.ndarray,
@@ -180,11 +202,12 @@ def client_shard(
     index: int,
     test_fraction: float,
     size: int | None = None,
+    public_size: int = 0,
 ) -> Shard:
-    """Client ``index``'s shard, rebuilt from the seed alone."""
+    """Client ``index``'s shard (:func:`federation_shards`) and its local test set, from the seed alone."""
     if not 0 <= index < num_clients:
         raise ValueError(f"client index {index} is outside 0..{num_clients - 1}")
-    train = partition(train_labels, num_clients, kind, alpha, delta, seed, size)[index]
+    train = federation_shards(train_labels, num_clients, kind, alpha, delta, seed, size, public_size)[index]
     test = local_test_indices(test_labels, np.asarray(train_labels)[train], test_fraction, seed, index)
     return Shard(index, train, test)
 

@@ -36,7 +36,7 @@ from wafl.common.errors import Code, Refused
 from wafl.common.jsonsafe import dumps
 from wafl.common.knowledge import ClassKnowledge, Knowledge, to_proto, validate_knowledge
 from wafl.common.models import build_model
-from wafl.common.partition import partition, public_split
+from wafl.common.partition import federation_shards
 from wafl.common.proto import federation_pb2 as pb
 from wafl.common.training import evaluate
 from wafl.common.wire import PreEncoded, encode_tensors, write_transfer
@@ -171,10 +171,16 @@ class RoundEngine:
         """Each client's training-set size, rebuilt from the seed as the clients build their shards
         (over what a public split leaves): the server, not the client, owns the aggregation weights."""
         cfg = self.cfg
-        labels = np.asarray(self.dataset.train_labels)
-        if self.algorithm.public_size:
-            labels = labels[public_split(labels, self.algorithm.public_size, cfg.seed)[1]]
-        shards = partition(labels, cfg.num_clients, cfg.partition, cfg.alpha, cfg.delta, cfg.seed, cfg.client_size)
+        shards = federation_shards(
+            self.dataset.train_labels,
+            cfg.num_clients,
+            cfg.partition,
+            cfg.alpha,
+            cfg.delta,
+            cfg.seed,
+            cfg.client_size,
+            self.algorithm.public_size,
+        )
         return [len(s) for s in shards]
 
     # ----------------------------------------------------------------- state
