@@ -17,6 +17,7 @@ from wafl.cli.netns import LinkShapingUnavailable
 from wafl.common.config import ConfigError, RunConfig, load_config
 from wafl.common.datasets.base import DatasetNotFoundError
 from wafl.common.errors import UsageError
+from wafl.server import strategy as _strategy  # noqa: F401  (its plug-ins validate their configuration sections)
 
 
 def _kv(text: str) -> tuple[str, Any]:

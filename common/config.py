@@ -11,7 +11,7 @@ import dataclasses
 import json
 import math
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,20 @@ OPTIMIZERS = ("sgd", "adam")
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and the value."""
+
+
+ConfigCheck = Callable[["RunConfig"], None]
+_SECTION_CHECKS: dict[str, ConfigCheck] = {}
+
+
+def register_config_check(section: str, check: ConfigCheck) -> None:
+    """A plug-in validates its own configuration section: the round policies (``aggregation`` and its
+    fields, ``server/strategy.py``) and the aggregation rules (``aggregator``, ``server/aggregator.py``)
+    register here when they are imported, and :meth:`RunConfig.validate` runs every registered check
+    after its own fields'. So this module knows no plug-in: wherever a run starts (the server, an
+    in-process run, ``wafl run``) the plug-ins it runs are imported and check the configuration;
+    a client validates only the fields it owns, on a configuration its server has checked."""
+    _SECTION_CHECKS[section] = check
 
 
 @dataclass
@@ -178,9 +192,6 @@ class RunConfig:
         return self
 
     def _validate_aggregation(self) -> None:
-        from wafl.server.strategy import STRATEGIES
-
-        _one_of("aggregation", self.aggregation, sorted(STRATEGIES))
         _one_of("staleness", self.staleness, STALENESS)
         if self.concurrency is not None:
             _int_at_least("concurrency", self.concurrency, 1)
@@ -197,13 +208,11 @@ class RunConfig:
         _int_at_least("staleness_b", self.staleness_b, 0)
         _int_at_least("max_staleness", self.max_staleness, 0)
         _positive("server_lr", self.server_lr)
-        from wafl.server.aggregator import CENTERS
-
-        _one_of("aggregator", self.aggregator, CENTERS)
         _in_range("trim_fraction", self.trim_fraction, 0.0, 0.5, high_open=True)
         if self.clip_norm is not None:
             _positive("clip_norm", self.clip_norm)
-        STRATEGIES[self.aggregation].check_config(self)
+        for check in _SECTION_CHECKS.values():
+            check(self)
 
     @property
     def buffered_concurrency(self) -> int:

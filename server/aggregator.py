@@ -43,10 +43,19 @@ from wafl.common.codec import (
     numpy_view,
     torch_dtype,
 )
-from wafl.common.config import RunConfig
+from wafl.common.config import ConfigError, RunConfig, register_config_check
 from wafl.common.errors import Code
 
 CENTERS = ("mean", "trimmed_mean", "median")
+
+
+def check_aggregator(cfg: RunConfig) -> None:
+    """The ``aggregator`` section: a known rule."""
+    if cfg.aggregator not in CENTERS:
+        raise ConfigError(f"aggregator={cfg.aggregator!r} is not one of {list(CENTERS)}")
+
+
+register_config_check("aggregator", check_aggregator)
 _scratch = threading.local()  # each folding thread's float64 buffer (UploadFold._contribution)
 
 

@@ -28,7 +28,7 @@ A :class:`Collection` gathers the updates of the next version: a streaming weigh
 
 A new rule is one subclass here, named in :data:`STRATEGIES` (``aggregation = "name"``): the
 engine only calls the methods of :class:`Strategy`, and the configuration asks the class
-(:meth:`Strategy.check_config`) what it refuses.
+(:meth:`Strategy.check_config`, registered with the configuration) what it refuses.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from wafl.common import metrics as M
 from wafl.common.algorithms.base import Algorithm
-from wafl.common.config import ConfigError, RunConfig
+from wafl.common.config import ConfigError, RunConfig, register_config_check
 from wafl.common.errors import AlreadyAccepted, Code, Refused
 from wafl.common.knowledge import Knowledge, KnowledgeAccumulator
 from wafl.server.aggregator import Accumulator
@@ -565,6 +565,16 @@ class BufferedStrategy(Strategy):
 
 
 STRATEGIES: dict[str, type[Strategy]] = {"sync": SyncStrategy, "buffered": BufferedStrategy}
+
+
+def check_aggregation(cfg: RunConfig) -> None:
+    """The ``aggregation`` section: a known policy, and what that policy refuses (:meth:`Strategy.check_config`)."""
+    if cfg.aggregation not in STRATEGIES:
+        raise ConfigError(f"aggregation={cfg.aggregation!r} is not one of {sorted(STRATEGIES)}")
+    STRATEGIES[cfg.aggregation].check_config(cfg)
+
+
+register_config_check("aggregation", check_aggregation)
 
 
 def make_strategy(
