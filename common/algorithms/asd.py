@@ -1,5 +1,8 @@
 """Adaptive self-distillation (ASD), a regularizer for any base method: ``fedavg+asd``, ``feddyn+asd``...
 
+Yashwanth, Nayak, Singh, Simmhan and Chakraborty, "Adaptive Self-Distillation for Minimizing
+Client Drift in Heterogeneous Federated Learning", TMLR 2024.
+
 ``lambda * sum_i alpha_i KL(q_global,i || q_local,i)`` at temperature T, with sample weights
 ``alpha_i`` from the teacher's entropy and the client's label frequencies (``asd_uniform``:
 ``alpha_i = 1/B``). The teacher is a frozen eval-mode copy of the received global model.

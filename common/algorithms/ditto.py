@@ -1,4 +1,5 @@
-"""Ditto: the GM trains with plain cross-entropy and is averaged; the PM ``v`` trains with
+"""Ditto (Li, Hu, Beirami and Smith, "Ditto: Fair and Robust Federated Learning Through
+Personalization", ICML 2021): the GM trains with plain cross-entropy and is averaged; the PM ``v`` trains with
 ``CE + (mu/2) ||v - w_global||^2`` and never leaves the client."""
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""FedAvgM: FedAvg locally, server momentum on the pseudo-gradient."""
+"""FedAvgM (Hsu, Qi and Brown, "Measuring the Effects of Non-Identical Data Distribution for
+Federated Visual Classification", arXiv:1909.06335, 2019): FedAvg locally, server momentum on the
+pseudo-gradient."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""FedDyn: ``CE - <w, g_k> + (alpha/2) ||w - w_g||^2`` with client state ``g_k`` (kept across
+"""FedDyn (Acar, Zhao, Matas, Mattina, Whatmough and Saligrama, "Federated Learning Based on
+Dynamic Regularization", ICLR 2021): ``CE - <w, g_k> + (alpha/2) ||w - w_g||^2`` with client state ``g_k`` (kept across
 rounds and restarts) and the server state ``h`` (``server_updates.FedDynUpdate``)."""
 
 from __future__ import annotations

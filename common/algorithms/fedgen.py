@@ -7,7 +7,11 @@ that the round's clients' heads ``g_i``, weighted per label by their counts, cla
 output as the label it was asked for, plus the diversity term of the paper:
 
     min_w  E_{y ~ U(labels held), z} [ sum_i (n_i(y) / sum_k n_k(y)) CE(g_i(G_w(z, y)), y) ]
-           + eta * exp( -mean_{b, b'} ||G(z_b, y_b) - G(z_b', y_b')||_1 * ||z_b - z_b'||_2^2 )
+           + eta * exp( -mean_{b, b'} d1(G(z_b, y_b), G(z_b', y_b')) * d2(z_b, z_b') )
+
+where ``d1`` is the mean absolute and ``d2`` the mean squared difference over the coordinates
+(means, as the authors' code computes them, not the sums ``||.||_1``, ``||.||_2^2``, which would
+scale the exponent with the feature and noise widths)
 
 for ``gen_steps`` Adam steps (lr ``gen_lr``, batch ``gen_batch``) started from the previous
 generator; ``eta`` 1 (the authors' defaults: uniform labels over those held, no student term).

@@ -1,4 +1,6 @@
-"""FedHKD: hyper-knowledge (class-mean representations and soft predictions, Gaussian DP noise
+"""FedHKD (Chen, Wang and Vikalo, "The Best of Both Worlds: Accurate Global and Personalized
+Models through Federated Learning with Data-Free Hyper-Knowledge Distillation", ICLR 2023):
+hyper-knowledge (class-mean representations and soft predictions, Gaussian DP noise
 on the representations) shared with the model; the loss pulls the classifier and the features
 towards the global knowledge. ``gamma = 0`` is FedHKD*. The personalized model is the local
 model right after local training."""

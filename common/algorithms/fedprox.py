@@ -1,4 +1,6 @@
-"""FedProx: cross-entropy plus ``(mu/2) ||w - w_global||^2``; the term also serves Ditto's PM."""
+"""FedProx (Li, Sahu, Zaheer, Sanjabi, Talwalkar and Smith, "Federated Optimization in
+Heterogeneous Networks", MLSys 2020): cross-entropy plus ``(mu/2) ||w - w_global||^2``; the term
+also serves Ditto's PM."""
 
 from __future__ import annotations
 

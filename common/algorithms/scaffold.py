@@ -5,11 +5,12 @@ its own ``c_i`` (zero at first, client state that persists across rounds and res
 steps from ``y = x``: ``y <- y - eta (g_i(y) - c_i + c)`` (the corrected gradient goes through
 the run's optimizer; with plain SGD this is the paper's step). After ``K`` steps, option II
 
-    c_i+ = c_i - c + (x - y) / (K eta)  =  (1/K) sum_k g_i(y_k)         (plain SGD)
+    c_i+ = c_i - c + (x - y) / (K eta)  =  (1/K) sum_k g_i(y_k)         (plain SGD, no weight decay)
 
 is computed as the right-hand side, the mean of the ``K`` uncorrected mini-batch gradients: the
-same value under plain SGD, and still an estimate of the client's gradient under an optimizer
-whose step is not ``eta`` times the gradient (Adam, momentum), where ``(x - y) / (K eta)`` is
+same value under plain SGD without weight decay (with weight decay ``wd`` the step also subtracts
+``eta wd y_k``, so the left-hand side would add ``wd`` times the mean iterate), and still an
+estimate of the client's gradient under an optimizer whose step is not ``eta`` times the gradient (Adam, momentum), where ``(x - y) / (K eta)`` is
 not (with Adam it is about 1 per coordinate, the variates swamp the gradients and the model
 diverges). The client uploads ``y`` and ``dc_i = c_i+ - c_i`` (an extra tensor per trained parameter);
 ``c_i <- c_i+``. The server, with the uniform mean over the ``|S|`` clients of the round as in
