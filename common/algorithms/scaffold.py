@@ -8,11 +8,12 @@ the run's optimizer; with plain SGD this is the paper's step). After ``K`` steps
     c_i+ = c_i - c + (x - y) / (K eta)  =  (1/K) sum_k g_i(y_k)         (plain SGD, no weight decay)
 
 is computed as the right-hand side, the mean of the ``K`` uncorrected mini-batch gradients: the
-same value under plain SGD without weight decay (with weight decay ``wd`` the step also subtracts
-``eta wd y_k``, so the left-hand side would add ``wd`` times the mean iterate), and still an
-estimate of the client's gradient under an optimizer whose step is not ``eta`` times the gradient (Adam, momentum), where ``(x - y) / (K eta)`` is
-not (with Adam it is about 1 per coordinate, the variates swamp the gradients and the model
-diverges). The client uploads ``y`` and ``dc_i = c_i+ - c_i`` (an extra tensor per trained parameter);
+same value under plain SGD without weight decay (with weight decay ``wd`` the step also
+subtracts ``eta wd y_k``, so the left-hand side would add ``wd`` times the mean iterate), and
+still an estimate of the client's gradient under an optimizer whose step is not ``eta`` times
+the gradient (Adam, momentum), where ``(x - y) / (K eta)`` is not (with Adam it is about 1 per
+coordinate, the variates swamp the gradients and the model diverges). The client uploads ``y``
+and ``dc_i = c_i+ - c_i`` (an extra tensor per trained parameter);
 ``c_i <- c_i+``. The server, with the uniform mean over the ``|S|`` clients of the round as in
 the paper's Algorithm 1 (global step size ``eta_g = 1``): ``x <- mean(y_i)``,
 ``c <- c + (|S| / N) mean(dc_i)``, ``N`` = all clients. Only trained parameters get control
