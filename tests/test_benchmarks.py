@@ -30,7 +30,7 @@ def _main_job(d: dict[str, Any]) -> None:
     (r,) = d["runs"]
     assert r["ok"] and r["rounds"] == 2 and r["gm_accuracy"] > 0.1, r
     assert r["peak_pss_gb"] > 0 and r["peak_rss_gb"] >= r["peak_pss_gb"] and r["peak_processes"] >= 3  # launcher+
-    assert len(r["loadavg_before"]) == 3 and r["cpu_s"] > 0
+    assert len(r["loadavg_before"]) == 3 and r["cpu_s"] > 0 and r["cpu_s_by_role"]["worker"] > 0
 
 
 def _transport(d: dict[str, Any]) -> None:
