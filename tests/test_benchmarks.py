@@ -36,7 +36,7 @@ def _main_job(d: dict[str, Any]) -> None:
 def _transport(d: dict[str, Any]) -> None:
     assert d["single_client"]["all_bytes_acknowledged"] and d["concurrent"]["all_bytes_acknowledged"]
     assert d["single_client"]["median_MBps"] > 0 and d["noop_round"]["server_round_s"] > 0
-    assert d["grpc_alone"]["plain"]["MBps"] > 0 and d["raw_tcp"]
+    assert min(d["grpc_alone"]["plain"]["MBps"]) > 0 and d["raw_tcp"]
     (upload, *_) = d["diagnostics"]["server-stage-times"]["uploads"]
     assert {"UploadFold.add (executor thread)", "TransferChecker.check (event loop)"} <= set(upload["stages"])
     assert set(d["checks"]) and all("pass" in c for c in d["checks"].values())
