@@ -49,8 +49,35 @@ def rollup(pid: int) -> tuple[int, int] | None:
     return rss, pss
 
 
+def cpu_and_role(pid: int) -> tuple[float, str] | None:
+    """User + system CPU seconds of one process so far, and its role: the ``wafl`` subcommand it runs
+    (``run``, ``server``, ``worker``, ``client``; a forked process keeps its parent's command line, so
+    for those the role is read from its log file's name), else its program's name."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    cpu = (int(fields[11]) + int(fields[12])) / CLK_TCK
+    role = next((a.decode() for a in argv if a in (b"server", b"worker", b"client")), "")
+    try:
+        log = os.readlink(f"/proc/{pid}/fd/1")
+        name = Path(log).name
+        if name.endswith(".log") and Path(log).parent.name == "logs":
+            role = name.split("-")[0].removesuffix(".log")
+    except OSError:
+        pass
+    if not role:
+        role = "run" if b"run" in argv else (Path(argv[0].decode()).name if argv and argv[0] else "?")
+    return cpu, role
+
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
 class TreeMemory(Sampler):
-    """Samples the summed RSS and PSS of ``root``'s tree every ``period_s``; keeps the peaks."""
+    """Samples the summed RSS and PSS of ``root``'s tree every ``period_s``; keeps the peaks, and each
+    process's last CPU time seen (a process's CPU in its last ``period_s`` before it exits is missed)."""
 
     def __init__(self, root: int | None = None, period_s: float = 0.2) -> None:
         super().__init__(period_s)
@@ -58,10 +85,14 @@ class TreeMemory(Sampler):
         self.peak_rss = self.peak_pss = 0
         self.peak_procs = 0
         self.samples = 0
+        self.cpu: dict[int, tuple[float, str]] = {}
 
     def sample(self) -> None:
         rss = pss = n = 0
         for pid in descendants(self.root):
+            c = cpu_and_role(pid)
+            if c is not None:
+                self.cpu[pid] = c
             r = rollup(pid)
             if r is not None:
                 rss, pss, n = rss + r[0], pss + r[1], n + 1
@@ -70,7 +101,11 @@ class TreeMemory(Sampler):
         self.samples += 1
 
     def report(self) -> dict[str, Any]:
+        by_role: dict[str, float] = {}
+        for cpu, role in self.cpu.values():
+            by_role[role] = round(by_role.get(role, 0.0) + cpu, 2)
         return {
+            "cpu_s_by_role": by_role,
             "peak_rss_gb": round(self.peak_rss / 1e9, 3),
             "peak_pss_gb": round(self.peak_pss / 1e9, 3),
             "peak_processes": self.peak_procs,

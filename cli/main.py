@@ -128,7 +128,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         raise UsageError(f"--out {a.out} already holds a run (results.jsonl): choose another folder")
     if a.ray is not None:
         return _run_on_ray(a, cfg)
-    resolve_device(cfg.device)  # every client runs here: a missing GPU is an error now, not at join
+    device = resolve_device(cfg.device)  # every client runs here: a missing GPU is an error now, not at join
     _check_dataset(cfg)
     if a.out:
         _creatable(Path(a.out))
@@ -146,7 +146,9 @@ def cmd_run(a: argparse.Namespace) -> int:
         host_cpus=a.host_cpus,
         workers=workers,
         slots=a.slots,
-        fork=True,  # this process is the command: the run's processes fork from it (wafl.cli.forking)
+        # this process is the command: the run's processes fork from it (wafl.cli.forking), except where they
+        # use CUDA, which this process may have initialized by looking for it (CUDA does not survive a fork)
+        fork=device.type == "cpu",
     )
     return 0 if summary.ok else 1
 
