@@ -14,8 +14,9 @@ from wafl.common.config import ConfigError, RunConfig
 from wafl.common.errors import UsageError
 from wafl.common.proto import federation_pb2 as pb
 from wafl.common.tls import ServerTls
-from wafl.server.auth import JoinSecrets
+from wafl.server.auth import JoinSecrets, check_token
 from wafl.server.engine import RoundEngine
+from wafl.server.limits import CLIENT_CALLS, LOBBY_SIZE, Admission, ClientCalls
 from wafl.server.service import SERVICE, FederationService, handlers
 
 MESSAGE_LIMIT = MAX_CHUNK_BYTES + (64 << 10)  # one chunk plus its header; nothing larger is ever needed
@@ -39,8 +40,10 @@ GRPC_OPTIONS = [
 
 
 def max_concurrent_rpcs(cfg: RunConfig) -> int:
-    """Calls served at once before new ones get RESOURCE_EXHAUSTED: four per client, plus health checks."""
-    return 4 * cfg.num_clients + 32
+    """Calls served at once before new ones get RESOURCE_EXHAUSTED: the last line of defence only.
+    Admission per peer (:mod:`wafl.server.limits`) keeps every caller far below it: each client's
+    own budget, the lobby of calls without a credential, and room for calls being refused."""
+    return (CLIENT_CALLS + 1) * cfg.num_clients + LOBBY_SIZE + 256
 
 
 def grpc_options(cfg: RunConfig) -> list[tuple[str, int]]:
@@ -110,13 +113,19 @@ async def serve(
 
     log = structlog.get_logger("server")
     mutual = tls is not None and tls.client_ca is not None
+    check_token(token)
     check_exposure(host, JoinSecrets(token, dict(enrollment or {})), allow_open, mutual)
     check_out_dir(out_dir, resume)
     engine = RoundEngine(cfg, out_dir, token=token, resume=resume, enrollment=enrollment)
     if engine.secrets.open and not mutual:
         log.warning("server.open", message="no --token or --enrollment: any client that reaches the server may join")
-    server = grpc.aio.server(options=grpc_options(cfg), maximum_concurrent_rpcs=max_concurrent_rpcs(cfg))
-    server.add_generic_rpc_handlers([handlers(FederationService(engine, client_certificates=mutual))])
+    calls = ClientCalls()
+    server = grpc.aio.server(
+        options=grpc_options(cfg),
+        maximum_concurrent_rpcs=max_concurrent_rpcs(cfg),
+        interceptors=[Admission(engine.credential_holder, clients=calls)],
+    )
+    server.add_generic_rpc_handlers([handlers(FederationService(engine, client_certificates=mutual, calls=calls))])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)

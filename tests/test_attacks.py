@@ -123,7 +123,10 @@ class Fed:
 @pytest.fixture(scope="module")
 def fed(stubs, tmp_path_factory: pytest.TempPathFactory):
     pb, pb_grpc = stubs
-    server = ServerProcess(CONFIG, tmp_path_factory.mktemp("attack-server"), extra_args=["--token", TOKEN])
+    work = tmp_path_factory.mktemp("attack-server")
+    token_file = work / "token"
+    token_file.write_text(TOKEN)
+    server = ServerProcess(CONFIG, work, extra_args=["--token-file", str(token_file)])
     federation = None
     try:
         federation = Fed(pb, pb_grpc, server)
