@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 from pathlib import Path
 
 import grpc
@@ -79,7 +80,8 @@ def check_exposure(host: str, secrets: JoinSecrets, allow_open: bool, client_cer
 
 
 def check_out_dir(out_dir: Path, resume: bool) -> None:
-    """A new run never writes into a folder that holds another run's record (``UsageError``)."""
+    """A new run never writes into a folder that holds another run's record (``UsageError``); the
+    folder is made private (:func:`make_private`)."""
     if out_dir.exists() and not out_dir.is_dir():
         raise UsageError(f"--out {out_dir} is not a folder")
     if not resume:
@@ -91,8 +93,24 @@ def check_out_dir(out_dir: Path, resume: bool) -> None:
                 )
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
+        make_private(out_dir)
     except OSError as e:
         raise UsageError(f"--out {out_dir} cannot be created: {e.strerror}") from None
+
+
+def make_private(out_dir: Path) -> None:
+    """The run folder is its owner's only: the folder and those below it 0700, its files 0600, and
+    what this process creates from now on too (umask 077). It holds the global model, the results
+    and the salt of the credential key."""
+    os.umask(0o077)
+    out_dir.chmod(0o700)
+    for root, dirs, files in os.walk(out_dir):
+        for d in dirs:
+            os.chmod(os.path.join(root, d), 0o700)
+        for f in files:
+            p = os.path.join(root, f)
+            if not os.path.islink(p):
+                os.chmod(p, 0o600)
 
 
 async def serve(

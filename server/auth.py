@@ -4,7 +4,11 @@ A client proves at ``Join`` that it may join: with the run token (``--token``), 
 server holds per-client enrollment secrets (``--enrollment FILE``), with the secret of the index
 it joins as, so that no client can take another's index. ``Join`` then hands it a session
 credential, an HMAC-SHA256 over the run id, its index and its client id under a key kept in the
-run folder (``server.key``, so credentials survive a server restarted with ``--resume``).
+run folder (``server.key``) and the join secrets (so credentials survive a server restarted with
+``--resume`` and its secrets, while the file alone forges nothing; :func:`load_or_create_key`).
+Which client owns which index is kept in the checkpoint: after ``--resume`` an index still
+belongs to its client, which re-claims it with its credential (or its enrollment secret); a bare
+token never takes over an owned index.
 ``Broadcasts``, ``Upload`` and ``Report`` carry it in the gRPC metadata entry
 :data:`CREDENTIAL_KEY`; a registered index re-joins only with its credential (or its enrollment
 secret). Without a credential a call is ``UNAUTHENTICATED``; with a valid credential of another
@@ -100,6 +104,12 @@ class JoinSecrets:
     def open(self) -> bool:
         return not self.token and not self.enrollment
 
+    def material(self) -> bytes:
+        """What the credential key is derived from besides ``server.key``: the token, or the enrollment hashes."""
+        if self.enrollment:
+            return "\n".join(f"{i} {h}" for i, h in sorted(self.enrollment.items())).encode()
+        return self.token.encode()
+
     def admits(self, index: int, presented: str) -> bool:
         if self.enrollment:
             expected = self.enrollment.get(index)
@@ -153,8 +163,16 @@ def load_enrollment(path: str, num_clients: int) -> dict[int, str]:
     return out
 
 
-def load_or_create_key(out_dir: Path) -> bytes:
-    """The run's credential key, created (mode 0600) on first use and kept in the run folder."""
+def load_or_create_key(out_dir: Path, wrap: bytes = b"") -> bytes:
+    """The run's credential key: HMAC-SHA256 of ``wrap`` (the server's join secrets, see
+    :meth:`JoinSecrets.material`) under a random salt created (mode 0600) on first use and kept in
+    the run folder (``server.key``), so that credentials survive a restart with ``--resume`` and the
+    same secrets, while the file alone, without the token or the enrollment file, forges nothing."""
+    salt = _load_or_create_salt(out_dir)
+    return hmac.new(salt, b"wafl-credential-key\0" + wrap, hashlib.sha256).digest()
+
+
+def _load_or_create_salt(out_dir: Path) -> bytes:
     path = out_dir / KEY_FILE
     try:
         key = path.read_bytes()

@@ -41,7 +41,7 @@ from wafl.common.proto import federation_pb2 as pb
 from wafl.common.training import evaluate
 from wafl.common.wire import PreEncoded, encode_tensors, write_transfer
 from wafl.server.aggregator import Accumulator, NormBound, RetainedBytes, Rule
-from wafl.server.auth import CREDENTIAL_KEY, Credentials, JoinSecrets, check_id, load_or_create_key
+from wafl.server.auth import CREDENTIAL_KEY, ID_PATTERN, Credentials, JoinSecrets, check_id, load_or_create_key
 from wafl.server.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from wafl.server.results import ResultsLog, round_
 from wafl.server.strategy import Collection, Deliveries, RunAborted, make_strategy
@@ -144,7 +144,7 @@ class RoundEngine:
             self.results.listeners.append(self.tensorboard.row)
         if resume:
             self._resume()
-        self.credentials = Credentials(load_or_create_key(out_dir), self.run_id)
+        self.credentials = Credentials(load_or_create_key(out_dir, self.secrets.material()), self.run_id)
         (out_dir / "config.json").write_text(dumps(json.loads(cfg.to_json()), indent=2))
         if self.algorithm.privacy is not None:
             report = {"per_release": self.algorithm.privacy(1), "per_run": self.algorithm.privacy(cfg.rounds)}
@@ -209,8 +209,15 @@ class RoundEngine:
             raise CheckpointError(f"checkpoint {path}: its committed uploads are malformed") from None
         try:
             self.norm_bound.load_state_dict(ck.get("norm_history", []))
-        except (TypeError, ValueError):
-            raise CheckpointError(f"checkpoint {path}: its norm history is malformed") from None
+            owners = {int(i): str(c) for i, c in ck.get("index_owner", {}).items()}
+        except (TypeError, ValueError, AttributeError):
+            raise CheckpointError(f"checkpoint {path}: its norm history or index owners are malformed") from None
+        for i, c in owners.items():
+            if not 0 <= i < self.cfg.num_clients:
+                raise CheckpointError(f"checkpoint {path}: index owner {i} is outside 0..{self.cfg.num_clients - 1}")
+            if not ID_PATTERN.fullmatch(c):
+                raise CheckpointError(f"checkpoint {path}: index {i} has a malformed owner")
+        self.index_owner = owners
         self.global_state = OrderedDict(state)
         self.algorithm.server.load_state_dict(ck["server_state"])
         self.global_knowledge = knowledge
@@ -229,6 +236,7 @@ class RoundEngine:
                 "server_state": self.algorithm.server.state_dict(),
                 "uploads": self.strategy.committed_uploads(),
                 "norm_history": self.norm_bound.state_dict(),
+                "index_owner": dict(self.index_owner),  # an owned index stays its client's after --resume
                 "knowledge": {
                     j: {"count": k.count, "rep": k.rep, "soft": k.soft} for j, k in self.global_knowledge.items()
                 },

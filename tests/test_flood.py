@@ -21,9 +21,11 @@ from collections import Counter
 from pathlib import Path
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from independent_client import CREDENTIAL_KEY, IndependentClient, ServerProcess, generate_stubs
 
+pytestmark = pytest.mark.timeout(600)  # a federation of real processes under a flood
 TOKEN = "flood-tests-" + uuid.uuid4().hex
 ROUNDS = 3
 CONFIG = {
