@@ -17,7 +17,7 @@ from wafl.common.proto import federation_pb2 as pb
 from wafl.common.tls import ServerTls
 from wafl.server.auth import JoinSecrets, check_token
 from wafl.server.engine import RoundEngine
-from wafl.server.limits import CLIENT_CALLS, LOBBY_SIZE, Admission, ClientCalls
+from wafl.server.limits import CLIENT_CALLS, LOBBY_SIZE, Admission, ClientCalls, Lobby
 from wafl.server.service import SERVICE, FederationService, handlers
 
 MESSAGE_LIMIT = MAX_CHUNK_BYTES + (64 << 10)  # one chunk plus its header; nothing larger is ever needed
@@ -44,7 +44,12 @@ def max_concurrent_rpcs(cfg: RunConfig) -> int:
     """Calls served at once before new ones get RESOURCE_EXHAUSTED: the last line of defence only.
     Admission per peer (:mod:`wafl.server.limits`) keeps every caller far below it: each client's
     own budget, the lobby of calls without a credential, and room for calls being refused."""
-    return (CLIENT_CALLS + 1) * cfg.num_clients + LOBBY_SIZE + 256
+    return (CLIENT_CALLS + 1) * cfg.num_clients + lobby_size(cfg) + 256
+
+
+def lobby_size(cfg: RunConfig) -> int:
+    """Calls without a credential waiting at once: every client joining at the same moment fits."""
+    return LOBBY_SIZE + cfg.num_clients
 
 
 def grpc_options(cfg: RunConfig) -> list[tuple[str, int]]:
@@ -141,7 +146,7 @@ async def serve(
     server = grpc.aio.server(
         options=grpc_options(cfg),
         maximum_concurrent_rpcs=max_concurrent_rpcs(cfg),
-        interceptors=[Admission(engine.credential_holder, clients=calls)],
+        interceptors=[Admission(engine.credential_holder, lobby=Lobby(lobby_size(cfg)), clients=calls)],
     )
     server.add_generic_rpc_handlers([handlers(FederationService(engine, client_certificates=mutual, calls=calls))])
     health_servicer = health.aio.HealthServicer()

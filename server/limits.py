@@ -12,11 +12,11 @@ before its first message is read:
   one (:meth:`ClientCalls.stream`), it replaces (``CANCELLED``) the older, so an idle or
   forgotten stream never accumulates.
 - Everything else (``Join``, the health and reflection services) waits in the :class:`Lobby`, a
-  small shared budget of its own: a unary call must deliver its request within ``read_s``
-  (``DEADLINE_EXCEEDED``), and when the lobby is full the call that has waited longest is cut off
-  (``UNAVAILABLE``, which clients retry) to make room. An honest Join or health check delivers its
-  request with its headers and leaves the lobby at once; callers that hold calls open and silent
-  only push each other out.
+  small shared budget of its own (32 calls plus one per client): a unary call must deliver its
+  request within ``read_s`` (``DEADLINE_EXCEEDED``), and when the lobby is full the call that has
+  waited longest is cut off (``UNAVAILABLE``, which clients retry) to make room. An honest Join
+  or health check delivers its request with its headers and leaves the lobby at once; callers
+  that hold calls open and silent only push each other out.
 
 Handlers whose request is a single message are served as streaming-request handlers (the wire
 format is the same), so that the wait for that message happens here, bounded, instead of inside
@@ -38,7 +38,7 @@ from wafl.common.errors import Code, Refused
 
 CREDENTIALED = ("/wafl.v1.Federation/Upload", "/wafl.v1.Federation/Report", "/wafl.v1.Federation/Broadcasts")
 BROADCASTS = "/wafl.v1.Federation/Broadcasts"
-LOBBY_SIZE = 32  # calls without a credential waiting at once (Join, health, reflection)
+LOBBY_SIZE = 32  # calls without a credential waiting at once (Join, health, reflection), plus one per client
 LOBBY_READ_S = 10.0  # a unary call in the lobby must deliver its request within this
 CLIENT_CALLS = 4  # uploads and reports of one client at once (its Broadcasts stream apart)
 
