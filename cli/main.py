@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from wafl.cli.cgroups import CpuQuotaUnavailable
+from wafl.cli.enroll import add_enroll_parser
 from wafl.cli.netns import LinkShapingUnavailable
+from wafl.cli.tokens import add_token_args, read_token
 from wafl.common.config import ConfigError, RunConfig, load_config
 from wafl.common.datasets.base import DatasetNotFoundError
 from wafl.common.errors import UsageError
@@ -266,7 +268,7 @@ def cmd_server(a: argparse.Namespace) -> int:
             a.host,
             a.port,
             out,
-            token=a.token or os.environ.get("WAFL_TOKEN", ""),
+            token=read_token(a),
             resume=a.resume,
             ready_file=Path(a.ready_file) if a.ready_file else None,
             tls=tls,
@@ -288,7 +290,7 @@ def _client_setup(a: argparse.Namespace, log_name: str) -> dict[str, Any]:
         "state_dir": Path(a.state_dir) if a.state_dir else None,
         "data_dir": a.data_dir,
         "device": a.device,
-        "token": a.token or os.environ.get("WAFL_TOKEN", ""),
+        "token": read_token(a),
         "reconnect_s": a.reconnect_s,
         "tls": tls,
     }
@@ -532,7 +534,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default=os.environ.get("WAFL_HOST", "0.0.0.0"))
     s.add_argument("--port", type=_port, default=os.environ.get("WAFL_PORT", "50051"), help="0: any free port")
     s.add_argument("--out", default=os.environ.get("WAFL_OUT", "runs/server"))
-    s.add_argument("--token", help="shared secret clients must present (or WAFL_TOKEN)")
+    add_token_args(s, "the shared secret clients must present (or WAFL_TOKEN)")
     s.add_argument(
         "--enrollment",
         default=os.environ.get("WAFL_ENROLLMENT"),
@@ -577,7 +579,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--data-dir", default=os.environ.get("WAFL_DATA_DIR"))
     c.add_argument("--device", default=os.environ.get("WAFL_DEVICE"))
-    c.add_argument("--token", help="the run token or this client's enrollment secret (or WAFL_TOKEN)")
+    add_token_args(c, "the run token or this client's enrollment secret (or WAFL_TOKEN)")
     c.add_argument("--reconnect-s", type=SECONDS, default=120.0, help="give up after this long without the server")
     c.add_argument("--log-file")
     c.add_argument("--threads", type=POSITIVE_INT, default=None)
@@ -602,7 +604,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--state-dir", default=os.environ.get("WAFL_STATE_DIR"), help="as wafl client, one file per client")
     w.add_argument("--data-dir", default=os.environ.get("WAFL_DATA_DIR"))
     w.add_argument("--device", default=os.environ.get("WAFL_DEVICE"))
-    w.add_argument("--token", help="the run token (or WAFL_TOKEN)")
+    add_token_args(w, "the run token (or WAFL_TOKEN)")
     w.add_argument("--reconnect-s", type=SECONDS, default=120.0, help="give up after this long without the server")
     w.add_argument("--log-file")
     w.add_argument("--threads", type=POSITIVE_INT, default=None, help="torch threads per training (default 1)")
@@ -673,7 +675,7 @@ def build_parser() -> argparse.ArgumentParser:
     from wafl.cli.analyze import add_parser as add_analyze
 
     add_analyze(sub, POSITIVE_INT, POSITIVE_SECONDS)
-
+    add_enroll_parser(sub)
     h = sub.add_parser("health", help="gRPC health check of a server (exit 0 when SERVING)")
     h.add_argument("--server", default=os.environ.get("WAFL_SERVER", "localhost:50051"))
     h.add_argument("--service", default="")

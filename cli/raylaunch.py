@@ -2,7 +2,8 @@
 
 Ray places and supervises; the federation's traffic is wafl's gRPC protocol, as with ``wafl run``.
 The server actor runs :func:`wafl.server.app.serve` (what ``wafl server`` runs) on a node-local
-folder, listening on its node's address (``ray.util.get_node_ip_address()``) with a fresh run
+folder, listening on its node's address (``ray.util.get_node_ip_address()``: 127.0.0.1 on a
+cluster that ``--ray`` starts on this machine alone) with a fresh run
 token; by default it is placed on the driver's node (softly: elsewhere when that node has no room).
 Each worker actor runs :func:`wafl.client.worker.run_worker` (what ``wafl worker`` runs) for a
 contiguous range of client indices, with ``worker_cpus`` CPUs and ``worker_gpus`` GPUs (fractions
@@ -35,6 +36,7 @@ from wafl.cli.launcher import Progress, RunSummary, default_out, finish_run, spl
 from wafl.common.config import RunConfig
 from wafl.common.errors import UsageError
 
+LOOPBACK = "127.0.0.1"
 NO_RAY = "--ray needs Ray, an optional extra of wafl: pip install 'wafl[ray]'"
 
 
@@ -286,7 +288,9 @@ def launch_ray(
     connected_here = not ray.is_initialized()
     if connected_here:
         try:
-            ray.init(address=address, logging_level="WARNING", log_to_driver=False, configure_logging=False)
+            # a cluster started here, on this machine alone, listens on loopback only
+            local = {"_node_ip_address": LOOPBACK} if address is None and not os.environ.get("RAY_ADDRESS") else {}
+            ray.init(address=address, logging_level="WARNING", log_to_driver=False, configure_logging=False, **local)
         except ConnectionError as e:
             raise UsageError(f"--ray {address or ''}: no Ray cluster to connect to ({e})".replace("  ", " ")) from None
     namespace = f"wafl-{out.name}"

@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import itertools
 import json
-import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -30,6 +29,9 @@ from wafl.common.datasets import FederatedDataset, load_dataset
 from wafl.common.models import build_model
 from wafl.common.partition import client_shard, public_split
 from wafl.common.training import Batch, PhaseStats, batches, epochs, evaluate, make_optimizer, train_phase
+from wafl.common.verified import load_verified, save_verified
+
+STATE_MAGIC = b"WAFL-CLIENT-STATE-1\n"  # a client state file (wafl.common.verified)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -93,6 +95,7 @@ class Trainer:
         self.rng = np.random.default_rng([cfg.seed, 6, index])
         self.generator = torch.Generator().manual_seed(cfg.seed * 1000 + index)
         self.state_path = (state_dir / f"client-{index}.pt") if state_dir is not None else None
+        self._started: tuple[Any, ...] | None = None  # the latest round begun, and what it began from
         self.ctx: RoundContext | None = None
         self.pm_optimizer: torch.optim.Optimizer | None = None  # kept across rounds: the PM's training never restarts
         self._pm_optimizer_state: dict[str, Any] | None = None  # loaded from state_dir, applied on first use
@@ -112,6 +115,7 @@ class Trainer:
     def begin_round(
         self, round: int, global_state: Mapping[str, torch.Tensor], knowledge: Any = None, selected: bool = True
     ) -> RoundContext:
+        self._round_start(round)
         state, extras = split_payload({k: v.to(self.device) for k, v in global_state.items()})
         missing, unexpected = self.gm.load_state_dict(state, strict=False)
         if unexpected or sorted(missing) != sorted(self.local_keys):
@@ -272,6 +276,29 @@ class Trainer:
         relocate(vars(self), move, lambda t: t.to(device, copy=True), skip=_not_the_clients)
         self._offloaded = None
 
+    def _round_start(self, round: int) -> None:
+        """What a round's training starts from besides the global model (random generators, client
+        state, local tensors), kept when a round begins and put back when the same round begins again:
+        a server resumed from its checkpoint opens again the round it was killed in, and the client
+        trains it again from where it first started it, so the resumed run builds the same models."""
+        if self._started is not None and self._started[0] == round:
+            _, gen, rng, client_state, local = self._started
+            self.generator.set_state(torch.frombuffer(bytearray(gen), dtype=torch.uint8))
+            self.rng.bit_generator.state = copy.deepcopy(rng)
+            self.client_state.clear()
+            self.client_state.update(copy.deepcopy(client_state))
+            if local:
+                self.gm.load_state_dict(local, strict=False)
+            return
+        gm = self.gm.state_dict()
+        self._started = (
+            round,
+            bytes(self.generator.get_state().numpy()),  # bytes: no relocation moves them to a device
+            copy.deepcopy(self.rng.bit_generator.state),
+            copy.deepcopy(self.client_state),
+            {k: gm[k].detach().clone() for k in self.local_keys},
+        )
+
     # -------------------------------------------------------------- persistence
     def _fingerprint(self) -> str:
         return json.dumps({"config": json.loads(self.cfg.to_json()), "index": self.index}, sort_keys=True)
@@ -289,16 +316,17 @@ class Trainer:
             "client_state": self.client_state,
             "local": {k: gm[k].detach().cpu() for k in self.local_keys},
         }
-        tmp = self.state_path.with_name(self.state_path.name + ".tmp")
-        torch.save(payload, tmp)
-        os.replace(tmp, self.state_path)
+        save_verified(self.state_path, payload, STATE_MAGIC)
 
     def _load_state(self) -> None:
-        if self.state_path is None or not self.state_path.exists():
+        """The state file of an earlier process of this client: verified like the server's
+        checkpoint (magic, checksum) and decoded without unpickling (tensors and plain values only);
+        a file that fails is refused with its reason, one of another run is ignored."""
+        if self.state_path is None:
             return
-        payload = torch.load(self.state_path, map_location="cpu", weights_only=False)
-        if payload.get("fingerprint") != self._fingerprint():
-            return  # state of another run: start fresh
+        payload = load_verified(self.state_path, STATE_MAGIC, "client state")
+        if not isinstance(payload, dict) or payload.get("fingerprint") != self._fingerprint():
+            return  # none, or state of another run: start fresh
         if self.separate_pm and payload.get("pm") is not None:
             self.pm.load_state_dict(payload["pm"])  # type: ignore[union-attr]
             self.pm_initialized = bool(payload.get("pm_initialized", True))

@@ -80,6 +80,9 @@ class RunConfig:
     aggregator: str = "mean"  # how uploads combine: mean (weighted), trimmed_mean, median (coordinate-wise)
     trim_fraction: float = 0.1  # trimmed_mean: share of the values dropped at each end of every coordinate
     clip_norm: float | None = None  # L2 bound on each upload's update (difference to the model it trained from)
+    # without clip_norm: each update is clipped to this multiple of the median norm of the updates accepted in
+    # the last rounds (in the first, of the global model's norm); 0: no bound (server/aggregator.py NormBound)
+    norm_bound: float = 10.0
     # heterogeneous clients (reproducible from the seed)
     slowdown: str = "none"  # compute slow-down per client: none, "1,2,4,...", lognormal:sigma=S
     dropout: float = 0.0  # probability that a client asked to train goes offline until the next model
@@ -211,8 +214,21 @@ class RunConfig:
         _in_range("trim_fraction", self.trim_fraction, 0.0, 0.5, high_open=True)
         if self.clip_norm is not None:
             _positive("clip_norm", self.clip_norm)
+        if not (math.isfinite(self.norm_bound) and (self.norm_bound == 0 or self.norm_bound >= 1)):
+            raise ConfigError(f"norm_bound must be 0 (off) or a finite multiple >= 1 (got {self.norm_bound})")
         for check in _SECTION_CHECKS.values():
             check(self)
+
+    @property
+    def uploads_per_aggregation(self) -> int:
+        """The uploads one aggregation nominally combines: a sync round's selected clients (no more
+        than ``min_clients``, with which a round may close), or a buffered version's buffer."""
+        if self.aggregation == "buffered":
+            return self.buffered_size
+        n = self.num_clients
+        share = self.act_prob if self.act_prob is not None else self.fraction
+        k = max(1, math.floor(share * n + (0.0 if self.act_prob is not None else 0.5)))
+        return min(k, self.min_clients) if self.min_clients is not None else k
 
     @property
     def buffered_concurrency(self) -> int:

@@ -24,6 +24,7 @@ class Code(enum.StrEnum):
     UNAUTHENTICATED = "UNAUTHENTICATED"
     PERMISSION_DENIED = "PERMISSION_DENIED"
     INTERNAL = "INTERNAL"
+    CANCELLED = "CANCELLED"
 
 
 class Refused(Exception):

@@ -17,7 +17,11 @@ subtracting the excess back out from its spill file. With ``center`` ``trimmed_m
 ``median`` the committed uploads' chunks are kept until the round is aggregated and read back one
 tensor at a time (memory O(uploads x largest tensor) beyond the budget, the rest stays on disk):
 coordinate-wise median, or mean after dropping the ``floor(trim * k)`` largest and smallest
-values of each coordinate; these two ignore the weights.
+values of each coordinate; these two ignore the weights. Without ``clip_norm`` the bound is
+adaptive by default (:class:`NormBound`, ``norm_bound`` in the configuration): a multiple of the
+median norm of recently accepted updates: an upload within the bound is folded exactly as
+without one, and one whose running norm goes beyond it is taken back out of the sums at that
+chunk and folded, clipped, at its commit.
 """
 
 from __future__ import annotations
@@ -50,26 +54,106 @@ CENTERS = ("mean", "trimmed_mean", "median")
 
 
 def check_aggregator(cfg: RunConfig) -> None:
-    """The ``aggregator`` section: a known rule."""
+    """The ``aggregator`` section: a known rule, and one that can do what it is for with the run's
+    client counts (:func:`check_robust`)."""
     if cfg.aggregator not in CENTERS:
         raise ConfigError(f"aggregator={cfg.aggregator!r} is not one of {list(CENTERS)}")
+    why = check_robust(cfg.aggregator, cfg.trim_fraction, cfg.uploads_per_aggregation)
+    if why is not None:
+        raise ConfigError(why)
 
 
-register_config_check("aggregator", check_aggregator)
 _scratch = threading.local()  # each folding thread's float64 buffer (UploadFold._contribution)
+# An update whose L2 norm exceeds this is refused: its square overflows float32, the dtype models
+# are kept and averaged in (a client or server summing squares in float32 would get Inf).
+MAX_UPDATE_NORM = math.sqrt(float(np.finfo(np.float32).max))  # about 1.8e19
 
 
 @dataclass(frozen=True)
 class Rule:
-    """How uploads combine: ``center`` (weighted mean, trimmed mean, median), optional update-norm clipping."""
+    """How uploads combine: ``center`` (weighted mean, trimmed mean, median), optional update-norm
+    clipping: at the fixed ``clip_norm``, or else (``adaptive`` > 0) at the bound each collection's
+    accumulator is given (:attr:`Accumulator.bound`, see :class:`NormBound`)."""
 
     center: str = "mean"
     trim: float = 0.1  # trimmed_mean: share of the values dropped at each end of every coordinate
     clip_norm: float | None = None  # L2 bound on each upload's update (floating-point tensors)
+    adaptive: float = 0.0  # without clip_norm: the bound's multiple of the median of recent accepted norms
 
     @property
     def keeps_uploads(self) -> bool:
         return self.center != "mean"
+
+    @property
+    def measures(self) -> bool:
+        """Whether each upload's update norm is measured (clipped, recorded, refused beyond float32)."""
+        return self.clip_norm is not None or self.adaptive > 0
+
+
+class NormBound:
+    """The default bound on each update's influence: ``multiple`` x the median L2 norm of the updates
+    accepted in the last ``window`` collections (each taken after its own clipping); before any, in
+    the first round, ``multiple x first`` (1 by default) x the norm of the global model's
+    floating-point tensors: an update no larger than the model itself (the largest honest
+    first-round update on digits is 0.17 of it).
+
+    Why this rule. Without a bound, the weighted mean has a breakdown point of zero: one upload of
+    finite but huge values (1e30) moves the average anywhere (Blanchard et al. 2017). Bounding the
+    norm of every update is the defence that costs honest federations nothing when the bound sits
+    above their updates: Sun et al. 2019 ("Can you really backdoor federated learning?") show norm
+    bounding removes most of an attacker's effect, and Andrew et al. 2021 ("Differentially private
+    learning with adaptive clipping") set the bound from a quantile of the clients' update norms
+    instead of a hand-tuned constant, since update norms change by orders of magnitude with the
+    model, the learning rate and the round. The median of the accepted norms is that quantile in its
+    most robust form: fewer than half of the uploads, however large, cannot move it, and an
+    attacker's own clipped norms enter it at most at the bound. The ``multiple`` (10 by default)
+    leaves room for the spread of honest non-IID updates (clients with more data take more steps):
+    on digits (10 clients, Dirichlet 0.5; FedAvg, FedDyn, SCAFFOLD) the largest honest update was
+    1.3-2.5 x the previous rounds' median, so seeded honest runs build bit-identical
+    models with the bound and without. An attacker then moves the model at most by its weight times
+    ``multiple`` honest updates, instead of arbitrarily. Updates beyond what float32 can square are
+    refused outright (:data:`MAX_UPDATE_NORM`).
+    """
+
+    def __init__(self, multiple: float, window: int = 3, first: float = 0.1) -> None:
+        self.multiple = multiple
+        self.window = window
+        self.first = first
+        self.history: list[list[float]] = []  # accepted norms of the last collections, oldest first
+
+    def bound(self, reference_norm: float) -> float | None:
+        if self.multiple <= 0:
+            return None
+        norms = [n for h in self.history for n in h]
+        if norms:
+            return self.multiple * float(np.median(norms))
+        return self.multiple * self.first * reference_norm if reference_norm > 0 else None
+
+    def record(self, norms: list[float]) -> None:
+        if norms:
+            self.history = [*self.history, list(norms)][-self.window :]
+
+    def state_dict(self) -> list[list[float]]:
+        return [list(h) for h in self.history]
+
+    def load_state_dict(self, history: list[list[float]]) -> None:
+        self.history = [[float(n) for n in h] for h in history][-self.window :]
+
+
+def check_robust(center: str, trim: float, uploads: int) -> str | None:
+    """Why a robust ``center`` cannot work with ``uploads`` per aggregation (None when it can)."""
+    if center == "trimmed_mean" and math.floor(trim * uploads) < 1:
+        return (
+            f"aggregator=trimmed_mean with trim_fraction={trim:g} trims floor({trim:g} x {uploads}) = 0 values at "
+            f"each end of a round of {uploads} uploads: it is the plain mean; set trim_fraction >= {1 / uploads:.3g} "
+            "or use more clients per round"
+        )
+    if center == "median" and uploads < 3:
+        return (
+            f"aggregator=median of {uploads} uploads per round is their mean: it resists no outlier; "
+            "use at least 3 clients per round"
+        )
+    return None
 
 
 class RetainedBytes:
@@ -221,10 +305,13 @@ class Accumulator:
         self.kept: list[UploadFold] = []  # committed uploads whose values a robust center reads back
         # what an update is measured against (flat float64 per tensor); None: the uploads are updates
         self.reference: dict[str, np.ndarray] | None = None
+        self.bound: float | None = None  # the adaptive clipping bound of this collection (Rule.adaptive)
+        self.norms: list[float] = []  # the committed uploads' update norms, after clipping
+        self.clipped = 0  # committed uploads whose update was scaled down
 
     def set_reference(self, state: Mapping[str, torch.Tensor] | None) -> None:
         """The model the next uploads were trained from (None: they are updates already)."""
-        if state is None or self.rule.clip_norm is None and not self.rule.keeps_uploads:
+        if state is None or not self.rule.measures and not self.rule.keeps_uploads:
             self.reference = None
             return
         self.reference = {
@@ -240,6 +327,8 @@ class Accumulator:
                 v.fill(0.0)
             self.total_weight = 0.0
             self.count = 0
+            self.norms = []
+            self.clipped = 0
             kept, self.kept = self.kept, []
         for f in kept:
             f._release()
@@ -344,12 +433,22 @@ class UploadFold:
             bad = "NaN" if np.isnan(values).any() else "Inf"
             raise ChunkError(f"tensor {spec.name!r}: {bad} value in chunk at byte {chunk.offset}")
         start = chunk.offset // itemsize(spec.dtype)
-        if self.acc.rule.clip_norm is not None and spec.dtype in FLOAT_WIRE_DTYPES:
+        beyond = False  # this chunk takes the update beyond the adaptive bound
+        if self.acc.rule.measures and spec.dtype in FLOAT_WIRE_DTYPES:
             d = self._update(spec.name, start, values)
             self.sq_norm += float(np.dot(d, d))
+            if not self.sq_norm <= MAX_UPDATE_NORM**2:  # inf included
+                raise ChunkError(
+                    f"tensor {spec.name!r}: the update's L2 norm exceeds {MAX_UPDATE_NORM:.3g} at byte {chunk.offset}, "
+                    "beyond what float32 can average"
+                )
+            bound = self.acc.bound
+            beyond = not self.deferred and bound is not None and self.sq_norm > bound * bound
         with self.lock:  # keeping the chunk too: a rollback must never interleave with it
             if self.state != "open":
                 raise ChunkError("the round closed while this upload was streaming", Code.ABORTED)
+            if beyond:
+                self._defer()
             self.folded.append((spec.name, start, values.size, spec.dtype, self._keep(chunk.data)))
             if not self.deferred:
                 with self.acc.lock:
@@ -384,10 +483,11 @@ class UploadFold:
         return v if ref is None else np.subtract(v, ref[name][start : start + values.size], out=v)
 
     def commit(self) -> None:
-        """Adds the upload to the collection; with clipping its update is scaled to the bound first."""
-        clip = self.acc.rule.clip_norm
-        norm = math.sqrt(self.sq_norm)
+        """Adds the upload to the collection; with clipping its update is scaled to the bound first
+        (an adaptive bound's excess is subtracted back out of the sums it was folded into)."""
         acc = self.acc
+        clip = acc.rule.clip_norm if acc.rule.clip_norm is not None else acc.bound
+        norm = math.sqrt(self.sq_norm)
         with self.lock:
             if self.state != "open":
                 raise ChunkError("the round closed while this upload was streaming", Code.ABORTED)
@@ -398,6 +498,9 @@ class UploadFold:
                     self._fold_kept()
             self.state = "committed"
             with acc.folds_lock:
+                if acc.rule.measures:
+                    acc.norms.append(norm * self.scale)
+                    acc.clipped += self.scale != 1.0
                 acc.total_weight += self.weight
                 acc.count += 1
                 acc.open_folds.discard(self)
@@ -413,6 +516,20 @@ class UploadFold:
             target += self.weight * self._clipped(
                 name, start, numpy_view(self._kept(kept, n * itemsize(wire)), wire), wire
             )
+
+    def _defer(self) -> None:
+        """The update went beyond the adaptive bound: what it folded so far (within the bound) is
+        subtracted back out of the sums and the rest waits for the commit, which folds all of it
+        clipped (its lock held). Values beyond the bound never reach the sums unscaled, so no
+        cancellation of large numbers can leave a trace there."""
+        for name, start, n, wire, kept in self.folded:
+            subtrahend = np.multiply(
+                numpy_view(self._kept(kept, n * itemsize(wire)), wire), self.weight, dtype=np.float64
+            )
+            with self.acc.lock:
+                target = self.acc.sums[name][start : start + n]
+                np.subtract(target, subtrahend, out=target)
+        self.deferred = True
 
     def _clipped(self, name: str, start: int, values: np.ndarray, wire: int) -> np.ndarray:
         """Float64 values with the update scaled by ``scale`` (floating-point tensors only)."""
@@ -458,3 +575,6 @@ class UploadFold:
                 self.retained = 0
             if self.spill is not None:
                 self.acc.spills.release(self.spill)
+
+
+register_config_check("aggregator", check_aggregator)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 from pathlib import Path
 
 import grpc
@@ -14,8 +15,9 @@ from wafl.common.config import ConfigError, RunConfig
 from wafl.common.errors import UsageError
 from wafl.common.proto import federation_pb2 as pb
 from wafl.common.tls import ServerTls
-from wafl.server.auth import JoinSecrets
+from wafl.server.auth import JoinSecrets, check_token
 from wafl.server.engine import RoundEngine
+from wafl.server.limits import CLIENT_CALLS, LOBBY_SIZE, Admission, ClientCalls, Lobby
 from wafl.server.service import SERVICE, FederationService, handlers
 
 MESSAGE_LIMIT = MAX_CHUNK_BYTES + (64 << 10)  # one chunk plus its header; nothing larger is ever needed
@@ -39,8 +41,15 @@ GRPC_OPTIONS = [
 
 
 def max_concurrent_rpcs(cfg: RunConfig) -> int:
-    """Calls served at once before new ones get RESOURCE_EXHAUSTED: four per client, plus health checks."""
-    return 4 * cfg.num_clients + 32
+    """Calls served at once before new ones get RESOURCE_EXHAUSTED: the last line of defence only.
+    Admission per peer (:mod:`wafl.server.limits`) keeps every caller far below it: each client's
+    own budget, the lobby of calls without a credential, and room for calls being refused."""
+    return (CLIENT_CALLS + 1) * cfg.num_clients + lobby_size(cfg) + 256
+
+
+def lobby_size(cfg: RunConfig) -> int:
+    """Calls without a credential waiting at once: every client joining at the same moment fits."""
+    return LOBBY_SIZE + cfg.num_clients
 
 
 def grpc_options(cfg: RunConfig) -> list[tuple[str, int]]:
@@ -87,7 +96,8 @@ def check_networked(cfg: RunConfig) -> None:
 
 
 def check_out_dir(out_dir: Path, resume: bool) -> None:
-    """A new run never writes into a folder that holds another run's record (``UsageError``)."""
+    """A new run never writes into a folder that holds another run's record (``UsageError``); the
+    folder is made private (:func:`make_private`)."""
     if out_dir.exists() and not out_dir.is_dir():
         raise UsageError(f"--out {out_dir} is not a folder")
     if not resume:
@@ -99,8 +109,24 @@ def check_out_dir(out_dir: Path, resume: bool) -> None:
                 )
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
+        make_private(out_dir)
     except OSError as e:
         raise UsageError(f"--out {out_dir} cannot be created: {e.strerror}") from None
+
+
+def make_private(out_dir: Path) -> None:
+    """The run folder is its owner's only: the folder and those below it 0700, its files 0600, and
+    what this process creates from now on too (umask 077). It holds the global model, the results
+    and the salt of the credential key."""
+    os.umask(0o077)
+    out_dir.chmod(0o700)
+    for root, dirs, files in os.walk(out_dir):
+        for d in dirs:
+            os.chmod(os.path.join(root, d), 0o700)
+        for f in files:
+            p = os.path.join(root, f)
+            if not os.path.islink(p):
+                os.chmod(p, 0o600)
 
 
 async def serve(
@@ -121,14 +147,20 @@ async def serve(
 
     log = structlog.get_logger("server")
     mutual = tls is not None and tls.client_ca is not None
+    check_token(token)
     check_exposure(host, JoinSecrets(token, dict(enrollment or {})), allow_open, mutual)
     check_networked(cfg)
     check_out_dir(out_dir, resume)
     engine = RoundEngine(cfg, out_dir, token=token, resume=resume, enrollment=enrollment)
     if engine.secrets.open and not mutual:
         log.warning("server.open", message="no --token or --enrollment: any client that reaches the server may join")
-    server = grpc.aio.server(options=grpc_options(cfg), maximum_concurrent_rpcs=max_concurrent_rpcs(cfg))
-    server.add_generic_rpc_handlers([handlers(FederationService(engine, client_certificates=mutual))])
+    calls = ClientCalls()
+    server = grpc.aio.server(
+        options=grpc_options(cfg),
+        maximum_concurrent_rpcs=max_concurrent_rpcs(cfg),
+        interceptors=[Admission(engine.credential_holder, lobby=Lobby(lobby_size(cfg)), clients=calls)],
+    )
+    server.add_generic_rpc_handlers([handlers(FederationService(engine, client_certificates=mutual, calls=calls))])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)

@@ -4,7 +4,11 @@ A client proves at ``Join`` that it may join: with the run token (``--token``), 
 server holds per-client enrollment secrets (``--enrollment FILE``), with the secret of the index
 it joins as, so that no client can take another's index. ``Join`` then hands it a session
 credential, an HMAC-SHA256 over the run id, its index and its client id under a key kept in the
-run folder (``server.key``, so credentials survive a server restarted with ``--resume``).
+run folder (``server.key``) and the join secrets (so credentials survive a server restarted with
+``--resume`` and its secrets, while the file alone forges nothing; :func:`load_or_create_key`).
+Which client owns which index is kept in the checkpoint: after ``--resume`` an index still
+belongs to its client, which re-claims it with its credential (or its enrollment secret); a bare
+token never takes over an owned index.
 ``Broadcasts``, ``Upload`` and ``Report`` carry it in the gRPC metadata entry
 :data:`CREDENTIAL_KEY`; a registered index re-joins only with its credential (or its enrollment
 secret). Without a credential a call is ``UNAUTHENTICATED``; with a valid credential of another
@@ -33,6 +37,7 @@ from wafl.common.errors import Code, Refused
 CREDENTIAL_KEY = "wafl-credential"  # gRPC metadata key of the session credential
 ID_PATTERN = re.compile(r"[A-Za-z0-9._:@-]{1,64}")  # client ids
 KEY_FILE = "server.key"
+MIN_SECRET_CHARS = 16  # run tokens and enrollment secrets alike
 MAX_SECRET_CHARS = 256
 CERT_NAME = re.compile(r"(?:[A-Za-z0-9_-][A-Za-z0-9._-]{0,62}[._-])?client-([0-9]{1,9})")  # certificate common names
 
@@ -65,9 +70,32 @@ def check_certificate(peer: int, index: int, what: str) -> None:
         )
 
 
+HASH_SCHEME = "sha256"
+
+
+def hash_secret(secret: str, salt: bytes | None = None) -> str:
+    """``sha256:SALT:DIGEST`` (hex) of an enrollment secret, as its enrollment file keeps it.
+
+    One salted SHA-256, not a slow password hash: the secrets are at least 16 characters, 144
+    random bits when ``wafl enroll`` draws them, which no guessing reaches, and the server checks
+    one at every Join, where a slow hash would give any caller a lever on its CPU."""
+    salt = secrets.token_bytes(16) if salt is None else salt
+    return f"{HASH_SCHEME}:{salt.hex()}:{hashlib.sha256(salt + secret.encode()).hexdigest()}"
+
+
+def verify_secret(presented: str, stored: str) -> bool:
+    """Whether ``presented`` is the secret whose :func:`hash_secret` is ``stored`` (constant time)."""
+    _, salt, _ = stored.split(":")
+    return hmac.compare_digest(hash_secret(presented, bytes.fromhex(salt)).encode(), stored.encode())
+
+
+HASHED = re.compile(rf"{HASH_SCHEME}:[0-9a-f]{{32}}:[0-9a-f]{{64}}")
+
+
 @dataclass(frozen=True)
 class JoinSecrets:
-    """What a Join must present: the run token, or the enrollment secret of its index (or nothing: open)."""
+    """What a Join must present: the run token, or the enrollment secret of its index (or nothing: open).
+    ``enrollment`` holds each index's :func:`hash_secret`, never the secret."""
 
     token: str = ""
     enrollment: dict[int, str] = field(default_factory=dict)
@@ -76,17 +104,33 @@ class JoinSecrets:
     def open(self) -> bool:
         return not self.token and not self.enrollment
 
+    def material(self) -> bytes:
+        """What the credential key is derived from besides ``server.key``: the token, or the enrollment hashes."""
+        if self.enrollment:
+            return "\n".join(f"{i} {h}" for i, h in sorted(self.enrollment.items())).encode()
+        return self.token.encode()
+
     def admits(self, index: int, presented: str) -> bool:
         if self.enrollment:
             expected = self.enrollment.get(index)
-            return expected is not None and hmac.compare_digest(presented.encode(), expected.encode())
+            return expected is not None and verify_secret(presented, expected)
         if self.token:
             return hmac.compare_digest(presented.encode(), self.token.encode())
         return True
 
 
+def check_token(token: str) -> None:
+    """A run token has the length enrollment secrets must have (whitespace apart); raises :class:`ConfigError`."""
+    if token and not (MIN_SECRET_CHARS <= len(token.strip()) and len(token) <= MAX_SECRET_CHARS):
+        raise ConfigError(
+            f"the run token (WAFL_TOKEN or --token-file) must have {MIN_SECRET_CHARS} to {MAX_SECRET_CHARS} "
+            f"characters other than blanks (got {len(token.strip())}): a short one can be guessed"
+        )
+
+
 def load_enrollment(path: str, num_clients: int) -> dict[int, str]:
-    """Reads ``INDEX SECRET`` lines (``#`` comments, blank lines ignored); raises :class:`ConfigError`."""
+    """Reads ``INDEX HASH`` lines (``#`` comments, blank lines ignored), one :func:`hash_secret` for
+    every index of the run, as ``wafl enroll`` writes them; raises :class:`ConfigError`."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
@@ -99,20 +143,36 @@ def load_enrollment(path: str, num_clients: int) -> dict[int, str]:
         parts = line.split()
         if len(parts) != 2 or not parts[0].isdigit() or not 0 <= int(parts[0]) < num_clients:
             raise ConfigError(
-                f"--enrollment {path!r} line {n}: expected 'INDEX SECRET' with INDEX in 0..{num_clients - 1}"
+                f"--enrollment {path!r} line {n}: expected 'INDEX HASH' with INDEX in 0..{num_clients - 1}"
             )
-        if not 16 <= len(parts[1]) <= MAX_SECRET_CHARS:
-            raise ConfigError(f"--enrollment {path!r} line {n}: a secret must have 16 to {MAX_SECRET_CHARS} characters")
+        if not HASHED.fullmatch(parts[1]):
+            raise ConfigError(
+                f"--enrollment {path!r} line {n}: not a salted hash ({HASH_SCHEME}:SALT:DIGEST): the file must not "
+                "hold secrets in plaintext; make it with 'wafl enroll'"
+            )
         if int(parts[0]) in out:
             raise ConfigError(f"--enrollment {path!r} line {n}: index {parts[0]} appears twice")
         out[int(parts[0])] = parts[1]
-    if not out:
-        raise ConfigError(f"--enrollment {path!r} holds no 'INDEX SECRET' line")
+    missing = [i for i in range(num_clients) if i not in out]
+    if missing:
+        shown = ", ".join(map(str, missing[:10])) + (", ..." if len(missing) > 10 else "")
+        raise ConfigError(
+            f"--enrollment {path!r} has no secret for client_index {shown}: those clients could never join, "
+            f"and the run waits for all num_clients={num_clients}"
+        )
     return out
 
 
-def load_or_create_key(out_dir: Path) -> bytes:
-    """The run's credential key, created (mode 0600) on first use and kept in the run folder."""
+def load_or_create_key(out_dir: Path, wrap: bytes = b"") -> bytes:
+    """The run's credential key: HMAC-SHA256 of ``wrap`` (the server's join secrets, see
+    :meth:`JoinSecrets.material`) under a random salt created (mode 0600) on first use and kept in
+    the run folder (``server.key``), so that credentials survive a restart with ``--resume`` and the
+    same secrets, while the file alone, without the token or the enrollment file, forges nothing."""
+    salt = _load_or_create_salt(out_dir)
+    return hmac.new(salt, b"wafl-credential-key\0" + wrap, hashlib.sha256).digest()
+
+
+def _load_or_create_salt(out_dir: Path) -> bytes:
     path = out_dir / KEY_FILE
     try:
         key = path.read_bytes()
@@ -151,6 +211,18 @@ class Credentials:
             return None
         index = int(head)
         return index if hmac.compare_digest(mac, self._mac(index, client_id)) else None
+
+    def holder(self, credential: str, owner_of: Callable[[int], str | None]) -> int:
+        """The index of the registered client ``credential`` was issued to, whoever presents it;
+        raises :class:`Refused` (UNAUTHENTICATED) for none or a credential of no registered client."""
+        if not credential:
+            raise Refused(f"no session credential (metadata {CREDENTIAL_KEY!r}): call Join first", Code.UNAUTHENTICATED)
+        head = credential.partition(".")[0]
+        owner = owner_of(int(head)) if head.isdigit() and len(head) <= 9 else None
+        index = None if owner is None else self.index_of(credential, owner)
+        if index is None:
+            raise Refused("invalid session credential", Code.UNAUTHENTICATED)
+        return index
 
     def check(self, credential: str, client_id: str, owner_of: Callable[[int], str | None]) -> int:
         """The caller's index; raises :class:`Refused` (UNAUTHENTICATED, PERMISSION_DENIED)."""

@@ -40,8 +40,8 @@ from wafl.common.partition import federation_shards
 from wafl.common.proto import federation_pb2 as pb
 from wafl.common.training import evaluate
 from wafl.common.wire import PreEncoded, encode_tensors, write_transfer
-from wafl.server.aggregator import Accumulator, RetainedBytes, Rule
-from wafl.server.auth import CREDENTIAL_KEY, Credentials, JoinSecrets, check_id, load_or_create_key
+from wafl.server.aggregator import Accumulator, NormBound, RetainedBytes, Rule
+from wafl.server.auth import CREDENTIAL_KEY, ID_PATTERN, Credentials, JoinSecrets, check_id, load_or_create_key
 from wafl.server.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from wafl.server.results import ResultsLog, round_
 from wafl.server.strategy import Collection, Deliveries, RunAborted, make_strategy
@@ -114,7 +114,9 @@ class RoundEngine:
         self.clients: dict[str, ClientInfo] = {}
         self.index_owner: dict[int, str] = {}
         self.accumulators: list[Accumulator] = []  # zeroed sums, ready for the next collection
-        self.rule = Rule(cfg.aggregator, cfg.trim_fraction, cfg.clip_norm)
+        adaptive = cfg.norm_bound if cfg.clip_norm is None else 0.0
+        self.rule = Rule(cfg.aggregator, cfg.trim_fraction, cfg.clip_norm, adaptive)
+        self.norm_bound = NormBound(self.rule.adaptive)
         self.retained = RetainedBytes.of_mb(cfg.rollback_memory_mb)  # shared by every accumulator
         self.shard_sizes = self._shard_sizes()
         self.strategy = make_strategy(cfg, self.algorithm, self.dataset.num_classes, self._accumulator)
@@ -128,7 +130,8 @@ class RoundEngine:
         self.finished = asyncio.Event()
         self.final_reports: set[str] = set()
         self.final_reported = asyncio.Event()
-        self.final_progress = 0  # final models sent in full plus final reports received
+        self.final_progress = 0  # messages of final models sent plus final reports received
+        self.final_sent: dict[str, int] = {}  # per client: messages of the final model it was sent
         self.attempts: dict[tuple[str, int, str], Upload] = {}  # open uploads by (client, round, idempotency key)
         self.bytes_down = 0
         self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="wafl-server")
@@ -145,7 +148,7 @@ class RoundEngine:
             self.results.listeners.append(self.tensorboard.row)
         if resume:
             self._resume()
-        self.credentials = Credentials(load_or_create_key(out_dir), self.run_id)
+        self.credentials = Credentials(load_or_create_key(out_dir, self.secrets.material()), self.run_id)
         (out_dir / "config.json").write_text(dumps(json.loads(cfg.to_json()), indent=2))
         if self.algorithm.privacy is not None:
             report = {"per_release": self.algorithm.privacy(1), "per_run": self.algorithm.privacy(cfg.rounds)}
@@ -165,7 +168,14 @@ class RoundEngine:
             else Accumulator(self.manifest, rule=self.rule, retained=self.retained)
         )
         acc.set_reference(None if self.strategy.uploads_are_deltas else self.global_state)
+        acc.bound = self.norm_bound.bound(self._model_norm()) if self.rule.adaptive else None
         return acc
+
+    def _model_norm(self) -> float:
+        """The L2 norm of the global state's floating-point tensors (the first round's norm bound)."""
+        return math.sqrt(
+            sum(float(t.detach().double().pow(2).sum()) for t in self.global_state.values() if t.is_floating_point())
+        )
 
     def _shard_sizes(self) -> list[int]:
         """Each client's training-set size, rebuilt from the seed as the clients build their shards
@@ -208,6 +218,17 @@ class RoundEngine:
             self.strategy.restore_uploads(ck.get("uploads", []))  # retries of them are answered as before
         except (TypeError, ValueError):
             raise CheckpointError(f"checkpoint {path}: its committed uploads are malformed") from None
+        try:
+            self.norm_bound.load_state_dict(ck.get("norm_history", []))
+            owners = {int(i): str(c) for i, c in ck.get("index_owner", {}).items()}
+        except (TypeError, ValueError, AttributeError):
+            raise CheckpointError(f"checkpoint {path}: its norm history or index owners are malformed") from None
+        for i, c in owners.items():
+            if not 0 <= i < self.cfg.num_clients:
+                raise CheckpointError(f"checkpoint {path}: index owner {i} is outside 0..{self.cfg.num_clients - 1}")
+            if not ID_PATTERN.fullmatch(c):
+                raise CheckpointError(f"checkpoint {path}: index {i} has a malformed owner")
+        self.index_owner = owners
         self.global_state = OrderedDict(state)
         self.algorithm.server.load_state_dict(ck["server_state"])
         self.global_knowledge = knowledge
@@ -231,6 +252,8 @@ class RoundEngine:
                 "global_state": self.global_state,
                 "server_state": self.algorithm.server.state_dict(),
                 "uploads": self.strategy.committed_uploads(),
+                "norm_history": self.norm_bound.state_dict(),
+                "index_owner": dict(self.index_owner),  # an owned index stays its client's after --resume
                 "knowledge": {
                     j: {"count": k.count, "rep": k.rep, "soft": k.soft} for j, k in self.global_knowledge.items()
                 },
@@ -246,12 +269,14 @@ class RoundEngine:
         credential; raises :class:`Refused`. A registered index re-joins only with its credential
         (or its enrollment secret)."""
         check_id("client_id", req.client_id)
-        if not 0 <= req.client_index < self.cfg.num_clients:
-            raise Refused(f"client_index {req.client_index} is outside 0..{self.cfg.num_clients - 1}")
         resumes = bool(credential) and self.credentials.index_of(credential, req.client_id) == req.client_index
+        # the secret first: an index out of range gets the answer of a bad secret, so that only a
+        # caller who may join learns the range (num_clients)
         if not resumes and not self.secrets.admits(req.client_index, req.token):
             what = "enrollment secret of this client_index" if self.secrets.enrollment else "token"
             raise Refused(f"bad or missing {what}", Code.UNAUTHENTICATED)
+        if not 0 <= req.client_index < self.cfg.num_clients:
+            raise Refused(f"client_index {req.client_index} is outside 0..{self.cfg.num_clients - 1}")
         owner = self.index_owner.get(req.client_index)
         if owner is not None and owner != req.client_id:
             raise Refused(f"client_index {req.client_index} already belongs to another client", Code.ALREADY_EXISTS)
@@ -302,6 +327,10 @@ class RoundEngine:
         self.credentials.check(credential, client_id, self.index_owner.get)
         if client_id not in self.clients:
             raise Refused(f"unknown client_id {client_id!r}: call Join first", Code.NOT_FOUND)
+
+    def credential_holder(self, credential: str) -> int:
+        """The index of the registered client a session credential belongs to; raises :class:`Refused`."""
+        return self.credentials.holder(credential, self.index_owner.get)
 
     # ----------------------------------------------------------------- the run
     async def run(self) -> None:
@@ -401,6 +430,11 @@ class RoundEngine:
             log.error("round.refused", round=c.number, reason=fields["refused"])
         if knowledge is not None:
             self.global_knowledge = knowledge
+        if self.rule.adaptive:
+            self.norm_bound.record(c.accumulator.norms)
+            if c.accumulator.clipped:
+                fields = {**fields, "clipped": c.accumulator.clipped}
+                log.warning("round.clipped", round=c.number, uploads=c.accumulator.clipped, bound=c.accumulator.bound)
         await loop.run_in_executor(self.executor, c.accumulator.reset)
         self.accumulators.append(c.accumulator)
         n = self.strategy.aggregations
@@ -502,9 +536,12 @@ class RoundEngine:
                     total_bytes=self.model_bytes,
                 )
             )
-            for m in p.messages:
+            for i, m in enumerate(p.messages):
                 yield m
-                if p.final:  # the final model streams to every client at once: each message is progress
+                # the final model streams to every client at once: each message is progress, once per
+                # client (a client that subscribes again and again cannot keep the server waiting)
+                if p.final and i >= self.final_sent.get(client_id, 0):
+                    self.final_sent[client_id] = i + 1
                     self.final_progress += 1
             self.bytes_down += p.nbytes
             if p.final:
@@ -573,7 +610,7 @@ class RoundEngine:
         _check_timeline(req, self.cfg.rounds)
         timeline = [{"phase": e.phase, "round": e.round, "start_s": e.start_s, "end_s": e.end_s} for e in req.timeline]
         self.results.add_report(req.client_id, req.round, dict(req.metrics), timeline, req.client_start_unix or None)
-        if req.metrics.get(M.FINAL, 0.0) == 1.0:
+        if req.metrics.get(M.FINAL, 0.0) == 1.0 and req.client_id not in self.final_reports:
             self.final_reports.add(req.client_id)
             self.final_progress += 1
             if len(self.final_reports) >= len(self.clients):

@@ -21,6 +21,7 @@ from wafl.common.proto import federation_pb2 as pb
 from wafl.common.wire import MALFORMED, decode_upload, encode_broadcast, lenient
 from wafl.server.auth import CREDENTIAL_KEY, certificate_index, check_certificate
 from wafl.server.engine import RoundEngine
+from wafl.server.limits import ClientCalls
 from wafl.server.upload import receive_upload
 
 PROTOCOL_VERSION = 1
@@ -70,8 +71,11 @@ def _well_formed(req: object) -> None:
 
 
 class FederationService:
-    def __init__(self, engine: RoundEngine, client_certificates: bool = False) -> None:
+    def __init__(
+        self, engine: RoundEngine, client_certificates: bool = False, calls: ClientCalls | None = None
+    ) -> None:
         self.engine = engine
+        self.calls = calls or ClientCalls()  # each client's budget, shared with the server's Admission
         self.report_rate = RateLimit()  # a client reports about once per round: far below this
         self.client_certificates = client_certificates  # mutual TLS: the peer's certificate names its index
 
@@ -111,8 +115,9 @@ class FederationService:
                 raise Refused(
                     f"run_id {req.run_id[:64]!r} is not this run ({self.engine.run_id!r})", Code.FAILED_PRECONDITION
                 )
-            async for msg in self.engine.deliveries(req.client_id, _credential(ctx)):
-                yield msg
+            async with self.calls.stream(self.engine.credential_holder(_credential(ctx))):
+                async for msg in self.engine.deliveries(req.client_id, _credential(ctx)):
+                    yield msg
         except Refused as e:
             await _abort(ctx, e)
 

@@ -123,7 +123,10 @@ class Fed:
 @pytest.fixture(scope="module")
 def fed(stubs, tmp_path_factory: pytest.TempPathFactory):
     pb, pb_grpc = stubs
-    server = ServerProcess(CONFIG, tmp_path_factory.mktemp("attack-server"), extra_args=["--token", TOKEN])
+    work = tmp_path_factory.mktemp("attack-server")
+    token_file = work / "token"
+    token_file.write_text(TOKEN)
+    server = ServerProcess(CONFIG, work, extra_args=["--token-file", str(token_file)])
     federation = None
     try:
         federation = Fed(pb, pb_grpc, server)
@@ -278,10 +281,16 @@ def test_report_rate_is_bounded(fed: Fed) -> None:
 
 def test_poisoning_by_magnitude_moves_the_model_no_further_than_the_bound(fed: Fed) -> None:
     r, base = fed.open_round()
-    poisoned = {
-        k: (v + np.asarray(1e30, v.dtype)).astype(v.dtype) if v.dtype.kind == "f" else v
-        for k, v in base.tensors.items()
-    }
+
+    def shifted(by: float) -> dict[str, np.ndarray]:
+        return {
+            k: (v + np.asarray(by, v.dtype)).astype(v.dtype) if v.dtype.kind == "f" else v
+            for k, v in base.tensors.items()
+        }
+
+    # beyond what float32 can average (its squared norm overflows): refused, nothing recorded
+    expect(call_error(lambda: fed.a.upload(fed.messages(fed.a, r, shifted(1e30)))), Code.INVALID_ARGUMENT, "L2 norm")
+    poisoned = shifted(1e12)
     assert fed.a.upload(fed.messages(fed.a, r, poisoned)).accepted  # finite: accepted, then clipped
     new = fed.complete(r, base, done={0: poisoned})
     floats = [k for k, v in base.tensors.items() if v.dtype.kind == "f"]

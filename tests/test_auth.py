@@ -14,9 +14,23 @@ from independent_client import IndependentClient, ServerProcess, call_error, gen
 from wafl.common.config import ConfigError
 from wafl.common.errors import Code, Refused
 from wafl.server.app import check_exposure
-from wafl.server.auth import Credentials, JoinSecrets, check_id, load_enrollment, load_or_create_key
+from wafl.server.auth import (
+    Credentials,
+    JoinSecrets,
+    check_id,
+    check_token,
+    hash_secret,
+    load_enrollment,
+    load_or_create_key,
+    verify_secret,
+)
 
 SECRETS = {0: "secret-of-zero-0123456789", 1: "secret-of-one-0123456789"}
+HASHES = {i: hash_secret(s) for i, s in SECRETS.items()}
+
+
+def enrollment_text(hashes: dict[int, str] = HASHES) -> str:
+    return "".join(f"{i} {h}\n" for i, h in hashes.items())
 
 
 def test_credentials_bind_run_index_and_client(tmp_path: Path) -> None:
@@ -41,7 +55,7 @@ def test_credentials_bind_run_index_and_client(tmp_path: Path) -> None:
 def test_join_secrets_and_ids() -> None:
     assert JoinSecrets().open and JoinSecrets().admits(0, "")
     assert JoinSecrets("t").admits(5, "t") and not JoinSecrets("t").admits(5, "u")
-    enrolled = JoinSecrets(enrollment=SECRETS)
+    enrolled = JoinSecrets(enrollment=HASHES)
     assert enrolled.admits(0, SECRETS[0]) and not enrolled.admits(1, SECRETS[0]) and not enrolled.admits(2, "")
     check_id("client_id", "client-7.a_b:c@d")
     for bad in ("", "x" * 65, "has space", "ünï"):
@@ -51,14 +65,17 @@ def test_join_secrets_and_ids() -> None:
 
 def test_enrollment_file_is_checked(tmp_path: Path) -> None:
     f = tmp_path / "enroll.txt"
-    f.write_text("# index secret\n0 secret-of-zero-0123456789\n\n1 secret-of-one-0123456789  # b\n")
-    assert load_enrollment(str(f), 2) == SECRETS
+    f.write_text(f"# index hash\n0 {HASHES[0]}\n\n1 {HASHES[1]}  # b\n")
+    assert load_enrollment(str(f), 2) == HASHES
+    assert HASHES[0] != hash_secret(SECRETS[0])  # salted: the same secret never gives the same line
+    assert verify_secret(SECRETS[0], HASHES[0]) and not verify_secret(SECRETS[1], HASHES[0])
     for text, match in [
-        ("0 short\n", "16 to 256"),
-        ("2 secret-of-two-0123456789\n", "INDEX in 0..1"),
-        ("0 a-secret-0123456789\n0 b-secret-0123456789\n", "appears twice"),
-        ("# nothing\n", "no 'INDEX SECRET' line"),
-        ("x secret-0123456789abcdef\n", "line 1"),
+        ("0 secret-of-zero-0123456789\n1 secret-of-one-0123456789\n", "not a salted hash"),
+        (f"2 {HASHES[0]}\n", "INDEX in 0..1"),
+        (f"0 {HASHES[0]}\n0 {HASHES[1]}\n1 {HASHES[1]}\n", "appears twice"),
+        ("# nothing\n", "no secret for client_index 0, 1"),
+        (f"0 {HASHES[0]}\n", "no secret for client_index 1"),
+        (f"x {HASHES[0]}\n", "line 1"),
     ]:
         f.write_text(text)
         with pytest.raises(ConfigError, match=match):
@@ -78,7 +95,7 @@ def test_an_open_server_stays_on_loopback(tmp_path: Path) -> None:
             check_exposure(host, JoinSecrets(), allow_open=False)
         check_exposure(host, JoinSecrets(), allow_open=True)
         check_exposure(host, JoinSecrets("t"), allow_open=False)
-        check_exposure(host, JoinSecrets(enrollment=SECRETS), allow_open=False)
+        check_exposure(host, JoinSecrets(enrollment=HASHES), allow_open=False)
     done = subprocess.run(
         [sys.executable, "-m", "wafl.cli.main", "server", "--host", "0.0.0.0", "--port", "0", "--out", str(tmp_path)],
         capture_output=True,
@@ -93,7 +110,7 @@ def test_an_open_server_stays_on_loopback(tmp_path: Path) -> None:
 def test_enrolled_clients_join_only_as_themselves(tmp_path: Path) -> None:
     pb, pb_grpc = generate_stubs(tmp_path / "stubs")
     enroll = tmp_path / "enroll.txt"
-    enroll.write_text("".join(f"{i} {s}\n" for i, s in SECRETS.items()))
+    enroll.write_text(enrollment_text())
     config = {"num_clients": 2, "rounds": 1, "join_timeout_s": 120, "checkpoint": False}
     server = ServerProcess(config, tmp_path / "server", extra_args=["--enrollment", str(enroll)])
     clients = [IndependentClient(pb, pb_grpc, server.address, f"c{i}", i, 10) for i in range(2)]
@@ -117,3 +134,69 @@ def test_enrolled_clients_join_only_as_themselves(tmp_path: Path) -> None:
         for c in clients:
             c.close()
         server.stop()
+
+
+def test_tokens_are_long_and_never_on_the_command_line(tmp_path: Path) -> None:
+    check_token("")  # none: an open (loopback) server
+    check_token("t" * 16)
+    for bad in (" ", "short-token", " " * 20 + "x"):
+        with pytest.raises(ConfigError, match="16 to 256"):
+            check_token(bad)
+    env = {k: v for k, v in os.environ.items() if k != "WAFL_TOKEN"}
+    base = [sys.executable, "-m", "wafl.cli.main", "server", "--host", "127.0.0.1", "--port", "0"]
+    flag = subprocess.run(
+        [*base, "--out", str(tmp_path / "a"), "--token", "a-token-of-32-characters-0123456"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert flag.returncode == 2 and "Traceback" not in flag.stderr
+    assert "/proc/PID/cmdline" in flag.stderr and "WAFL_TOKEN" in flag.stderr
+    short = subprocess.run(
+        [*base, "--out", str(tmp_path / "b")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**env, "WAFL_TOKEN": " "},
+    )
+    assert short.returncode == 2 and "16 to 256" in short.stderr.strip().splitlines()[-1]
+
+
+def test_wafl_enroll_writes_hashes_and_private_secrets(tmp_path: Path) -> None:
+    out, folder = tmp_path / "enroll.txt", tmp_path / "secrets"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "wafl.cli.main",
+            "enroll",
+            "--clients",
+            "3",
+            "--out",
+            str(out),
+            "--secrets-dir",
+            str(folder),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    hashes = load_enrollment(str(out), 3)
+    for i in range(3):
+        secret = (folder / f"client-{i}.secret").read_text().strip()
+        assert len(secret) >= 16 and secret not in out.read_text()
+        assert JoinSecrets(enrollment=hashes).admits(i, secret) and not JoinSecrets(enrollment=hashes).admits(i, "x")
+        assert (folder / f"client-{i}.secret").stat().st_mode & 0o077 == 0
+    assert out.stat().st_mode & 0o077 == 0
+    plain = tmp_path / "plain.txt"
+    plain.write_text("".join(f"{i} {s}\n" for i, s in SECRETS.items()))
+    done = subprocess.run(
+        [sys.executable, "-m", "wafl.cli.main", "enroll", "--clients", "2", "--out", str(out), "--from", str(plain)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert JoinSecrets(enrollment=load_enrollment(str(out), 2)).admits(1, SECRETS[1])

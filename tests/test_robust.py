@@ -59,7 +59,7 @@ def clipped(states, ref, bound):
 
 def test_clipped_mean_matches_numpy() -> None:
     ref_state = make_state(100)
-    states = [make_state(1), make_state(2, scale=50.0), make_state(3, scale=1e30)]  # the last two are clipped
+    states = [make_state(1), make_state(2, scale=50.0), make_state(3, scale=1e15)]  # the last two are clipped
     weights = [3.0, 5.0, 2.0]
     acc = Accumulator(manifest_of(ref_state), rule=Rule(clip_norm=4.0))
     acc.set_reference(ref_state)
@@ -163,3 +163,89 @@ def test_robust_options_are_validated() -> None:
     ]:
         with pytest.raises(ConfigError, match=match):
             load_config(None, bad)
+
+
+def test_the_default_bound_clips_an_outlier_to_a_multiple_of_the_median() -> None:
+    from wafl.server.aggregator import NormBound
+
+    ref_state = make_state(100)
+    ref = as_np(ref_state)
+    honest = [{k: (v + make_state(s, 0.01)[k]).to(v.dtype) for k, v in ref_state.items()} for s in (1, 2)]
+    poisoned = make_state(3, scale=1e12)  # finite, far beyond any honest update
+    bound = NormBound(10.0)
+    bound.record([2.0, 3.0, 4.0])
+    assert bound.bound(123.0) == 30.0  # 10 x the median of the accepted norms, whatever the model's norm
+    acc = Accumulator(manifest_of(ref_state), rule=Rule(adaptive=10.0))
+    acc.set_reference(ref_state)
+    acc.bound = bound.bound(123.0)
+    weights = [1.0, 2.0, 3.0]
+    for st, w in zip([*honest, poisoned], weights):
+        fold(acc, st, w)
+    want = clipped([*honest, poisoned], ref, 30.0)
+    got = acc.center()
+    for k in ref:
+        close(got[k], sum(w * x[k] for w, x in zip(weights, want)) / sum(weights))
+    assert acc.clipped == 1 and acc.norms[2] == pytest.approx(30.0)
+    assert max(float(got[k].double().abs().max()) for k in ref if got[k].is_floating_point()) < 100
+
+
+def test_updates_within_the_default_bound_fold_bit_identically() -> None:
+    ref_state = make_state(100)
+    states = [make_state(s) for s in range(4)]
+    plain = Accumulator(manifest_of(ref_state))
+    bounded = Accumulator(manifest_of(ref_state), rule=Rule(adaptive=10.0))
+    bounded.set_reference(ref_state)
+    bounded.bound = 1e9
+    for i, st in enumerate(states):
+        fold(plain, st, float(i + 1))
+        fold(bounded, st, float(i + 1))
+    a, b = plain.center(), bounded.center()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert bounded.clipped == 0 and len(bounded.norms) == 4
+
+
+def test_the_first_rounds_bound_is_the_models_norm_and_history_is_a_window() -> None:
+    from wafl.server.aggregator import NormBound
+
+    b = NormBound(10.0, window=2)
+    assert b.bound(7.5) == pytest.approx(7.5)  # 10 x 0.1 x the model's norm
+    assert b.bound(0.0) is None  # a model of zeros gives no scale: only the float32 refusal holds
+    for norms in ([1.0], [100.0, 100.0], [5.0]):
+        b.record(norms)
+    assert b.history == [[100.0, 100.0], [5.0]]
+    assert b.bound(1.0) == 1000.0
+    assert NormBound(0.0).bound(1.0) is None
+
+
+@pytest.mark.parametrize("value", [1e30, 3e38])
+def test_an_update_beyond_float32_is_refused(value: float) -> None:
+    from wafl.common.codec import ChunkError
+    from wafl.common.errors import Code
+
+    ref_state = make_state(100)
+    poisoned = {k: torch.full_like(v, value) if v.dtype == torch.float32 else v for k, v in ref_state.items()}
+    for rule in (Rule(adaptive=10.0), Rule(clip_norm=1.0)):
+        acc = Accumulator(manifest_of(ref_state), rule=rule)
+        acc.set_reference(ref_state)
+        with pytest.raises(ChunkError, match="L2 norm exceeds") as e:
+            fold(acc, poisoned, 1.0)
+        assert e.value.code == Code.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize(
+    "fields, fragment",
+    [
+        ({"num_clients": 3, "aggregator": "trimmed_mean"}, "trims floor(0.1 x 3) = 0"),
+        ({"num_clients": 10, "min_clients": 4, "aggregator": "trimmed_mean", "trim_fraction": 0.2}, "x 4) = 0"),
+        ({"num_clients": 2, "aggregator": "median"}, "median of 2 uploads"),
+        ({"num_clients": 10, "fraction": 0.2, "aggregator": "median"}, "median of 2 uploads"),
+        ({"num_clients": 4, "norm_bound": 0.5}, "norm_bound"),
+    ],
+)
+def test_vacuous_robust_settings_are_refused_at_start(fields: dict, fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        load_config(None, fields)
+    # the same rules with enough uploads per round are accepted
+    kept = {k: v for k, v in fields.items() if k in ("aggregator", "trim_fraction")}
+    load_config(None, {**kept, "num_clients": 10})

@@ -1,0 +1,245 @@
+"""Admission per peer: no caller without a credential can crowd out the federation, no client another.
+
+Every call passes :class:`Admission`, a gRPC server interceptor, before its handler runs and
+before its first message is read:
+
+- ``Upload``, ``Broadcasts`` and ``Report`` must carry a session credential of a registered
+  client (metadata ``wafl-credential``) before they count anywhere: without one the call is
+  refused at once (``UNAUTHENTICATED``), whatever the caller sends or withholds afterwards, so a
+  silent stream of an outsider costs the server nothing. With one, the call counts against that
+  client's own budget (:class:`ClientCalls`): at most ``calls`` calls at once (more:
+  ``RESOURCE_EXHAUSTED``), and one ``Broadcasts`` stream: once the service has authorized a new
+  one (:meth:`ClientCalls.stream`), it replaces (``CANCELLED``) the older, so an idle or
+  forgotten stream never accumulates.
+- Everything else (``Join``, the health and reflection services) waits in the :class:`Lobby`, a
+  small shared budget of its own (32 calls plus one per client): a unary call must deliver its
+  request within ``read_s`` (``DEADLINE_EXCEEDED``), and when the lobby is full the call that has
+  waited longest is cut off (``UNAVAILABLE``, which clients retry) to make room. An honest Join
+  or health check delivers its request with its headers and leaves the lobby at once; callers
+  that hold calls open and silent only push each other out.
+
+Handlers whose request is a single message are served as streaming-request handlers (the wire
+format is the same), so that the wait for that message happens here, bounded, instead of inside
+gRPC with no limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import itertools
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from wafl.common.errors import Code, Refused
+
+CREDENTIALED = ("/wafl.v1.Federation/Upload", "/wafl.v1.Federation/Report", "/wafl.v1.Federation/Broadcasts")
+BROADCASTS = "/wafl.v1.Federation/Broadcasts"
+LOBBY_SIZE = 32  # calls without a credential waiting at once (Join, health, reflection), plus one per client
+LOBBY_READ_S = 10.0  # a unary call in the lobby must deliver its request within this
+CLIENT_CALLS = 4  # uploads and reports of one client at once (its Broadcasts stream apart)
+
+
+class Lobby:
+    """At most ``size`` calls at once; a newcomer to a full lobby cuts off the one that has waited longest."""
+
+    def __init__(self, size: int = LOBBY_SIZE, read_s: float = LOBBY_READ_S) -> None:
+        self.size = size
+        self.read_s = read_s
+        self.calls: OrderedDict[int, asyncio.Task[Any]] = OrderedDict()
+        self.cut: set[int] = set()
+        self.ids = itertools.count()
+
+    @contextlib.asynccontextmanager
+    async def admit(self) -> AsyncIterator[None]:
+        task = asyncio.current_task()
+        assert task is not None
+        key = next(self.ids)
+        while len(self.calls) >= self.size:
+            old, old_task = self.calls.popitem(last=False)
+            self.cut.add(old)
+            old_task.cancel()
+        self.calls[key] = task
+        try:
+            yield
+        except asyncio.CancelledError:
+            if key not in self.cut:
+                raise
+            task.uncancel()
+            raise Refused("too many calls without a credential are waiting; retry shortly", Code.UNAVAILABLE) from None
+        finally:
+            self.calls.pop(key, None)
+            self.cut.discard(key)
+
+
+class ClientCalls:
+    """Each client's own budget: ``calls`` uploads and reports at once, and one Broadcasts stream."""
+
+    def __init__(self, calls: int = CLIENT_CALLS) -> None:
+        self.calls = calls
+        self.open: dict[int, int] = {}
+        self.streams: dict[int, asyncio.Task[Any]] = {}
+        self.replaced: set[int] = set()  # ids of the tasks whose stream a newer one replaced
+
+    @contextlib.asynccontextmanager
+    async def call(self, index: int) -> AsyncIterator[None]:
+        n = self.open.get(index, 0)
+        if n >= self.calls:
+            raise Refused(
+                f"client_index {index} already has {self.calls} calls in progress; wait for them",
+                Code.RESOURCE_EXHAUSTED,
+            )
+        self.open[index] = n + 1
+        try:
+            yield
+        finally:
+            left = self.open[index] - 1
+            if left:
+                self.open[index] = left
+            else:
+                del self.open[index]
+
+    @contextlib.asynccontextmanager
+    async def stream(self, index: int) -> AsyncIterator[None]:
+        task = asyncio.current_task()
+        assert task is not None
+        old = self.streams.get(index)
+        if old is not None and not old.done():
+            self.replaced.add(id(old))
+            old.cancel()
+        self.streams[index] = task
+        try:
+            yield
+        except asyncio.CancelledError:
+            if id(task) not in self.replaced:
+                raise
+            task.uncancel()
+            raise Refused("replaced by a newer Broadcasts stream of this client", Code.CANCELLED) from None
+        finally:
+            self.replaced.discard(id(task))
+            if self.streams.get(index) is task:
+                del self.streams[index]
+
+
+async def _abort(ctx: grpc.aio.ServicerContext, e: Refused) -> None:
+    await ctx.abort(getattr(grpc.StatusCode, e.code.value), str(e)[:300])
+
+
+def _credential(metadata: Any) -> str:
+    for key, value in metadata or ():
+        if key == "wafl-credential":
+            return value if isinstance(value, str) else ""
+    return ""
+
+
+async def _first(requests: AsyncIterator[Any], read_s: float) -> Any:
+    try:
+        async with asyncio.timeout(read_s):
+            return await requests.__anext__()
+    except TimeoutError:
+        raise Refused(f"no request within {read_s:g} s", Code.DEADLINE_EXCEEDED) from None
+    except StopAsyncIteration:
+        raise Refused("the call ended before its request") from None
+
+
+Guard = Callable[[], contextlib.AbstractAsyncContextManager[None]]
+
+
+def _guarded(handler: grpc.RpcMethodHandler, guard: Guard, read_s: float, lobby_read: bool) -> grpc.RpcMethodHandler:
+    """``handler`` served with a streaming request, its behavior run under ``guard``; a single
+    request is read (within ``read_s``) under the guard too. ``lobby_read``: only that read is
+    guarded (the call leaves the guard before its work), otherwise the whole call."""
+    serde = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+    unary_in = not handler.request_streaming
+    behavior = (
+        handler.unary_unary or handler.unary_stream if unary_in else handler.stream_unary or handler.stream_stream
+    )
+
+    async def _enter(requests: Any, ctx: grpc.aio.ServicerContext, stack: contextlib.AsyncExitStack) -> Any:
+        await stack.enter_async_context(guard())
+        if not unary_in:
+            return requests
+        request = await _first(requests, read_s)
+        if lobby_read:
+            await stack.aclose()
+        return request
+
+    if not handler.response_streaming:
+
+        async def unary_out(requests: Any, ctx: grpc.aio.ServicerContext) -> Any:
+            try:
+                async with contextlib.AsyncExitStack() as stack:
+                    return await behavior(await _enter(requests, ctx, stack), ctx)
+            except Refused as e:
+                await _abort(ctx, e)
+
+        return grpc.stream_unary_rpc_method_handler(unary_out, **serde)
+    if inspect.isasyncgenfunction(behavior):
+
+        async def stream_out(requests: Any, ctx: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            try:
+                async with contextlib.AsyncExitStack() as stack:
+                    async for m in behavior(await _enter(requests, ctx, stack), ctx):
+                        yield m
+            except Refused as e:
+                await _abort(ctx, e)
+
+        return grpc.stream_stream_rpc_method_handler(stream_out, **serde)
+
+    async def written_out(requests: Any, ctx: grpc.aio.ServicerContext) -> None:  # writes with ctx.write
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                await behavior(await _enter(requests, ctx, stack), ctx)
+        except Refused as e:
+            await _abort(ctx, e)
+
+    return grpc.stream_stream_rpc_method_handler(written_out, **serde)
+
+
+def _refused(handler: grpc.RpcMethodHandler, e: Refused) -> grpc.RpcMethodHandler:
+    """A handler of ``handler``'s shape that refuses at once, reading nothing."""
+    serde = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+
+    async def refuse(requests: Any, ctx: grpc.aio.ServicerContext) -> None:
+        await _abort(ctx, e)
+
+    make = grpc.stream_stream_rpc_method_handler if handler.response_streaming else grpc.stream_unary_rpc_method_handler
+    return make(refuse, **serde)
+
+
+class Admission(grpc.aio.ServerInterceptor):
+    """The interceptor of the module docstring. ``peer_of(credential)`` is the index of the
+    registered client the credential belongs to, or raises :class:`Refused`."""
+
+    def __init__(
+        self,
+        peer_of: Callable[[str], int],
+        lobby: Lobby | None = None,
+        clients: ClientCalls | None = None,
+        read_s: float = LOBBY_READ_S,
+    ) -> None:
+        self.peer_of = peer_of
+        self.lobby = lobby or Lobby()
+        self.clients = clients or ClientCalls()
+        self.read_s = read_s
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None:
+            return handler
+        if details.method not in CREDENTIALED:
+            return _guarded(handler, self.lobby.admit, self.lobby.read_s, lobby_read=not handler.response_streaming)
+        try:
+            index = self.peer_of(_credential(details.invocation_metadata))
+        except Refused as e:
+            return _refused(handler, e)
+        # a Broadcasts call counts as a call until its request is read; the service then holds it
+        # as the client's one stream (ClientCalls.stream) once the request is authorized
+        return _guarded(handler, lambda: self.clients.call(index), self.read_s, lobby_read=details.method == BROADCASTS)
