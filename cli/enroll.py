@@ -17,7 +17,7 @@ from pathlib import Path
 
 from wafl.common.config import ConfigError
 from wafl.common.errors import UsageError
-from wafl.server.auth import MAX_SECRET_CHARS, MIN_SECRET_CHARS, hash_secret
+from wafl.server.auth import MAX_SECRET_CHARS, MIN_SECRET_CHARS, hash_secret, read_index_file
 
 
 def write_private(path: Path, text: str) -> None:
@@ -30,29 +30,12 @@ def write_private(path: Path, text: str) -> None:
 
 
 def _plain_secrets(path: str, num_clients: int) -> dict[int, str]:
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"--from {path!r} cannot be read: {getattr(e, 'strerror', None) or e}") from None
-    out: dict[int, str] = {}
-    for n, line in enumerate(text.splitlines(), 1):
-        line = line.split("#", 1)[0].strip()
-        if not line:
-            continue
-        parts = line.split()
-        if len(parts) != 2 or not parts[0].isdigit() or not 0 <= int(parts[0]) < num_clients:
-            raise ConfigError(f"--from {path!r} line {n}: expected 'INDEX SECRET' with INDEX in 0..{num_clients - 1}")
-        if not MIN_SECRET_CHARS <= len(parts[1]) <= MAX_SECRET_CHARS:
-            raise ConfigError(
-                f"--from {path!r} line {n}: a secret must have {MIN_SECRET_CHARS} to {MAX_SECRET_CHARS} characters"
-            )
-        if int(parts[0]) in out:
-            raise ConfigError(f"--from {path!r} line {n}: index {parts[0]} appears twice")
-        out[int(parts[0])] = parts[1]
-    missing = [i for i in range(num_clients) if i not in out]
-    if missing:
-        raise ConfigError(f"--from {path!r} has no secret for client_index {', '.join(map(str, missing[:10]))}")
-    return out
+    def secret(value: str) -> str | None:
+        if MIN_SECRET_CHARS <= len(value) <= MAX_SECRET_CHARS:
+            return None
+        return f"a secret must have {MIN_SECRET_CHARS} to {MAX_SECRET_CHARS} characters"
+
+    return read_index_file(path, num_clients, "--from", "SECRET", secret)
 
 
 def cmd_enroll(a: argparse.Namespace) -> int:

@@ -128,13 +128,16 @@ def check_token(token: str) -> None:
         )
 
 
-def load_enrollment(path: str, num_clients: int) -> dict[int, str]:
-    """Reads ``INDEX HASH`` lines (``#`` comments, blank lines ignored), one :func:`hash_secret` for
-    every index of the run, as ``wafl enroll`` writes them; raises :class:`ConfigError`."""
+def read_index_file(
+    path: str, num_clients: int, flag: str, value: str, check: Callable[[str], str | None]
+) -> dict[int, str]:
+    """Reads a file of ``INDEX VALUE`` lines (``#`` comments, blank lines ignored) with one line for
+    every index of the run; ``check(value)`` returns why a value is refused (None: accepted). Every
+    problem is a :class:`ConfigError` naming ``flag``, the file and the line."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"--enrollment {path!r} cannot be read: {getattr(e, 'strerror', None) or e}") from None
+        raise ConfigError(f"{flag} {path!r} cannot be read: {getattr(e, 'strerror', None) or e}") from None
     out: dict[int, str] = {}
     for n, line in enumerate(text.splitlines(), 1):
         line = line.split("#", 1)[0].strip()
@@ -142,25 +145,36 @@ def load_enrollment(path: str, num_clients: int) -> dict[int, str]:
             continue
         parts = line.split()
         if len(parts) != 2 or not parts[0].isdigit() or not 0 <= int(parts[0]) < num_clients:
-            raise ConfigError(
-                f"--enrollment {path!r} line {n}: expected 'INDEX HASH' with INDEX in 0..{num_clients - 1}"
-            )
-        if not HASHED.fullmatch(parts[1]):
-            raise ConfigError(
-                f"--enrollment {path!r} line {n}: not a salted hash ({HASH_SCHEME}:SALT:DIGEST): the file must not "
-                "hold secrets in plaintext; make it with 'wafl enroll'"
-            )
+            raise ConfigError(f"{flag} {path!r} line {n}: expected 'INDEX {value}' with INDEX in 0..{num_clients - 1}")
+        why = check(parts[1])
+        if why is not None:
+            raise ConfigError(f"{flag} {path!r} line {n}: {why}")
         if int(parts[0]) in out:
-            raise ConfigError(f"--enrollment {path!r} line {n}: index {parts[0]} appears twice")
+            raise ConfigError(f"{flag} {path!r} line {n}: index {parts[0]} appears twice")
         out[int(parts[0])] = parts[1]
     missing = [i for i in range(num_clients) if i not in out]
     if missing:
         shown = ", ".join(map(str, missing[:10])) + (", ..." if len(missing) > 10 else "")
         raise ConfigError(
-            f"--enrollment {path!r} has no secret for client_index {shown}: those clients could never join, "
+            f"{flag} {path!r} has no secret for client_index {shown}: those clients could never join, "
             f"and the run waits for all num_clients={num_clients}"
         )
     return out
+
+
+def load_enrollment(path: str, num_clients: int) -> dict[int, str]:
+    """Reads ``INDEX HASH`` lines, one :func:`hash_secret` for every index of the run, as
+    ``wafl enroll`` writes them; raises :class:`ConfigError`."""
+
+    def salted(value: str) -> str | None:
+        if HASHED.fullmatch(value):
+            return None
+        return (
+            f"not a salted hash ({HASH_SCHEME}:SALT:DIGEST): the file must not hold secrets in plaintext; "
+            "make it with 'wafl enroll'"
+        )
+
+    return read_index_file(path, num_clients, "--enrollment", "HASH", salted)
 
 
 def load_or_create_key(out_dir: Path, wrap: bytes = b"") -> bytes:
