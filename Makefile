@@ -11,10 +11,11 @@ run:  ## a whole federation on the embedded digits data (a server and the 10 cli
 	bash scripts/datasets.sh $(ARGS)  # installs Fashion-MNIST when ARGS ask for it and it is missing
 	$(VENV)/bin/wafl run $(ARGS)
 
-test:  ## style (ruff), the layer contract (lint-imports), the docs build, then the whole test suite
+test:  ## style (ruff), the layer contract (lint-imports), the types (mypy), the docs build, then the whole test suite
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports  # the layers of pyproject.toml's [tool.importlinter]: cli > server | client > common
+	bash scripts/typecheck.sh $(VENV)/bin/python  # mypy over common, server, client, cli: [tool.mypy]
 	$(VENV)/bin/mkdocs build --strict --quiet  # docs/: a broken link, an unlisted page or an unresolved API reference fails
 	bash scripts/node_modules.sh >/dev/null  # the Node.js conformance client's npm packages (cached outside the clone)
 	bash scripts/datasets.sh fashion-mnist  # the tests read the real Fashion-MNIST files

@@ -324,8 +324,8 @@ class CpuGroups:
         if self.hierarchy.version == 2:
             q, _, p = (d / "cpu.max").read_text().strip().partition(" ")
             return (None if q == "max" else int(q)), int(p or self.period_us)
-        q = int((d / "cpu.cfs_quota_us").read_text())
-        return (None if q < 0 else q), int((d / "cpu.cfs_period_us").read_text())
+        quota = int((d / "cpu.cfs_quota_us").read_text())
+        return (None if quota < 0 else quota), int((d / "cpu.cfs_period_us").read_text())
 
     def usage(self, host: str) -> dict[str, float | None]:
         """CPU seconds used by ``host``'s group so far, with throttling counts where the kernel gives them."""

@@ -20,7 +20,7 @@ import math
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from wafl.cli.table import DEFAULT_BY, Run, TableError, find_runs, label
 from wafl.common.errors import UsageError
@@ -66,7 +66,7 @@ def group_label(config: Mapping[str, Any], by: Sequence[str]) -> str:
     return " ".join(parts)
 
 
-def _number(v: Any) -> bool:
+def _number(v: Any) -> TypeGuard[float]:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 

@@ -183,7 +183,7 @@ def build(
         table[name] = {
             "seeds": sorted(per_seed),
             "runs": folders[name],
-            **{m: _stats([v[m] for v in per_seed.values() if v[m] is not None]) for m in METRICS},
+            **{m: _stats([x for v in per_seed.values() if (x := v[m]) is not None]) for m in METRICS},
         }
     diffs: dict[str, Any] = {}
     if baseline is not None:
@@ -196,11 +196,7 @@ def build(
             common = sorted(set(per_seed) & set(base))
             diffs[name] = {
                 m: _stats(
-                    [
-                        per_seed[s][m] - base[s][m]
-                        for s in common
-                        if per_seed[s][m] is not None and base[s][m] is not None
-                    ]
+                    [a - b for s in common if (a := per_seed[s][m]) is not None and (b := base[s][m]) is not None]
                 )
                 for m in METRICS
             }

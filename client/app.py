@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import structlog
 import torch
@@ -67,7 +69,10 @@ async def run_client(
     return 0
 
 
-async def _to_thread(fn, *args):  # type: ignore[no-untyped-def]
+T = TypeVar("T")
+
+
+async def _to_thread(fn: Callable[..., T], *args: Any) -> T:
     return await asyncio.to_thread(fn, *args)
 
 

@@ -58,6 +58,7 @@ def relocate(
     def tensor(t: torch.Tensor, mover: Move) -> torch.Tensor:
         if id(t) in memo:
             return memo[id(t)][1]
+        out: torch.Tensor
         if isinstance(t, nn.Parameter):
             t.data = move_module(t.data)
             out = t

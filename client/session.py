@@ -38,7 +38,7 @@ RETRYABLE = {
     grpc.StatusCode.INTERNAL,
     grpc.StatusCode.CANCELLED,
 }
-CHANNEL_OPTIONS = [
+CHANNEL_OPTIONS: list[tuple[str, object]] = [
     ("grpc.max_receive_message_length", (1 << 20) + (64 << 10)),
     ("grpc.max_send_message_length", (1 << 20) + (64 << 10)),
     ("grpc.keepalive_time_ms", 20_000),

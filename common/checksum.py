@@ -13,6 +13,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable
 
+_fast_crc32: Callable[..., int] | None
 try:
     from zlib_ng.zlib_ng import crc32 as _fast_crc32
 except ImportError:  # pragma: no cover - the dependency is declared; this keeps odd platforms working

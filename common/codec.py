@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 import torch
@@ -100,7 +101,7 @@ class TensorSpec:
         object.__setattr__(self, "nbytes", n * itemsize(self.dtype))
 
     def to_proto(self) -> pb.TensorSpec:
-        return pb.TensorSpec(name=self.name, dtype=self.dtype, shape=list(self.shape))
+        return pb.TensorSpec(name=self.name, dtype=cast(pb.DType, self.dtype), shape=list(self.shape))
 
     @staticmethod
     def from_proto(msg: pb.TensorSpec) -> TensorSpec:
@@ -127,7 +128,11 @@ class RawChunk:
 
     def to_proto(self) -> pb.TensorChunk:
         return pb.TensorChunk(
-            name=self.name, dtype=self.dtype, shape=list(self.shape), offset=self.offset, data=bytes(self.data)
+            name=self.name,
+            dtype=cast(pb.DType, self.dtype),
+            shape=list(self.shape),
+            offset=self.offset,
+            data=bytes(self.data),
         )
 
     @staticmethod
@@ -143,7 +148,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     t = t.contiguous().reshape(-1)
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+    return memoryview(t.view(torch.uint8).numpy().data).cast("B")
 
 
 def tensor_from_bytes(buf: bytes | bytearray | memoryview, spec: TensorSpec) -> torch.Tensor:

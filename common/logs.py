@@ -13,7 +13,7 @@ def configure_logging(
     component: str, log_file: str | Path | None = None, level: str = "INFO", console: bool = True
 ) -> structlog.stdlib.BoundLogger:
     """Routes structlog through stdlib logging to a JSON file and/or a console; returns a bound logger."""
-    shared = [
+    shared: list[structlog.typing.Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.stdlib.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),

@@ -44,7 +44,7 @@ def batches(
     order = torch.tensor(idx) if tensors is not None else None
     pin = device is not None and device.type == "cuda"
     for start in range(0, len(idx), batch_size):
-        if order is not None:
+        if order is not None and tensors is not None:  # both set or both None
             t = order[start : start + batch_size]
             x, y = tensors[0][t], tensors[1][t]
         else:

@@ -12,7 +12,7 @@ protobuf classes. A stock client's chunk or batch decodes identically.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch
 from google.protobuf.message import DecodeError, Message
@@ -89,7 +89,8 @@ class ChunkBatch(tuple):
 
 def _chunk_parts(c: RawChunk) -> tuple[bytes, bytes, memoryview | bytes]:
     """``TensorChunk`` serialized as (fields before data, data key and length, data)."""
-    head = pb.TensorChunk(name=c.name, dtype=c.dtype, shape=list(c.shape), offset=c.offset).SerializeToString()
+    spec = pb.TensorChunk(name=c.name, dtype=cast(pb.DType, c.dtype), shape=list(c.shape), offset=c.offset)
+    head = spec.SerializeToString()
     n = len(c.data)
     return head, (_varint((_DATA_FIELD << 3) | _LEN) + _varint(n) if n else b""), c.data
 
@@ -324,7 +325,9 @@ class TransferReader:
             if not chunks:
                 raise ChunkError("empty chunk batch")
             return [(self.checker.check(c), c) for c in chunks]
-        kind = msg.WhichOneof("kind")  # type: ignore[attr-defined]
+        if not isinstance(msg, (pb.UploadMessage, pb.BroadcastMessage)):
+            raise ChunkError(f"unexpected message type {type(msg).__name__}")
+        kind = msg.WhichOneof("kind")
         if kind == "knowledge":
             if len(self.knowledge) >= self.max_knowledge:
                 raise ChunkError(
@@ -332,9 +335,9 @@ class TransferReader:
                     if self.max_knowledge == 0
                     else f"more than {self.max_knowledge} knowledge entries"
                 )
-            self.knowledge.append(msg.knowledge)  # type: ignore[attr-defined]
+            self.knowledge.append(msg.knowledge)
         elif kind == "trailer":
-            self.trailer = msg.trailer  # type: ignore[attr-defined]
+            self.trailer = msg.trailer
         else:
             raise ChunkError(f"unexpected {kind or 'empty'} message inside a transfer")
         return []

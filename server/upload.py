@@ -32,7 +32,7 @@ from wafl.common.codec import ChunkError, RawChunk, TensorSpec
 from wafl.common.errors import Code, Refused
 from wafl.common.knowledge import Knowledge, from_proto, validate_knowledge
 from wafl.common.proto import federation_pb2 as pb
-from wafl.common.wire import MALFORMED, ChunkBatch, TransferReader
+from wafl.common.wire import MALFORMED, TransferReader
 from wafl.server.aggregator import UploadFold
 
 if TYPE_CHECKING:
@@ -56,10 +56,10 @@ async def receive_upload(engine: RoundEngine, messages: AsyncIterator[object], c
         raise Refused("empty upload: the first message must be a header") from None
     if first is MALFORMED:
         raise Refused("malformed message")
-    if isinstance(first, (RawChunk, ChunkBatch)) or first.WhichOneof("kind") != "header":  # type: ignore[attr-defined]
+    if not isinstance(first, pb.UploadMessage) or first.WhichOneof("kind") != "header":
         raise Refused("the first message of an upload must be a header")
     try:
-        upload = await engine.open_upload(first.header, credential)  # type: ignore[attr-defined]
+        upload = await engine.open_upload(first.header, credential)
         try:
             while True:
                 try:

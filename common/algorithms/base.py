@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
-from wafl.common.models.base import SplitModel
+from wafl.common.models.base import SplitModel, submodule
 
 if TYPE_CHECKING:
     from wafl.common.knowledge import Knowledge
@@ -207,7 +207,7 @@ def parameters_of(model: nn.Module, which: ParamSet) -> list[nn.Parameter]:
         return list(which(model))
     if which == "all":
         return [p for p in model.parameters() if p.requires_grad]
-    part = model.features if which == "body" else model.classifier  # type: ignore[union-attr]
+    part = submodule(model, "features" if which == "body" else "classifier")
     return [p for p in part.parameters() if p.requires_grad]
 
 

@@ -24,7 +24,7 @@ inactive on a sample gives an estimate of 0 there rather than NaN. The server is
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -38,14 +38,14 @@ EPS = 1e-12
 
 def final_block(model: nn.Module) -> tuple[nn.Module, nn.Linear, nn.Linear]:
     """``(everything before the block, its first Linear, its last Linear)``."""
-    f = model.features  # type: ignore[attr-defined]
-    ok = isinstance(f, nn.Sequential) and len(f) >= 3
-    if ok:
-        a, act, b = f[-3], f[-2], f[-1]
-        ok = isinstance(a, nn.Linear) and isinstance(act, nn.ReLU) and isinstance(b, nn.Linear)
-    if not ok:
-        raise ValueError("fedalign needs a feature extractor ending in Linear - ReLU - Linear (the digits cnn)")
-    return f[:-3], f[-3], f[-1]
+    message = "fedalign needs a feature extractor ending in Linear - ReLU - Linear (the digits cnn)"
+    f = model.features
+    if not (isinstance(f, nn.Sequential) and len(f) >= 3):
+        raise ValueError(message)
+    a, act, b = f[-3], f[-2], f[-1]
+    if not (isinstance(a, nn.Linear) and isinstance(act, nn.ReLU) and isinstance(b, nn.Linear)):
+        raise ValueError(message)
+    return f[:-3], a, b
 
 
 def transmitting_matrix(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -121,7 +121,7 @@ class ClippedStep(StepRule):
         return loss
 
 
-def build(p: dict[str, Any], run: dict[str, Any]) -> Algorithm:
+def build(p: dict[str, Any], run: Mapping[str, Any]) -> Algorithm:
     return Algorithm(
         "fedalign",
         p,

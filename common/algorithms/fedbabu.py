@@ -14,13 +14,14 @@ the model it received, selected or not.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from wafl.common.algorithms.base import BODY, Algorithm, Phase
 from wafl.common.algorithms.registry import Param, register
 
 
-def build(p: dict[str, Any], run: dict[str, Any]) -> Algorithm:
+def build(p: dict[str, Any], run: Mapping[str, Any]) -> Algorithm:
     return Algorithm(
         "fedbabu",
         p,

@@ -4,6 +4,9 @@ rounds and restarts) and the server state ``h`` (``server_updates.FedDynUpdate``
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 from torch import nn
 from wafl.common.algorithms.base import Algorithm, Forward, LossTerm, RoundContext
@@ -40,7 +43,7 @@ class DynamicRegularizer(LossTerm):
         ]
 
 
-def build(p: dict, run: dict) -> Algorithm:
+def build(p: dict[str, Any], run: Mapping[str, Any]) -> Algorithm:
     return Algorithm(
         "feddyn",
         p,

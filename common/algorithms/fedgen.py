@@ -45,7 +45,7 @@ from wafl.common.algorithms.base import (
     extra_name,
 )
 from wafl.common.algorithms.registry import Param, register
-from wafl.common.models.base import SplitModel
+from wafl.common.models.base import SplitModel, submodule
 
 GEN = "gen."
 HEADS, COUNTS, MARK = "heads", "label_counts", "mark"
@@ -97,7 +97,9 @@ class GenerativeTeacher(LossTerm):
         self.gen = None
         if float(counts.sum()) <= 0:
             return  # no generator has been trained yet
-        c = model.num_classes  # type: ignore[attr-defined]
+        c = model.num_classes
+        if not isinstance(c, int):
+            raise TypeError(f"fedgen needs a model with an int num_classes, got {type(c).__name__}")
         self.gen = load_generator(ctx.extras, self.noise_dim, c).to(ctx.label_freq.device).eval()
         for p in self.gen.parameters():
             p.requires_grad_(False)
@@ -113,7 +115,7 @@ class GenerativeTeacher(LossTerm):
         z = torch.randn(len(y), self.noise_dim, generator=self.torch_gen).to(out.logits.device)
         with torch.no_grad():
             h = generate(self.gen, z, y, c)
-        return self.alpha * F.cross_entropy(model.classifier(h), y)  # type: ignore[operator]
+        return self.alpha * F.cross_entropy(submodule(model, "classifier")(h), y)
 
 
 class Hooks(ClientHooks):
@@ -187,7 +189,7 @@ class GeneratorServer(ServerUpdate):
         self.rounds = int(state.get("rounds", 0))
 
 
-def build(p: dict[str, Any], run: dict[str, Any]) -> Algorithm:
+def build(p: dict[str, Any], run: Mapping[str, Any]) -> Algorithm:
     n = int(run.get("num_clients", 1))
 
     def extras(model: SplitModel) -> dict[str, torch.Tensor]:

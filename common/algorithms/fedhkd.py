@@ -8,7 +8,7 @@ model right after local training."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -17,7 +17,7 @@ from wafl.common.algorithms.base import Algorithm, Forward, LossTerm, RoundConte
 from wafl.common.algorithms.hyperknowledge import extract_knowledge, fedhkd_loss_terms
 from wafl.common.algorithms.registry import Param, register
 from wafl.common.knowledge import Knowledge
-from wafl.common.models.base import SplitModel
+from wafl.common.models.base import SplitModel, submodule
 from wafl.common.privacy import privacy_report
 
 
@@ -28,11 +28,11 @@ class HyperKnowledgeLoss(LossTerm):
         self.lam, self.gamma, self.temperature = lam, gamma, temperature
 
     def __call__(self, model: nn.Module, out: Forward, ctx: RoundContext) -> torch.Tensor:
-        t1, t2 = fedhkd_loss_terms(out.h, out.y, model.classifier, ctx.knowledge, self.temperature)  # type: ignore[arg-type]
+        t1, t2 = fedhkd_loss_terms(out.h, out.y, submodule(model, "classifier"), ctx.knowledge, self.temperature)
         return self.lam * t1 + self.gamma * t2
 
 
-def build(p: dict[str, Any], run: dict[str, Any]) -> Algorithm:
+def build(p: dict[str, Any], run: Mapping[str, Any]) -> Algorithm:
     def knowledge(
         model: SplitModel, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], ctx: RoundContext, gen: torch.Generator
     ) -> Knowledge:

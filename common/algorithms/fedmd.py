@@ -86,7 +86,7 @@ class Consensus(ServerUpdate):
         return mean
 
 
-def build(p: dict[str, Any], run: dict[str, Any]) -> Algorithm:
+def build(p: dict[str, Any], run: Mapping[str, Any]) -> Algorithm:
     size = int(p["public_size"])
 
     def scores(model: SplitModel) -> dict[str, torch.Tensor]:

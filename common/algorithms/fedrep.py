@@ -17,13 +17,14 @@ model to test (``gm_accuracy`` is null).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from wafl.common.algorithms.base import BODY, Algorithm, Phase
 from wafl.common.algorithms.registry import Param, register
 
 
-def build(p: dict[str, Any], run: dict[str, Any]) -> Algorithm:
+def build(p: dict[str, Any], run: Mapping[str, Any]) -> Algorithm:
     body_epochs = p["rep_epochs"]
     head_epochs = max(1.0, float(run.get("local_epochs", 2)) - body_epochs)
     return Algorithm(

@@ -18,6 +18,7 @@ for a client that was not selected. ``p_i`` persists across restarts.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from wafl.common.algorithms.base import Algorithm, Forward, LossTerm, Phase, RoundContext
 from wafl.common.algorithms.registry import register
-from wafl.common.models.base import SplitModel
+from wafl.common.models.base import SplitModel, submodule
 
 PERSONAL = "personal_head"
 
@@ -41,7 +42,7 @@ def with_personal_head(model: SplitModel) -> SplitModel:
 
 def personal_logits(model: nn.Module, h: torch.Tensor) -> torch.Tensor:
     """``g(h).detach() + p(h.detach())``: the personal prediction, whose gradient reaches ``p`` only."""
-    return model.classifier(h).detach() + getattr(model, PERSONAL)(h.detach())
+    return submodule(model, "classifier")(h).detach() + getattr(model, PERSONAL)(h.detach())
 
 
 def balanced_softmax_loss(logits: torch.Tensor, y: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -71,11 +72,11 @@ class PersonalView(nn.Module):
         self.model = model
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.model.features(x)
-        return self.model.classifier(h) + getattr(self.model, PERSONAL)(h)
+        h = submodule(self.model, "features")(x)
+        return submodule(self.model, "classifier")(h) + getattr(self.model, PERSONAL)(h)
 
 
-def build(p: dict[str, Any], run: dict[str, Any]) -> Algorithm:
+def build(p: dict[str, Any], run: Mapping[str, Any]) -> Algorithm:
     personal_only = lambda m: list(getattr(m, PERSONAL).parameters())  # noqa: E731
     return Algorithm(
         "fedrod",

@@ -9,7 +9,7 @@ so momentum and weight decay apply to that gradient as in the authors' SAM wrapp
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -20,7 +20,10 @@ from wafl.common.algorithms.registry import Param, register
 
 def ascent(params: list[nn.Parameter], grads: list[torch.Tensor | None], rho: float) -> list[torch.Tensor]:
     """Adds ``e = rho g / ||g||`` to ``params`` in place and returns ``e`` per parameter."""
-    norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads if g is not None))
+    total = sum((g.double() ** 2).sum() for g in grads if g is not None)
+    if not isinstance(total, torch.Tensor):
+        raise ValueError("ascent needs at least one gradient")
+    norm = torch.sqrt(total)
     scale = rho / (float(norm) + 1e-12)
     out = []
     with torch.no_grad():
@@ -71,7 +74,7 @@ class SamStep(StepRule):
         return loss
 
 
-def build(p: dict[str, Any], run: dict[str, Any]) -> Algorithm:
+def build(p: dict[str, Any], run: Mapping[str, Any]) -> Algorithm:
     return Algorithm("fedsam", p, phases=[Phase("gm", step=SamStep(p["rho"]))])
 
 

@@ -17,7 +17,7 @@ digits (the paper tunes per data set): ``lambda`` 10 (a proximal coefficient of 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -65,7 +65,7 @@ class FedSpeedStep(StepRule):
         ctx.client_state[STATE_KEY] = [d.cpu() for d in self.dual]
 
 
-def build(p: dict[str, Any], run: dict[str, Any]) -> Algorithm:
+def build(p: dict[str, Any], run: Mapping[str, Any]) -> Algorithm:
     return Algorithm("fedspeed", p, phases=[Phase("gm", step=FedSpeedStep(p["lambda"], p["alpha"], p["rho"]))])
 
 

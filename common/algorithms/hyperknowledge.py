@@ -15,6 +15,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 from wafl.common.knowledge import ClassKnowledge, Knowledge
+from wafl.common.models.base import submodule
 
 __all__ = [
     "class_sums",
@@ -65,9 +66,9 @@ def class_sums(
                     raise ValueError(
                         f"labels must lie in [0, {num_classes - 1}], got range [{int(y.min())}, {int(y.max())}]"
                     )
-                h = model.features(x.to(device))
+                h = submodule(model, "features")(x.to(device))
                 h = h.reshape(h.shape[0], -1)
-                logits = model.classifier(h)
+                logits = submodule(model, "classifier")(h)
                 if logits.shape[-1] != num_classes:
                     raise ValueError(f"classifier gives {logits.shape[-1]} logits, num_classes={num_classes}")
                 soft = torch.softmax(logits.double() / temperature, dim=-1).cpu()

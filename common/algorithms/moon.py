@@ -16,6 +16,7 @@ it persists across rounds and restarts. The server is FedAvg.
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from wafl.common.algorithms.base import Algorithm, Forward, LossTerm, RoundContext
 from wafl.common.algorithms.registry import Param, register
+from wafl.common.models.base import SplitModel
 
 STATE_KEY = "moon_previous_model"
 
@@ -41,7 +43,7 @@ class ModelContrast(LossTerm):
 
     def __init__(self, mu: float, tau: float) -> None:
         self.mu, self.tau = mu, tau
-        self.previous: nn.Module | None = None
+        self.previous: SplitModel | None = None
 
     def begin(self, ctx: RoundContext, model: nn.Module) -> None:
         prev = copy.deepcopy(ctx.teacher)  # frozen, eval mode; the received global model until a round is done
@@ -62,7 +64,7 @@ class ModelContrast(LossTerm):
         self.previous = None
 
 
-def build(p: dict[str, Any], run: dict[str, Any]) -> Algorithm:
+def build(p: dict[str, Any], run: Mapping[str, Any]) -> Algorithm:
     return Algorithm("moon", p, gm_terms=[ModelContrast(p["mu"], p["tau"])])
 
 

@@ -20,7 +20,7 @@ the next broadcast (``pm_epochs`` under compute-and-wait). An unselected client 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -77,9 +77,9 @@ class ProximalToLocal(LossTerm):
         self.lam = lam
 
     def __call__(self, model: nn.Module, out: Forward, ctx: RoundContext) -> torch.Tensor:
-        return (
-            0.5 * self.lam * sum(((t - w.detach()) ** 2).sum() for t, w in zip(model.parameters(), ctx.gm.parameters()))
-        )
+        # A tensor, not the start value 0: the model has parameters.
+        dist = sum(((t - w.detach()) ** 2).sum() for t, w in zip(model.parameters(), ctx.gm.parameters()))
+        return 0.5 * self.lam * cast(torch.Tensor, dist)
 
 
 class PFedMeServer(ServerUpdate):
@@ -98,7 +98,7 @@ class PFedMeServer(ServerUpdate):
         return out
 
 
-def build(p: dict[str, Any], run: dict[str, Any]) -> Algorithm:
+def build(p: dict[str, Any], run: Mapping[str, Any]) -> Algorithm:
     return Algorithm(
         "pfedme",
         p,

@@ -18,6 +18,7 @@ time and return new tensors; apply them to every floating-point tensor of the mo
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +41,7 @@ def _aligned(model: nn.Module, other: Sequence[Tensor], name: str) -> list[tuple
         raise ValueError("model has no trainable parameters")
     if len(params) != len(other):
         raise ValueError(f"{name} has {len(other)} tensors but the model has {len(params)} trainable parameters")
-    pairs = []
+    pairs: list[tuple[Tensor, Tensor]] = []
     for i, (p, o) in enumerate(zip(params, other)):
         if p.shape != o.shape:
             raise ValueError(f"{name}[{i}] has shape {tuple(o.shape)}, parameter has {tuple(p.shape)}")
@@ -50,7 +51,8 @@ def _aligned(model: nn.Module, other: Sequence[Tensor], name: str) -> list[tuple
 
 def proximal_term(model: nn.Module, anchor: Sequence[Tensor], mu: float) -> Tensor:
     """``(mu/2) * sum ||w - w_anchor||^2`` over the trainable parameters (anchor is a constant)."""
-    total = sum(((p - a) ** 2).sum() for p, a in _aligned(model, anchor, "anchor"))
+    # A tensor, not the start value 0: _aligned raises when the model has no trainable parameters.
+    total = cast(Tensor, sum(((p - a) ** 2).sum() for p, a in _aligned(model, anchor, "anchor")))
     return 0.5 * mu * total
 
 
@@ -61,8 +63,9 @@ def feddyn_term(model: nn.Module, anchor: Sequence[Tensor], grad_state: Sequence
     """
     pairs = _aligned(model, anchor, "anchor")
     states = _aligned(model, grad_state, "grad_state")
-    linear = sum((p * g).sum() for p, g in states)
-    quad = sum(((p - a) ** 2).sum() for p, a in pairs)
+    # Tensors, not the start value 0: _aligned raises when the model has no trainable parameters.
+    linear = cast(Tensor, sum((p * g).sum() for p, g in states))
+    quad = cast(Tensor, sum(((p - a) ** 2).sum() for p, a in pairs))
     return -linear + 0.5 * alpha * quad
 
 

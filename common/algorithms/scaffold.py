@@ -123,7 +123,7 @@ class ScaffoldServer(ServerUpdate):
         return out
 
 
-def build(p: dict[str, Any], run: dict[str, Any]) -> Algorithm:
+def build(p: dict[str, Any], run: Mapping[str, Any]) -> Algorithm:
     def controls(model: SplitModel) -> dict[str, torch.Tensor]:
         return {PREFIX + n: torch.zeros_like(t) for n, t in model.named_parameters() if t.requires_grad}
 

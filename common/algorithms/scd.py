@@ -11,18 +11,27 @@ trains the GM exactly as FedAvg does.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 from torch import nn
 from wafl.common.algorithms.base import Algorithm, Forward, LossTerm, RoundContext
 from wafl.common.algorithms.registry import Param, register
-from wafl.common.algorithms.spectral import SpectralTarget, prepare_target, spectral_divergence, teacher_spectrum
+from wafl.common.algorithms.spectral import (
+    SpectralTarget,
+    SpectrumMode,
+    prepare_target,
+    spectral_divergence,
+    teacher_spectrum,
+)
 
 
 class SpectralDistillation(LossTerm):
     """``weight * D(student spectrum || teacher spectrum)``; the teacher is the PM (for the GM) or the GM (for the
     PM)."""
 
-    def __init__(self, weight: float, teacher: str, mode: str, tau: float | None) -> None:
+    def __init__(self, weight: float, teacher: str, mode: SpectrumMode, tau: float | None) -> None:
         self.weight, self.teacher, self.mode, self.tau = weight, teacher, mode, tau
         self.name = f"scd_{'gm' if teacher == 'pm' else 'pm'}"
         self.target: SpectralTarget | None = None
@@ -30,16 +39,18 @@ class SpectralDistillation(LossTerm):
     def begin(self, ctx: RoundContext, model: nn.Module) -> None:
         source = ctx.pm if self.teacher == "pm" else ctx.gm
         assert source is not None, "SCD needs both models"
-        self.target = prepare_target(teacher_spectrum(source, self.mode), self.mode, self.tau)  # type: ignore[arg-type]
+        self.target = prepare_target(teacher_spectrum(source, self.mode), self.mode, self.tau)
 
     def __call__(self, model: nn.Module, out: Forward, ctx: RoundContext) -> torch.Tensor:
         assert self.target is not None
         return self.weight * spectral_divergence(model, self.target)
 
 
-def build(p: dict, run: dict) -> Algorithm:
-    gm = [SpectralDistillation(p["lambda_g"], "pm", p["spectrum"], p["tau"])] if p["lambda_g"] > 0 else []
-    pm = [SpectralDistillation(p["lambda_p"], "gm", p["spectrum"], None)] if p["lambda_p"] > 0 else []
+def build(p: dict[str, Any], run: Mapping[str, Any]) -> Algorithm:
+    gm: list[LossTerm] = (
+        [SpectralDistillation(p["lambda_g"], "pm", p["spectrum"], p["tau"])] if p["lambda_g"] > 0 else []
+    )
+    pm: list[LossTerm] = [SpectralDistillation(p["lambda_p"], "gm", p["spectrum"], None)] if p["lambda_p"] > 0 else []
     return Algorithm("scd", p, gm_terms=gm, pm_terms=pm)
 
 

@@ -99,14 +99,14 @@ class HostRealDFT(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor) -> Tensor:  # type: ignore[override]
-        ctx.d = x.shape[0]  # type: ignore[attr-defined]
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor) -> Tensor:
+        ctx.d = x.shape[0]  # type: ignore[attr-defined]  # FunctionCtx carries what forward saves for backward
         return torch.from_numpy(scipy.fft.rfft(x.detach().numpy()))
 
     @staticmethod
     @once_differentiable  # computed outside autograd: a second derivative raises instead of coming out zero
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> Tensor:  # type: ignore[override]
-        d: int = ctx.d  # type: ignore[attr-defined]
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> Tensor:
+        d: int = ctx.d  # type: ignore[attr-defined]  # saved on the FunctionCtx by forward
         h = grad.detach().resolve_conj().numpy().copy()
         h[1 : (d + 1) // 2] *= 0.5
         return torch.from_numpy(scipy.fft.irfft(h, d) * d)
@@ -118,7 +118,7 @@ HOST_DFT_MAX = 1 << 21  # the longest vector whose DFT goes through scipy.fft on
 def real_dft(x: Tensor) -> Tensor:
     """The non-negative-frequency half ``X_0 .. X_(d//2)`` of the DFT of the real 1-D ``x`` (differentiable)."""
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and x.shape[0] <= HOST_DFT_MAX:
-        return HostRealDFT.apply(x)  # type: ignore[no-any-return]
+        return HostRealDFT.apply(x)
     return torch.fft.rfft(x)
 
 

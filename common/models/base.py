@@ -27,3 +27,11 @@ class SplitModel(nn.Module):
         """Returns ``(h, logits)`` from one pass."""
         h = self.features(x)
         return h, self.classifier(h)
+
+
+def submodule(model: nn.Module, name: str) -> nn.Module:
+    """``model.<name>`` as a module (``features``, ``classifier``, ...): a typed, checked attribute read."""
+    part = getattr(model, name)
+    if not isinstance(part, nn.Module):
+        raise TypeError(f"{type(model).__name__}.{name} is a {type(part).__name__}, not a module")
+    return part
