@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import secrets
 import shutil
@@ -508,13 +509,15 @@ def plot_accuracy(rows: list[dict[str, Any]], path: Path, cfg: RunConfig) -> Non
 
     fig, ax = plt.subplots(figsize=(6, 4))
     rounds = [r["round"] for r in rows]
-    ax.plot(rounds, [r.get("gm_accuracy") for r in rows], marker="o", ms=3, label="GM (global test set)")
+
+    def series(field: str) -> list[float]:  # a missing value is a gap in the line
+        return [math.nan if r.get(field) is None else float(r[field]) for r in rows]
+
+    ax.plot(rounds, series("gm_accuracy"), marker="o", ms=3, label="GM (global test set)")
     if any(r.get("pm_accuracy") is not None for r in rows):
-        ax.plot(rounds, [r.get("pm_accuracy") for r in rows], marker="s", ms=3, label="PM (local test sets)")
+        ax.plot(rounds, series("pm_accuracy"), marker="s", ms=3, label="PM (local test sets)")
     elif any(r.get("local_accuracy") is not None for r in rows):
-        ax.plot(
-            rounds, [r.get("local_accuracy") for r in rows], marker="^", ms=3, label="local models (local test sets)"
-        )
+        ax.plot(rounds, series("local_accuracy"), marker="^", ms=3, label="local models (local test sets)")
     ax.set_xlabel("round")
     ax.set_ylabel("accuracy")
     ax.set_title(f"{cfg.algorithm}, {cfg.dataset}, {cfg.num_clients} clients, {cfg.partition}")

@@ -228,7 +228,9 @@ def _actor_state(ray: Any, handle: Any) -> str:
         return ""
 
 
-def _restarted_server(ray: Any, server: Any, max_restarts: int, actor_error: type, timeout_s: float = 300.0) -> Any:
+def _restarted_server(
+    ray: Any, server: Any, max_restarts: int, actor_error: type[BaseException], timeout_s: float = 300.0
+) -> Any:
     """Waits for Ray's restart of the server actor and starts its new incarnation (which resumes the run
     on the same port); raises RuntimeError when the actor is dead for good or does not come back."""
     give_up = time.monotonic() + timeout_s

@@ -310,7 +310,9 @@ class Trainer:
         gm = self.gm.state_dict()
         payload = {
             "fingerprint": self._fingerprint(),
-            "pm": {k: v.cpu() for k, v in self.pm.state_dict().items()} if self.separate_pm else None,  # type: ignore[union-attr]
+            "pm": {k: v.cpu() for k, v in self.pm.state_dict().items()}
+            if self.pm is not None and self.separate_pm
+            else None,
             "pm_initialized": self.pm_initialized,
             "pm_optimizer": _to_cpu(self.pm_optimizer.state_dict()) if self.pm_optimizer is not None else None,
             "client_state": self.client_state,
@@ -327,8 +329,8 @@ class Trainer:
         payload = load_verified(self.state_path, STATE_MAGIC, "client state")
         if not isinstance(payload, dict) or payload.get("fingerprint") != self._fingerprint():
             return  # none, or state of another run: start fresh
-        if self.separate_pm and payload.get("pm") is not None:
-            self.pm.load_state_dict(payload["pm"])  # type: ignore[union-attr]
+        if self.pm is not None and self.separate_pm and payload.get("pm") is not None:
+            self.pm.load_state_dict(payload["pm"])
             self.pm_initialized = bool(payload.get("pm_initialized", True))
         if self.pm is not None and payload.get("pm_optimizer") is not None:
             self._pm_optimizer_state = payload["pm_optimizer"]

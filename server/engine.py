@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import structlog
@@ -29,7 +29,7 @@ import torch
 from wafl.common import metrics as M
 from wafl.common.algorithms import registry
 from wafl.common.algorithms.base import split_payload
-from wafl.common.codec import CHUNK_BYTES, Manifest, manifest_of
+from wafl.common.codec import CHUNK_BYTES, Manifest, RawChunk, manifest_of
 from wafl.common.config import RunConfig
 from wafl.common.datasets import load_dataset
 from wafl.common.errors import Code, Refused
@@ -39,7 +39,7 @@ from wafl.common.models import build_model
 from wafl.common.partition import federation_shards
 from wafl.common.proto import federation_pb2 as pb
 from wafl.common.training import evaluate
-from wafl.common.wire import PreEncoded, encode_tensors, write_transfer
+from wafl.common.wire import ChunkBatch, PreEncoded, encode_tensors, write_transfer
 from wafl.server.aggregator import Accumulator, NormBound, RetainedBytes, Rule
 from wafl.server.auth import CREDENTIAL_KEY, ID_PATTERN, Credentials, JoinSecrets, check_id, load_or_create_key
 from wafl.server.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
@@ -486,10 +486,12 @@ class RoundEngine:
         self._deliver(deliveries)
 
     def _encode(self, round: int, final: bool) -> Publication:
-        messages = [
-            PreEncoded(encode_tensors(m)) if not isinstance(m, pb.BroadcastMessage) else m
-            for m in write_transfer(pb.BroadcastMessage, self.global_state.items(), to_proto(self.global_knowledge))
-        ]
+        messages: list[object] = []
+        for m in write_transfer(pb.BroadcastMessage, self.global_state.items(), to_proto(self.global_knowledge)):
+            # tensors come as RawChunk / ChunkBatch (encoded once here), knowledge and trailer as messages
+            messages.append(
+                m if isinstance(m, pb.BroadcastMessage) else PreEncoded(encode_tensors(cast(RawChunk | ChunkBatch, m)))
+            )
         return Publication(round, final, messages, self.model_bytes)
 
     def _deliver(self, deliveries: Deliveries) -> None:

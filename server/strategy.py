@@ -40,7 +40,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 import torch
@@ -53,7 +53,7 @@ from wafl.server.aggregator import Accumulator
 from wafl.server.results import weighted_mean
 from wafl.server.selection import select_clients
 
-State = "OrderedDict[str, torch.Tensor]"
+State: TypeAlias = "OrderedDict[str, torch.Tensor]"
 Deliveries = dict[str, bool]  # client id -> asked to train on the model it is sent
 
 
