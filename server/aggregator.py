@@ -37,6 +37,7 @@ from typing import IO
 
 import numpy as np
 import torch
+from wafl.common.algorithms.base import EXTRA_PREFIX
 from wafl.common.codec import (
     FLOAT_WIRE_DTYPES,
     ChunkError,
@@ -88,6 +89,13 @@ class Rule:
     def measures(self) -> bool:
         """Whether each upload's update norm is measured (clipped, recorded, refused beyond float32)."""
         return self.clip_norm is not None or self.adaptive > 0
+
+
+def bounded(name: str) -> bool:
+    """Whether clipping bounds a travelling tensor: the model's, not an algorithm's extra tensors
+    (control variates, a generator, label counts, per-client rows of a summed tensor), whose values
+    are not an update of the model and whose scale says nothing of one."""
+    return not name.startswith(EXTRA_PREFIX)
 
 
 class NormBound:
@@ -408,7 +416,8 @@ class UploadFold:
         # (name, start element, elements, wire dtype, the chunk's bytes or its position in the spill slot)
         self.folded: list[tuple[str, int, int, int, memoryview | bytes | int]] = []
         self.state = "open"
-        self.sq_norm = 0.0  # squared L2 norm of the update so far (with clipping)
+        self.sq_norm = 0.0  # squared L2 norm of the model's update so far (what clipping bounds)
+        self.sq_all = 0.0  # the same over every floating-point tensor, extra tensors included
         self.scale = 1.0  # the update's factor once committed (clipping)
         # with clipping or a robust center nothing reaches the sums before the commit: the kept chunks
         # hold the upload until its norm is known (or the center reads it back)
@@ -436,8 +445,11 @@ class UploadFold:
         beyond = False  # this chunk takes the update beyond the adaptive bound
         if self.acc.rule.measures and spec.dtype in FLOAT_WIRE_DTYPES:
             d = self._update(spec.name, start, values)
-            self.sq_norm += float(np.dot(d, d))
-            if not self.sq_norm <= MAX_UPDATE_NORM**2:  # inf included
+            sq = float(np.dot(d, d))
+            self.sq_all += sq
+            if bounded(spec.name):
+                self.sq_norm += sq
+            if not self.sq_all <= MAX_UPDATE_NORM**2:  # inf included
                 raise ChunkError(
                     f"tensor {spec.name!r}: the update's L2 norm exceeds {MAX_UPDATE_NORM:.3g} at byte {chunk.offset}, "
                     "beyond what float32 can average"
@@ -534,7 +546,7 @@ class UploadFold:
     def _clipped(self, name: str, start: int, values: np.ndarray, wire: int) -> np.ndarray:
         """Float64 values with the update scaled by ``scale`` (floating-point tensors only)."""
         v = values.astype(np.float64)
-        if self.scale == 1.0 or wire not in FLOAT_WIRE_DTYPES:
+        if self.scale == 1.0 or wire not in FLOAT_WIRE_DTYPES or not bounded(name):
             return v
         ref = self.acc.reference
         base = 0.0 if ref is None else ref[name][start : start + v.size]

@@ -40,7 +40,7 @@ from wafl.common.partition import federation_shards
 from wafl.common.proto import federation_pb2 as pb
 from wafl.common.training import evaluate
 from wafl.common.wire import ChunkBatch, PreEncoded, encode_tensors, write_transfer
-from wafl.server.aggregator import Accumulator, NormBound, RetainedBytes, Rule
+from wafl.server.aggregator import Accumulator, NormBound, RetainedBytes, Rule, bounded
 from wafl.server.auth import CREDENTIAL_KEY, ID_PATTERN, Credentials, JoinSecrets, check_id, load_or_create_key
 from wafl.server.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from wafl.server.results import ResultsLog, round_
@@ -172,9 +172,13 @@ class RoundEngine:
         return acc
 
     def _model_norm(self) -> float:
-        """The L2 norm of the global state's floating-point tensors (the first round's norm bound)."""
+        """The L2 norm of the global model's floating-point tensors (the first round's norm bound)."""
         return math.sqrt(
-            sum(float(t.detach().double().pow(2).sum()) for t in self.global_state.values() if t.is_floating_point())
+            sum(
+                float(t.detach().double().pow(2).sum())
+                for name, t in self.global_state.items()
+                if t.is_floating_point() and bounded(name)
+            )
         )
 
     def _shard_sizes(self) -> list[int]:

@@ -249,3 +249,22 @@ def test_vacuous_robust_settings_are_refused_at_start(fields: dict, fragment: st
     # the same rules with enough uploads per round are accepted
     kept = {k: v for k, v in fields.items() if k in ("aggregator", "trim_fraction")}
     load_config(None, {**kept, "num_clients": 10})
+
+
+def test_the_default_bound_leaves_extra_tensors_alone() -> None:
+    """FedGen's extra tensors (generator, label counts, per-client head rows) are not an update of the
+    model: the default bound measures and clips the model's tensors only, so an honest FedGen run
+    builds the same models with the bound as without it (counted in, its label counts alone put the
+    first round's uploads far beyond the bound and the GM fell from 0.69 to 0.27)."""
+    from wafl.cli.simulate import simulate
+    from wafl.common.config import RunConfig
+
+    def final(norm_bound: float) -> dict:
+        cfg = RunConfig(
+            algorithm="fedgen", num_clients=4, rounds=2, seed=3, protocol="compute-and-wait", norm_bound=norm_bound
+        ).validate()
+        return simulate(cfg)[-1]
+
+    bounded, unbounded = final(10.0), final(0.0)
+    assert bounded["gm_accuracy"] == unbounded["gm_accuracy"]
+    assert bounded["gm_accuracy"] > 0.5  # chance is 0.1
