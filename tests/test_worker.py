@@ -7,13 +7,13 @@ import math
 import threading
 
 import pytest
-import torch
 from wafl.cli.launcher import launch, split_clients
 from wafl.cli.main import main
 from wafl.client.compute import FILL, URGENT, SharedSlots
-from wafl.client.trainer import Trainer
+from wafl.client.trainer import STATE_MAGIC, Trainer
 from wafl.client.worker import format_indices, parse_indices
 from wafl.common.config import ConfigError, load_config
+from wafl.common.verified import load_verified
 
 
 def test_indices_round_trip_and_refusals() -> None:
@@ -176,7 +176,7 @@ def test_six_clients_in_two_workers_over_sockets(tmp_path) -> None:
         done = next(x for x in lines if x["event"] == "worker.done")
         assert done["clients"] == 3 and done["failed"] == 0 and done["slots_held_max"] == 1
     for i in range(6):
-        saved = torch.load(out / "clients" / f"client-{i}.pt", weights_only=False)
+        saved = load_verified(out / "clients" / f"client-{i}.pt", STATE_MAGIC, "client state")
         assert saved["pm_initialized"] and saved["pm"] is not None
         per_epoch = math.ceil(Trainer(cfg, i, device="cpu").num_samples / cfg.batch_size)
         steps = {int(v["step"]) for v in saved["pm_optimizer"]["state"].values()}
