@@ -26,6 +26,7 @@ import json
 import os
 import secrets
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -40,13 +41,33 @@ LOOPBACK = "127.0.0.1"
 NO_RAY = "--ray needs Ray, an optional extra of wafl: pip install 'wafl[ray]'"
 
 
-def import_ray() -> Any:
-    """The ``ray`` module, or a :class:`UsageError` (one line) when it is not installed."""
+# Ray's switch between a cluster of machines and one machine alone (named for the platforms where the second
+# is its default). Off, every Ray process on this machine (GCS, raylets, workers, this driver) binds and
+# advertises 127.0.0.1 only, and ``ray.init("127.0.0.1:PORT")`` connects there instead of to the machine's
+# outward address. The processes a cluster starts inherit it from the environment.
+LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def import_ray(loopback: bool = False) -> Any:
+    """The ``ray`` module, or a :class:`UsageError` (one line) when it is not installed. With ``loopback``,
+    a cluster started from here, and every node added to it on this machine, listens on loopback only
+    (see :data:`LOCAL_ONLY_ENV`)."""
+    if loopback:
+        os.environ[LOCAL_ONLY_ENV] = "0"
     try:
         import ray
+        import ray._private.ray_constants as ray_constants
     except ImportError:
         raise UsageError(NO_RAY) from None
+    if loopback:  # read once, when Ray was first imported: set here too if that was before
+        ray_constants.ENABLE_RAY_CLUSTER = False
     return ray
+
+
+def _ray_initialized() -> bool:
+    """Whether this process is connected to a Ray cluster already (without importing Ray)."""
+    ray = sys.modules.get("ray")
+    return ray is not None and bool(ray.is_initialized())
 
 
 def _node() -> dict[str, Any]:
@@ -279,7 +300,9 @@ def launch_ray(
     from wafl.server.app import check_networked
 
     check_networked(cfg)  # before any process starts
-    ray = import_ray()
+    # a cluster started here, on this machine alone, listens on loopback only
+    local = address is None and not os.environ.get("RAY_ADDRESS")
+    ray = import_ray(loopback=local and not _ray_initialized())
     from ray.exceptions import RayActorError
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -290,9 +313,8 @@ def launch_ray(
     connected_here = not ray.is_initialized()
     if connected_here:
         try:
-            # a cluster started here, on this machine alone, listens on loopback only
-            local = {"_node_ip_address": LOOPBACK} if address is None and not os.environ.get("RAY_ADDRESS") else {}
-            ray.init(address=address, logging_level="WARNING", log_to_driver=False, configure_logging=False, **local)
+            node = {"_node_ip_address": LOOPBACK} if local else {}
+            ray.init(address=address, logging_level="WARNING", log_to_driver=False, configure_logging=False, **node)
         except ConnectionError as e:
             raise UsageError(f"--ray {address or ''}: no Ray cluster to connect to ({e})".replace("  ", " ")) from None
     namespace = f"wafl-{out.name}"

@@ -5,6 +5,7 @@ node, a worker actor killed mid-run and restarted by Ray, and the output folder 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -56,38 +57,76 @@ def test_default_worker_count_follows_the_cluster_resources() -> None:
 
 @pytest.fixture
 def two_nodes(monkeypatch: pytest.MonkeyPatch):
-    """A Ray cluster of two nodes on this machine: the head (the server and one worker fit) and one more
-    (one worker fits), each with a small object store. Ray's memory monitor is off: on a machine shared
-    with other jobs it kills actors when the whole machine's memory is 95 % used, whoever uses it."""
-    import ray  # in the test extras: a missing Ray fails here rather than skipping
+    """A Ray cluster of two nodes on this machine, both on 127.0.0.1 only (every Ray process binds and
+    advertises loopback): the head (the server and one worker fit) and one more (one worker fits), each
+    with a small object store. Ray's memory monitor is off: on a machine shared with other jobs it kills
+    actors when the whole machine's memory is 95 % used, whoever uses it."""
+    from wafl.cli.raylaunch import LOCAL_ONLY_ENV, LOOPBACK, import_ray
 
     monkeypatch.setenv("RAY_memory_monitor_refresh_ms", "0")
+    monkeypatch.setenv(LOCAL_ONLY_ENV, "0")  # restored afterwards; the nodes' processes inherit it
+    ray = import_ray(loopback=True)  # in the test extras: a missing Ray fails here rather than skipping
     from ray.cluster_utils import Cluster
 
     store = 100 * 1024 * 1024
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 2, "object_store_memory": store, "include_dashboard": False},
-    )
-    other = cluster.add_node(num_cpus=1, object_store_memory=store)
+    node = {"object_store_memory": store, "node_ip_address": LOOPBACK}
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False, **node})
+    other = cluster.add_node(num_cpus=1, **node)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
     try:
+        assert cluster.address.startswith(f"{LOOPBACK}:")
+        assert {n["NodeManagerAddress"] for n in ray.nodes()} == {LOOPBACK}
         yield ray, cluster.head_node.node_id, other.node_id, cluster.address
     finally:
         ray.shutdown()
         cluster.shutdown()
 
 
+LOOPBACK_HEX = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
+
+
+def listening_addresses() -> set[str]:
+    """The local addresses (hex, as /proc/net/tcp{,6} write them) of the TCP sockets listened on by this
+    process and its descendants: here, every process of the test cluster and of the run on it."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    pids, todo = set(), [os.getpid()]
+    while todo:
+        pid = todo.pop()
+        pids.add(pid)
+        todo += children.get(pid, [])
+    inodes = set()
+    for pid in pids:
+        try:
+            links = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
+        except OSError:
+            continue
+        inodes |= {link[8:-1] for link in links if link.startswith("socket:[")}
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                found.add(fields[1].split(":")[0])
+    return found
+
+
 class RayRun:
-    """``wafl run --ray`` of four fedavg clients in two workers on the test cluster, in a thread: the test
+    """``wafl run --ray`` of four fedavg clients in two workers (by default) on the test cluster, in a thread: the test
     disturbs the actors meanwhile and then calls :meth:`finish`."""
 
-    def __init__(self, address: str, out: Path, rounds: int, slowdown: str) -> None:
-        argv = ["run", "--ray", address, "--clients", "4", "--rounds", str(rounds), "--algorithm", "fedavg"]
+    def __init__(self, address: str | None, out: Path, rounds: int, slowdown: str, workers: int = 2) -> None:
+        argv = ["run", "--ray", *([address] if address else []), "--clients", "4", "--rounds", str(rounds)]
+        argv += ["--algorithm", "fedavg"]
         argv += ["--protocol", "compute-and-wait", "--set", "optimizer=adam", "--set", "lr=0.003"]
         argv += ["--set", "local_epochs=2", "--slowdown", slowdown]
-        argv += ["--workers", "2", "--ray-max-restarts", "2", "--timeout", "420", "--quiet", "--out", str(out)]
+        argv += ["--workers", str(workers), "--ray-max-restarts", "2", "--timeout", "420", "--quiet", "--out", str(out)]
         self.namespace = f"wafl-{out.name}"
         self.result: dict[str, object] = {}
         self.thread = threading.Thread(target=self._run, args=(argv,))
@@ -136,6 +175,9 @@ def test_two_rounds_on_a_two_node_ray_cluster_with_a_worker_restarted(two_nodes,
         except ray.exceptions.RayActorError:
             joined = 0
         if joined == 4:
+            # Ray and the run listen on loopback only: the GCS, both raylets, the actors, the wafl server
+            addresses = listening_addresses()
+            assert len(addresses) >= 1 and addresses <= LOOPBACK_HEX, addresses
             # As if Ray restarted the worker on another node: its state folder is not there. The clients
             # re-join with the copy of their credentials that the driver fetched (every 2 s) since they joined.
             time.sleep(4.0)
@@ -159,6 +201,8 @@ def test_two_rounds_on_a_two_node_ray_cluster_with_a_worker_restarted(two_nodes,
     # One worker on each node (the first placement of each); the server on the driver's node.
     assert {w["nodes"][0] for w in record["workers"]} == {head, other}
     assert record["server"]["node_id"] == head
+    assert record["server"]["host"] == "127.0.0.1"
+    assert {ip for w in record["workers"] for ip in w["ips"]} == {"127.0.0.1"}
     assert [w["restarts"] for w in record["workers"]] == [0, 1] and len(set(record["workers"][1]["pids"])) == 2
     events = [json.loads(x) for x in (out / "logs" / "server.jsonl").read_text().splitlines()]
     uploads = {(e["client"], e["round"]) for e in events if e["event"] == "upload.accepted"}
@@ -212,3 +256,28 @@ def test_a_killed_server_actor_is_restarted_and_resumes_the_run(two_nodes, tmp_p
     uploads = {(e["client"], e["round"]) for e in events if e["event"] == "upload.accepted"}
     assert uploads == {(f"client-{i}", r) for i in range(4) for r in (1, 2, 3)}
     assert summary["ok"] and summary["client_codes"] == [0, 0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_cluster_that_ray_run_starts_is_on_loopback_only(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``wafl run --ray`` without an address starts a Ray cluster on this machine: every process of it (GCS,
+    raylet, the actors) and the wafl server in it listen on 127.0.0.1 only, for the whole run."""
+    from wafl.cli.raylaunch import LOCAL_ONLY_ENV
+
+    monkeypatch.setenv("RAY_memory_monitor_refresh_ms", "0")
+    monkeypatch.setenv(LOCAL_ONLY_ENV, "1")  # --ray sets it for the cluster it starts; restored afterwards
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    out = tmp_path / "run"
+    run = RayRun(None, out, rounds=1, slowdown="1,1,1,1", workers=1)  # the server and one worker: 2 CPUs
+    seen: set[str] = set()
+    while run.running():
+        seen |= listening_addresses()
+        time.sleep(1.0)
+    assert run.finish() == 0
+    assert seen and seen <= LOOPBACK_HEX, seen
+    record = json.loads((out / "ray.json").read_text())
+    assert record["server"]["host"] == "127.0.0.1" and record["server"]["ip"] == "127.0.0.1"
+    assert {ip for w in record["workers"] for ip in w["ips"]} == {"127.0.0.1"}
+    rows = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1] and rows[0]["clients"] == 4
