@@ -61,7 +61,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "scale"
 SERVICE = "wafl.v1.Federation"
-CREDENTIAL_KEY = "wafl-credential"
+CREDENTIAL_KEY = "wafl-credential"  # common/contract.py; restated so the load generator imports no wafl
 MIB = 1 << 20
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 # first byte of a BroadcastMessage: the tag of its oneof field (field number << 3 | length-delimited)

@@ -51,8 +51,9 @@ from pathlib import Path
 from typing import Any
 
 from wafl.common.config import RunConfig
+from wafl.common.contract import PROTOCOLS
 
-PROTOCOL_ORDER = ("compute-and-wait", "wait-free")
+PROTOCOL_ORDER = PROTOCOLS[::-1]  # the baseline, compute-and-wait, first
 PHASE_COLORS = {
     "gm_train": "tab:blue",
     "pm_train": "tab:orange",

@@ -47,9 +47,10 @@ from wafl.cli.bench import (
     training_start,
 )
 from wafl.common.config import RunConfig
+from wafl.common.contract import PROTOCOLS as CLIENT_PROTOCOLS
 
 AGGREGATIONS = ("sync", "buffered")
-PROTOCOLS = ("compute-and-wait", "wait-free")
+PROTOCOLS = CLIENT_PROTOCOLS[::-1]  # the baseline, compute-and-wait, first
 
 
 def _phase_fraction(timelines: Mapping[str, Any], phase: str) -> float | None:

@@ -23,14 +23,13 @@ import structlog
 import torch
 from wafl.client.reception import SharedBuffers, SharedReception
 from wafl.common.codec import ChunkError, Manifest, TensorSpec, tensor_from_bytes
+from wafl.common.contract import CREDENTIAL_KEY, PROTOCOL_VERSION
 from wafl.common.knowledge import Knowledge, from_proto, to_proto
 from wafl.common.proto import federation_pb2 as pb
 from wafl.common.tls import ClientTls
 from wafl.common.tls import channel as tls_channel
 from wafl.common.wire import TransferReader, decode_broadcast, encode_upload, write_transfer
 
-PROTOCOL_VERSION = 1
-CREDENTIAL_KEY = "wafl-credential"  # gRPC metadata entry of the session credential Join hands out
 RETRYABLE = {
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED,

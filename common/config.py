@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-PROTOCOLS = ("wait-free", "compute-and-wait")
+from wafl.common.contract import PROTOCOLS
+
 STALENESS = ("sqrt", "constant", "poly", "hinge")
 OPTIMIZERS = ("sgd", "adam")
 

@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from wafl.common.config import ConfigError
+from wafl.common.contract import CREDENTIAL_KEY
 from wafl.common.errors import Code, Refused
 
-CREDENTIAL_KEY = "wafl-credential"  # gRPC metadata key of the session credential
 ID_PATTERN = re.compile(r"[A-Za-z0-9._:@-]{1,64}")  # client ids
 KEY_FILE = "server.key"
 MIN_SECRET_CHARS = 16  # run tokens and enrollment secrets alike

@@ -31,6 +31,7 @@ from wafl.common.algorithms import registry
 from wafl.common.algorithms.base import split_payload
 from wafl.common.codec import CHUNK_BYTES, Manifest, RawChunk, manifest_of
 from wafl.common.config import RunConfig
+from wafl.common.contract import CREDENTIAL_KEY
 from wafl.common.datasets import load_dataset
 from wafl.common.errors import Code, Refused
 from wafl.common.jsonsafe import dumps
@@ -41,7 +42,7 @@ from wafl.common.proto import federation_pb2 as pb
 from wafl.common.training import evaluate
 from wafl.common.wire import ChunkBatch, PreEncoded, encode_tensors, write_transfer
 from wafl.server.aggregator import Accumulator, NormBound, RetainedBytes, Rule, bounded
-from wafl.server.auth import CREDENTIAL_KEY, ID_PATTERN, Credentials, JoinSecrets, check_id, load_or_create_key
+from wafl.server.auth import ID_PATTERN, Credentials, JoinSecrets, check_id, load_or_create_key
 from wafl.server.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from wafl.server.results import ResultsLog, round_
 from wafl.server.strategy import Collection, Deliveries, RunAborted, make_strategy

@@ -16,15 +16,15 @@ from dataclasses import dataclass
 
 import grpc
 import structlog
+from wafl.common.contract import CREDENTIAL_KEY, PROTOCOL_VERSION
 from wafl.common.errors import AlreadyAccepted, Code, Refused
 from wafl.common.proto import federation_pb2 as pb
 from wafl.common.wire import MALFORMED, decode_upload, encode_broadcast, lenient
-from wafl.server.auth import CREDENTIAL_KEY, certificate_index, check_certificate
+from wafl.server.auth import certificate_index, check_certificate
 from wafl.server.engine import RoundEngine
 from wafl.server.limits import ClientCalls
 from wafl.server.upload import receive_upload
 
-PROTOCOL_VERSION = 1
 SERVICE = "wafl.v1.Federation"
 MAX_DETAILS = 300  # characters of a status's details
 log = structlog.get_logger("server")
