@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("common", "server", "client", "cli")
 
 
-def on_config(config: Any) -> Any:
+def layout() -> None:
+    """Lays out ``build/api-src/wafl/`` (idempotent)."""
     package = ROOT / "build" / "api-src" / "wafl"
     package.mkdir(parents=True, exist_ok=True)
     # A regular package, so that the console script ``bin/wafl`` on the path is not merged into it.
@@ -23,4 +24,13 @@ def on_config(config: Any) -> Any:
         link = package / name
         if not link.is_symlink():
             link.symlink_to(ROOT / name, target_is_directory=True)
+
+
+# When mkdocs loads this file, while it reads mkdocs.yml: before mkdocstrings sets up its search paths, which
+# leave out a folder that does not exist yet (laid out in on_config only, a fresh clone's first build failed).
+layout()
+
+
+def on_config(config: Any) -> Any:
+    layout()
     return config
