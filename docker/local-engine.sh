@@ -23,7 +23,7 @@
 #    wafl:$WAFL_TORCH_VARIANT) with TORCH_VARIANT=$WAFL_TORCH_VARIANT (default pypi: the wheels
 #    this machine's pip finds). The machine's pip settings reach the one RUN that installs
 #    packages as build secrets, with the local folders they name served on loopback
-#    (docker/pip-settings.py); no layer holds them. BuildKit's cache makes an unchanged rebuild
+#    (scripts/pip-settings.py); no layer holds them. BuildKit's cache makes an unchanged rebuild
 #    take seconds, and a source change rebuild only the package layers.
 # 5. Runs COMMAND with DOCKER_HOST, PATH (the engine's own docker CLI first, `docker compose`
 #    running docker-compose when that CLI has no compose plugin), DOCKER_BUILDKIT=1,
@@ -222,14 +222,14 @@ fi
 # ------------------------------------------------------------------ 4. the wafl image
 
 pip_dir="$run_dir/pip"
-python3 "$repo/docker/pip-settings.py" serve "$pip_dir" 2>"$engine_dir/pip-settings.log" &
+python3 "$repo/scripts/pip-settings.py" serve "$pip_dir" 2>"$engine_dir/pip-settings.log" &
 server_pid=$!
 for _ in $(seq 1 100); do
     [ -e "$pip_dir/ready" ] && break
-    kill -0 "$server_pid" 2>/dev/null || { cat "$engine_dir/pip-settings.log" >&2; say "docker/pip-settings.py failed"; exit 1; }
+    kill -0 "$server_pid" 2>/dev/null || { cat "$engine_dir/pip-settings.log" >&2; say "scripts/pip-settings.py failed"; exit 1; }
     sleep 0.1
 done
-[ -e "$pip_dir/ready" ] || { say "docker/pip-settings.py did not start"; exit 1; }
+[ -e "$pip_dir/ready" ] || { say "scripts/pip-settings.py did not start"; exit 1; }
 secrets=(--secret "id=pip.conf,src=$pip_dir/pip.conf")
 [ ! -f "$pip_dir/pip-cert" ] || secrets+=(--secret "id=pip-cert,src=$pip_dir/pip-cert")
 
