@@ -65,6 +65,12 @@ def _fleet(d: dict[str, Any]) -> None:
     assert r["ok"] and r["clients"] == 4 and r["mode"] == "workers"
 
 
+def _norm_bound_honest(d: dict[str, Any]) -> None:
+    (pt,) = d["points"]
+    assert pt["identical"] and set(pt["runs"]) == {"10.0", "0.0"}, pt
+    assert all(len(r["gm_accuracy"]) == 2 and r["gm_accuracy"][-1] > 0.1 for r in pt["runs"].values())
+
+
 def _scale(d: dict[str, Any]) -> None:
     (f,) = d["fleets"]
     assert f["clients"] == 30 and f["real"]["ok"] and f["bare"]["ok"] and f["cost_ratio"] > 0
@@ -78,6 +84,7 @@ SMOKE: dict[str, tuple[Callable[[Path], list[str]], str, Callable[[dict[str, Any
     "benchmarks/train_step.py": (lambda t: ["--out", str(t / "r.json")], "r.json", _train_step),
     "benchmarks/fleet.py": (lambda t: ["--out", str(t), "--runs", str(t / "runs")], "fleet.json", _fleet),
     "benchmarks/scale.py": (lambda t: ["--results", str(t)], "scale.json", _scale),
+    "benchmarks/norm_bound_honest.py": (lambda t: ["--out", str(t / "r.json")], "r.json", _norm_bound_honest),
 }
 
 
