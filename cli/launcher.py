@@ -87,8 +87,7 @@ def launch(
 
     check_networked(cfg)  # before any process starts
     if workers is not None:
-        if not 1 <= workers <= cfg.num_clients:
-            raise UsageError(f"--workers {workers} must lie in 1..{cfg.num_clients} (the clients)")
+        check_workers(workers, cfg)
         if link_rate or (host_cpus or "none") != "none":
             raise UsageError(
                 "--workers hosts many clients in one process: it has no per-client links (--link-rate) or CPU "
@@ -294,6 +293,14 @@ def split_clients(num_clients: int, workers: int) -> list[list[int]]:
         out.append(list(range(start, start + n)))
         start += n
     return out
+
+
+def check_workers(workers: int, cfg: RunConfig) -> int:
+    """``--workers``: a count of worker processes (or actors), 1 to one per client; a :class:`UsageError`
+    naming the flag otherwise."""
+    if not 1 <= workers <= cfg.num_clients:
+        raise UsageError(f"--workers={workers} must lie in 1..{cfg.num_clients} (the clients)")
+    return workers
 
 
 def default_workers(num_clients: int, cores: float | None = None) -> int:

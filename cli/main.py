@@ -193,7 +193,7 @@ def _workers(spec: str | None, cfg: RunConfig, per_client_hosts: bool) -> int | 
     """``--workers``: a count, ``auto`` (one per core, at most one per client) or ``off``/``0`` (one process
     per client); unset: ``auto``, or ``off`` with per-client links or CPU shares (a namespace or a control
     group holds one process)."""
-    from wafl.cli.launcher import default_workers
+    from wafl.cli.launcher import check_workers, default_workers
 
     if spec is None:
         spec = "off" if per_client_hosts else "auto"
@@ -204,10 +204,8 @@ def _workers(spec: str | None, cfg: RunConfig, per_client_hosts: bool) -> int | 
     try:
         n = int(spec)
     except ValueError:
-        raise ConfigError(f"--workers={spec!r} is not a count, auto or off") from None
-    if not 1 <= n <= cfg.num_clients:
-        raise ConfigError(f"--workers={n} must lie in 1..{cfg.num_clients} (the clients)")
-    return n
+        raise UsageError(f"--workers={spec!r} is not a count, auto or off") from None
+    return check_workers(n, cfg)
 
 
 def _check_link_rate(spec: str | None, cfg: RunConfig) -> None:

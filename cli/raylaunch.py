@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from wafl.cli.launcher import Progress, RunSummary, default_out, finish_run, split_clients
+from wafl.cli.launcher import Progress, RunSummary, check_workers, default_out, finish_run, split_clients
 from wafl.common.config import RunConfig
 from wafl.common.errors import UsageError
 
@@ -321,8 +321,7 @@ def launch_ray(
     run = f"{out.name}-{secrets.token_hex(4)}"
     token = secrets.token_urlsafe(24)
     n_workers = workers or ray_workers(ray, cfg.num_clients, worker_cpus, worker_gpus, server_cpus)
-    if not 1 <= n_workers <= cfg.num_clients:
-        raise UsageError(f"--workers {n_workers} must lie in 1..{cfg.num_clients} (the clients)")
+    check_workers(n_workers, cfg)
     per_worker = slots or max(1, int(worker_cpus))
     summary = RunSummary(out, ok=False)
     t0 = time.monotonic()
