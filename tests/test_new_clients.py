@@ -165,3 +165,29 @@ def test_the_server_refuses_uploads_from_new_clients_and_their_reports_from_othe
     with pytest.raises(Refused) as e:
         asyncio.run(engine.open_upload(header, cred[new]))
     assert e.value.code == Code.FAILED_PRECONDITION and "new client" in str(e.value)
+
+
+def test_the_flatness_loss_is_taken_on_the_training_clients_data_only() -> None:
+    from wafl.cli.analyze import training_union
+    from wafl.common.partition import federation_shards
+
+    cfg = load_config(None, BASE)
+    data = load_dataset(cfg.dataset)
+    shards = federation_shards(data.train_labels, cfg.num_clients, cfg.partition, cfg.alpha, cfg.delta, cfg.seed)
+    new = new_client_indices(cfg.num_clients, cfg.new_clients, cfg.seed)
+    union = training_union(cfg, data)
+    assert len(union) == sum(len(s) for i, s in enumerate(shards) if i not in new)
+    assert not set(union.tolist()) & {int(x) for i in new for x in shards[i]}
+
+
+def test_the_new_clients_sweep_is_scd_fmnist_with_20_of_its_100_clients_held_out(repo: Path) -> None:
+    from wafl.cli.sweep import load_sweep
+
+    sweeps = repo / "configs" / "sweeps"
+    base = [c for _, c in load_sweep(sweeps / "scd_fmnist.toml")[1]]
+    new = [c for _, c in load_sweep(sweeps / "scd_fmnist_new_clients.toml")[1]]
+    assert {(c.num_clients, c.new_clients, c.training_clients, c.new_client_epochs) for c in new} == {(100, 20, 80, 1)}
+    assert {c.algorithm for c in new} == {c.algorithm for c in base}  # SCD and its baselines
+    assert {c.seed for c in new} == {0, 1} and all(c.eval_every == 1 for c in new)
+    same = ("dataset", "model", "partition", "alpha", "fraction", "rounds", "lr", "momentum", "local_epochs")
+    assert {tuple(getattr(c, f) for f in same) for c in new} == {tuple(getattr(c, f) for f in same) for c in base}
