@@ -56,7 +56,7 @@ def training_union(cfg: RunConfig, dataset: FederatedDataset) -> np.ndarray:
     ``new_clients``, which never train, left out)."""
     import numpy as np
     from wafl.common.algorithms import registry
-    from wafl.common.newcomers import new_client_indices
+    from wafl.common.heterogeneity import new_client_indices
     from wafl.common.partition import federation_shards
 
     public_size = registry.resolve(cfg.algorithm, cfg.params, vars(cfg)).public_size

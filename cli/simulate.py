@@ -21,7 +21,7 @@ import torch
 from wafl.cli.local_transport import LocalSession
 from wafl.client.app import warm_up_torch
 from wafl.client.compute import SharedSlots
-from wafl.client.newcomer import client_protocol
+from wafl.client.protocol import client_protocol
 from wafl.client.trainer import Trainer
 from wafl.common.algorithms.base import split_payload
 from wafl.common.analysis.dissimilarity import full_gradient, gradient_dissimilarity

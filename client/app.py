@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 import structlog
 import torch
-from wafl.client.newcomer import client_protocol
+from wafl.client.protocol import client_protocol
 from wafl.client.session import Session, credential_path
 from wafl.client.trainer import Trainer, resolve_device
 from wafl.common.config import RunConfig

@@ -26,8 +26,8 @@ from wafl.common.algorithms import registry
 from wafl.common.algorithms.base import Algorithm, Phase, RoundContext, extra_name, parameters_of, split_payload
 from wafl.common.config import ConfigError, RunConfig
 from wafl.common.datasets import FederatedDataset, load_dataset
+from wafl.common.heterogeneity import new_client_indices
 from wafl.common.models import build_model
-from wafl.common.newcomers import new_client_indices
 from wafl.common.partition import client_shard, public_split
 from wafl.common.training import Batch, PhaseStats, batches, epochs, evaluate, make_optimizer, train_phase
 from wafl.common.verified import load_verified, save_verified
@@ -227,7 +227,7 @@ class Trainer:
     def adapt(
         self, round: int, global_state: Mapping[str, torch.Tensor], knowledge: Any = None, num_epochs: int = 1
     ) -> tuple[float, int]:
-        """A new client's adaptation of a global model (:mod:`wafl.common.newcomers`); returns the accuracy
+        """A new client's adaptation of a global model (:mod:`wafl.common.heterogeneity`); returns the accuracy
         of the adapted model on the local test split and that split's size.
 
         Each adaptation starts afresh from the received model and the client's initial state. With a

@@ -23,8 +23,7 @@ import structlog
 import torch
 from wafl.client.app import warm_up_torch
 from wafl.client.compute import SharedSlots
-from wafl.client.newcomer import NewClientProtocol, client_protocol
-from wafl.client.protocol import RoundProtocol
+from wafl.client.protocol import NewClientProtocol, RoundProtocol, client_protocol
 from wafl.client.reception import SharedReception
 from wafl.client.residency import Residency
 from wafl.client.session import Session, credential_path

@@ -54,7 +54,7 @@ class RunConfig:
     rounds: int = 25
     fraction: float = 1.0  # share of clients selected per round
     act_prob: float | None = None  # independent per-client activation probability (replaces fraction)
-    # clients held out of training (drawn from the seed; wafl.common.newcomers): at each evaluation they
+    # clients held out of training (drawn from the seed; wafl.common.heterogeneity): at each evaluation they
     # adapt the global model for new_client_epochs epochs and report new_client_accuracy
     new_clients: int = 0
     new_client_epochs: int = 1

@@ -34,7 +34,7 @@ FINAL = "final"  # 1: the client received the final model and stops
 BYTES_UP = "bytes_up"  # bytes the client's uploads carried
 GLOBAL_CRC32 = "global_crc32"  # CRC-32 of the final global model as the client received it
 
-# the report of a new client (new_clients) on a global model it adapted (wafl.common.newcomers)
+# the report of a new client (new_clients) on a global model it adapted (wafl.common.heterogeneity)
 NEW_CLIENT_ACCURACY = "new_client_accuracy"  # accuracy of the adapted model on the new client's local test set
 NEW_CLIENT_TEST_SAMPLES = "new_client_test_samples"  # size of that test set (the weight of NEW_CLIENT_ACCURACY)
 

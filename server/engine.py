@@ -33,10 +33,10 @@ from wafl.common.codec import CHUNK_BYTES, Manifest, RawChunk, manifest_of
 from wafl.common.config import RunConfig
 from wafl.common.datasets import load_dataset
 from wafl.common.errors import Code, Refused
+from wafl.common.heterogeneity import new_client_indices
 from wafl.common.jsonsafe import dumps
 from wafl.common.knowledge import ClassKnowledge, Knowledge, to_proto, validate_knowledge
 from wafl.common.models import build_model
-from wafl.common.newcomers import new_client_indices
 from wafl.common.partition import federation_shards
 from wafl.common.proto import federation_pb2 as pb
 from wafl.common.training import evaluate
@@ -114,7 +114,7 @@ class RoundEngine:
         self.global_knowledge: Knowledge = {}
         self.run_id = uuid.uuid4().hex[:12]
         self.clients: dict[str, ClientInfo] = {}
-        # new clients (wafl.common.newcomers): joined, never in the strategy, sent each evaluated model
+        # new clients (wafl.common.heterogeneity): joined, never in the strategy, sent each evaluated model
         self.new_indices = new_client_indices(cfg.num_clients, cfg.new_clients, cfg.seed)
         self.new_clients: set[str] = set()
         self.adapt_due = False  # the model about to be published was evaluated: the new clients adapt it

@@ -16,7 +16,7 @@ from wafl.common import metrics as M
 from wafl.common.config import ConfigError, load_config
 from wafl.common.datasets import load_dataset
 from wafl.common.errors import Code, Refused
-from wafl.common.newcomers import new_client_indices
+from wafl.common.heterogeneity import new_client_indices
 from wafl.common.proto import federation_pb2 as pb
 from wafl.server.checkpoint import load_checkpoint
 from wafl.server.engine import RoundEngine
