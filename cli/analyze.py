@@ -51,10 +51,12 @@ class RunModel:
 
 
 def training_union(cfg: RunConfig, dataset: FederatedDataset) -> np.ndarray:
-    """Every client's training indices together (sorted), rebuilt from the seed as the clients build
-    their shards: the partition of what the algorithm's public split leaves."""
+    """Every training client's training indices together (sorted), rebuilt from the seed as the clients
+    build their shards: the partition of what the algorithm's public split leaves (the shards of the
+    ``new_clients``, which never train, left out)."""
     import numpy as np
     from wafl.common.algorithms import registry
+    from wafl.common.heterogeneity import new_client_indices
     from wafl.common.partition import federation_shards
 
     public_size = registry.resolve(cfg.algorithm, cfg.params, vars(cfg)).public_size
@@ -68,7 +70,8 @@ def training_union(cfg: RunConfig, dataset: FederatedDataset) -> np.ndarray:
         cfg.client_size,
         public_size,
     )
-    return np.sort(np.concatenate(shards))
+    new = new_client_indices(cfg.num_clients, cfg.new_clients, cfg.seed)
+    return np.sort(np.concatenate([s for i, s in enumerate(shards) if i not in new]))
 
 
 def load_run_model(run_dir: Path, checkpoint: Path | None = None, data_dir: str | None = None) -> RunModel:

@@ -21,7 +21,7 @@ import torch
 from wafl.cli.local_transport import LocalSession
 from wafl.client.app import warm_up_torch
 from wafl.client.compute import SharedSlots
-from wafl.client.protocol import RoundProtocol
+from wafl.client.protocol import client_protocol
 from wafl.client.trainer import Trainer
 from wafl.common.algorithms.base import split_payload
 from wafl.common.analysis.dissimilarity import full_gradient, gradient_dissimilarity
@@ -55,7 +55,7 @@ async def _simulate(
         trainer = Trainer(cfg, i, dataset=engine.dataset, device="cpu")
         session = LocalSession(engine, f"client-{i}", i, trainer.num_samples)
         session.join()
-        clients.append(RoundProtocol(session, trainer, cfg.protocol, shared.view(trainer) if shared else None))
+        clients.append(client_protocol(session, trainer, shared.view(trainer) if shared else None))
     if cfg.grad_dissimilarity_every:
         engine.round_probe = dissimilarity_probe(cfg, engine, {c.session.client_id: c.trainer for c in clients})
     tasks = [asyncio.create_task(c.run()) for c in clients]

@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 import structlog
 import torch
-from wafl.client.protocol import RoundProtocol
+from wafl.client.protocol import client_protocol
 from wafl.client.session import Session, credential_path
 from wafl.client.trainer import Trainer, resolve_device
 from wafl.common.config import RunConfig
@@ -60,10 +60,10 @@ async def run_client(
         samples=trainer.num_samples,
         local_test=len(trainer.test_idx),
         device=dev,
-        protocol=cfg.protocol,
+        protocol="new client" if trainer.is_new else cfg.protocol,
     )
     try:
-        await RoundProtocol(session, trainer, cfg.protocol).run()
+        await client_protocol(session, trainer).run()
     finally:
         await session.close()
     return 0

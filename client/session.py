@@ -97,6 +97,7 @@ class ReceivedModel:
     state: dict[str, torch.Tensor]
     knowledge: Knowledge
     nbytes: int = 0
+    adapt: bool = False  # a new client (new_clients) is asked to adapt it and report its accuracy
 
 
 def credential_path(state_dir: Path | None, index: int) -> Path | None:
@@ -385,4 +386,4 @@ class ModelAssembler:
         knowledge = from_proto(self.reader.knowledge)
         self.header = self.reader = self.shared = None
         self.buffers = {}
-        return ReceivedModel(h.round, h.train, h.final, state, knowledge, nbytes)
+        return ReceivedModel(h.round, h.train, h.final, state, knowledge, nbytes, h.adapt)

@@ -26,6 +26,7 @@ from wafl.common.algorithms import registry
 from wafl.common.algorithms.base import Algorithm, Phase, RoundContext, extra_name, parameters_of, split_payload
 from wafl.common.config import ConfigError, RunConfig
 from wafl.common.datasets import FederatedDataset, load_dataset
+from wafl.common.heterogeneity import new_client_indices
 from wafl.common.models import build_model
 from wafl.common.partition import client_shard, public_split
 from wafl.common.training import Batch, PhaseStats, batches, epochs, evaluate, make_optimizer, train_phase
@@ -101,6 +102,11 @@ class Trainer:
         self._pm_optimizer_state: dict[str, Any] | None = None  # loaded from state_dir, applied on first use
         self.pm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._offloaded: list[torch.Tensor] | None = None  # what offload() moved to the host, outside the models
+        # a new client (new_clients) adapts every evaluated global model from this same start: its initial
+        # non-travelling tensors (FedRep's head, FedRoD's personal head)
+        self.is_new = index in new_client_indices(cfg.num_clients, cfg.new_clients, cfg.seed)
+        gm_state = self.gm.state_dict()
+        self._fresh_local = {k: gm_state[k].detach().clone() for k in self.local_keys} if self.is_new else {}
         self._load_state()
 
     @property
@@ -217,6 +223,35 @@ class Trainer:
             stats = train_phase(self.pm, phase, self.ctx, data, self.pm_optimizer, should_stop, min_steps, on_step)
         self.save_state()
         return stats
+
+    def adapt(
+        self, round: int, global_state: Mapping[str, torch.Tensor], knowledge: Any = None, num_epochs: int = 1
+    ) -> tuple[float, int]:
+        """A new client's adaptation of a global model (:mod:`wafl.common.heterogeneity`); returns the accuracy
+        of the adapted model on the local test split and that split's size.
+
+        Each adaptation starts afresh from the received model and the client's initial state. With a
+        personal phase (SCD, Ditto, FedRep, FedRoD, FedBABU, pFedMe) the PM starts from the global
+        model as in the client's first round and its personal phase trains it; otherwise the global
+        model itself is fine-tuned (cross-entropy, every parameter, the run's optimizer). Either runs
+        ``num_epochs`` epochs over the local training split (0: the model is tested as received)."""
+        if self._fresh_local:
+            self.gm.load_state_dict(self._fresh_local, strict=False)
+        self.client_state.clear()
+        self.pm_initialized = False
+        self.pm_optimizer = None
+        self._pm_optimizer_state = None
+        self.begin_round(round, global_state, knowledge, selected=False)
+        if self.algorithm.personalized:
+            if num_epochs:
+                self.train_pm(None, float(num_epochs))
+            return self.evaluate_personal()
+        if num_epochs:
+            assert self.ctx is not None
+            phase = Phase("finetune", main=False)
+            data = self._data(phase, float(num_epochs))
+            train_phase(self.gm, phase, self.ctx, data, self._optimizer(parameters_of(self.gm, phase.params)))
+        return self.evaluate_local(self.gm)
 
     def gm_upload_state(self, base: Mapping[str, torch.Tensor] | None = None) -> OrderedDict[str, torch.Tensor]:
         """The tensors the algorithm shares, on the CPU, or their difference to ``base`` (buffered

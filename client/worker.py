@@ -23,7 +23,7 @@ import structlog
 import torch
 from wafl.client.app import warm_up_torch
 from wafl.client.compute import SharedSlots
-from wafl.client.protocol import RoundProtocol
+from wafl.client.protocol import NewClientProtocol, RoundProtocol, client_protocol
 from wafl.client.reception import SharedReception
 from wafl.client.residency import Residency
 from wafl.client.session import Session, credential_path
@@ -164,16 +164,14 @@ class _HostedClient:
         )
         self.pool = pool
         self.joining = joining
-        self.protocol: RoundProtocol | None = None
+        self.protocol: RoundProtocol | NewClientProtocol | None = None
 
     async def run(self) -> None:
         structlog.contextvars.bind_contextvars(client=self.client_id)  # this task's log lines name their client
         try:
             async with self.joining:
                 await self.session.join()
-            self.protocol = RoundProtocol(
-                self.session, self.trainer, self.trainer.cfg.protocol, self.pool.view(self.trainer)
-            )
+            self.protocol = client_protocol(self.session, self.trainer, self.pool.view(self.trainer))
             await self.protocol.run()
         finally:
             await self.session.close()

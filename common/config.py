@@ -55,6 +55,10 @@ class RunConfig:
     rounds: int = 25
     fraction: float = 1.0  # share of clients selected per round
     act_prob: float | None = None  # independent per-client activation probability (replaces fraction)
+    # clients held out of training (drawn from the seed; wafl.common.heterogeneity): at each evaluation they
+    # adapt the global model for new_client_epochs epochs and report new_client_accuracy
+    new_clients: int = 0
+    new_client_epochs: int = 1
     min_clients: int | None = None  # uploads needed to close a round once the deadline passed
     # sync: also send each model to the clients that do nothing with it (not selected, no personal
     # phase on it); by default they get only the models they train on and the final one
@@ -134,14 +138,15 @@ class RunConfig:
                 raise ConfigError(f"client_size={self.client_size} needs partition='dirichlet-equal'")
         _in_range("local_test_fraction", self.local_test_fraction, 0.0, 1.0, low_open=True)
         _int_at_least("num_clients", self.num_clients, 1)
+        self._validate_new_clients()
         _int_at_least("rounds", self.rounds, 1)
         _in_range("fraction", self.fraction, 0.0, 1.0, low_open=True)
         if self.act_prob is not None:
             _in_range("act_prob", self.act_prob, 0.0, 1.0, low_open=True)
         if self.min_clients is not None:
             _int_at_least("min_clients", self.min_clients, 1)
-            if self.min_clients > self.num_clients:
-                raise ConfigError(f"min_clients={self.min_clients} is more than num_clients={self.num_clients}")
+            if self.min_clients > self.training_clients:
+                raise ConfigError(f"min_clients={self.min_clients} is more than {self._training_text}")
         _positive("round_deadline_s", self.round_deadline_s)
         _positive("join_timeout_s", self.join_timeout_s)
         _positive("upload_stall_s", self.upload_stall_s)
@@ -199,13 +204,13 @@ class RunConfig:
         _one_of("staleness", self.staleness, STALENESS)
         if self.concurrency is not None:
             _int_at_least("concurrency", self.concurrency, 1)
-            if self.concurrency > self.num_clients:
-                raise ConfigError(f"concurrency={self.concurrency} is more than num_clients={self.num_clients}")
+            if self.concurrency > self.training_clients:
+                raise ConfigError(f"concurrency={self.concurrency} is more than {self._training_text}")
         if self.buffer_size is not None:
             _int_at_least("buffer_size", self.buffer_size, 1)
-            if self.buffer_size > (self.concurrency or self.num_clients):
+            if self.buffer_size > self.buffered_concurrency:
                 raise ConfigError(
-                    f"buffer_size={self.buffer_size} is more than the {self.concurrency or self.num_clients} clients "
+                    f"buffer_size={self.buffer_size} is more than the {self.buffered_concurrency} clients "
                     "that train at once (concurrency): no version could ever be published"
                 )
         _positive("staleness_a", self.staleness_a)
@@ -220,20 +225,42 @@ class RunConfig:
         for check in _SECTION_CHECKS.values():
             check(self)
 
+    def _validate_new_clients(self) -> None:
+        _int_at_least("new_clients", self.new_clients, 0)
+        if self.new_clients >= self.num_clients:
+            raise ConfigError(
+                f"new_clients={self.new_clients} must be less than num_clients={self.num_clients}: "
+                "at least one client must train"
+            )
+        _int_at_least("new_client_epochs", self.new_client_epochs, 0)
+
+    @property
+    def training_clients(self) -> int:
+        """The clients that train: ``num_clients`` less the ``new_clients`` held out (selection,
+        ``fraction``, ``min_clients`` and ``concurrency`` count these only)."""
+        return self.num_clients - self.new_clients
+
+    @property
+    def _training_text(self) -> str:
+        if not self.new_clients:
+            return f"num_clients={self.num_clients}"
+        n, k = self.num_clients, self.new_clients
+        return f"the {self.training_clients} training clients (num_clients={n} - new_clients={k})"
+
     @property
     def uploads_per_aggregation(self) -> int:
         """The uploads one aggregation nominally combines: a sync round's selected clients (no more
         than ``min_clients``, with which a round may close), or a buffered version's buffer."""
         if self.aggregation == "buffered":
             return self.buffered_size
-        n = self.num_clients
+        n = self.training_clients
         share = self.act_prob if self.act_prob is not None else self.fraction
         k = max(1, math.floor(share * n + (0.0 if self.act_prob is not None else 0.5)))
         return min(k, self.min_clients) if self.min_clients is not None else k
 
     @property
     def buffered_concurrency(self) -> int:
-        return self.concurrency or self.num_clients
+        return self.concurrency or self.training_clients
 
     @property
     def buffered_size(self) -> int:

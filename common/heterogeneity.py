@@ -9,7 +9,14 @@ comma-separated list with one value per client, or ``lognormal:...`` drawn from 
 * link rates (``--link-rate``): tc rates such as ``20mbit``, ``"10mbit,20mbit,..."``, or
   ``lognormal:median=20mbit,sigma=S`` = ``median * exp(S z)``;
 * dropouts (``dropout``): the probability that a client asked to train on a model version goes
-  offline instead and comes back for the next one; a pure function of (seed, client, version).
+  offline instead and comes back for the next one; a pure function of (seed, client, version);
+* new clients (``new_clients = K``, :func:`new_client_indices`): K clients held out of training.
+  They hold a shard of the partition and join like every client, but are never selected and never
+  upload; after each round whose global model is evaluated (``eval_every``, and the last) each of
+  them adapts that model as its algorithm prescribes (``Trainer.adapt``: a personal phase trains
+  the PM from it, otherwise it is fine-tuned) for ``new_client_epochs`` epochs on its local
+  training split and tests it on its local test split. A pure function of the configuration, so
+  the server, every client process and an in-process run agree on who is new without a message.
 """
 
 from __future__ import annotations
@@ -157,3 +164,11 @@ def _cpus(value: str, spec: str, cores: float) -> float:
     if not (math.isfinite(c) and MIN_HOST_CPUS <= c <= cores):
         raise ValueError(f"host-cpus={spec!r}: {value.strip()!r} is not a share of cores in [0.01, {cores:g}]")
     return c
+
+
+def new_client_indices(num_clients: int, new_clients: int, seed: int) -> frozenset[int]:
+    """The ``new_clients`` indices of ``0..num_clients - 1`` held out of training (none for 0)."""
+    if new_clients <= 0:
+        return frozenset()
+    rng = np.random.default_rng([seed, 9])
+    return frozenset(int(i) for i in rng.choice(num_clients, size=new_clients, replace=False))

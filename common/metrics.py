@@ -34,6 +34,10 @@ FINAL = "final"  # 1: the client received the final model and stops
 BYTES_UP = "bytes_up"  # bytes the client's uploads carried
 GLOBAL_CRC32 = "global_crc32"  # CRC-32 of the final global model as the client received it
 
+# the report of a new client (new_clients) on a global model it adapted (wafl.common.heterogeneity)
+NEW_CLIENT_ACCURACY = "new_client_accuracy"  # accuracy of the adapted model on the new client's local test set
+NEW_CLIENT_TEST_SAMPLES = "new_client_test_samples"  # size of that test set (the weight of NEW_CLIENT_ACCURACY)
+
 # the phases of a client's timeline (ReportRequest.timeline; the server refuses any other)
 PHASES = ("gm_train", "upload", "pm_train", "idle", "evaluate", "slowdown", "offline")
 
@@ -72,6 +76,8 @@ REPORT: dict[str, Declared] = {
     FINAL: Declared(0.0, 1.0, integer=True),
     BYTES_UP: COUNT,
     GLOBAL_CRC32: Declared(0.0, float(2**32 - 1), integer=True),
+    NEW_CLIENT_ACCURACY: SHARE,
+    NEW_CLIENT_TEST_SAMPLES: COUNT,
 }
 UPLOAD_METRICS = tuple(UPLOAD)
 REPORT_METRICS = tuple(REPORT)

@@ -34,6 +34,7 @@ from wafl.common.config import RunConfig
 from wafl.common.contract import CREDENTIAL_KEY
 from wafl.common.datasets import load_dataset
 from wafl.common.errors import Code, Refused
+from wafl.common.heterogeneity import new_client_indices
 from wafl.common.jsonsafe import dumps
 from wafl.common.knowledge import ClassKnowledge, Knowledge, to_proto, validate_knowledge
 from wafl.common.models import build_model
@@ -79,6 +80,7 @@ class Delivery:
     seq: int
     publication: Publication
     train: bool
+    adapt: bool = False  # a new client's: adapt this model and report its accuracy
 
 
 class RoundEngine:
@@ -113,6 +115,10 @@ class RoundEngine:
         self.global_knowledge: Knowledge = {}
         self.run_id = uuid.uuid4().hex[:12]
         self.clients: dict[str, ClientInfo] = {}
+        # new clients (wafl.common.heterogeneity): joined, never in the strategy, sent each evaluated model
+        self.new_indices = new_client_indices(cfg.num_clients, cfg.new_clients, cfg.seed)
+        self.new_clients: set[str] = set()
+        self.adapt_due = False  # the model about to be published was evaluated: the new clients adapt it
         self.index_owner: dict[int, str] = {}
         self.accumulators: list[Accumulator] = []  # zeroed sums, ready for the next collection
         adaptive = cfg.norm_bound if cfg.clip_norm is None else 0.0
@@ -138,7 +144,9 @@ class RoundEngine:
         self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="wafl-server")
         self.fold_workers = FoldWorkers()  # fold every upload's chunks: a bounded set of threads
         self.run_start = time.monotonic()
-        self.results = ResultsLog(out_dir, self.run_start, latest_pm=cfg.aggregation == "buffered")
+        self.results = ResultsLog(
+            out_dir, self.run_start, latest_pm=cfg.aggregation == "buffered", new_clients=bool(cfg.new_clients)
+        )
         self.checkpoint_path = out_dir / "checkpoint.pt"
         # called in a worker thread as each round closes, before aggregation, with the round's number, the
         # global model its clients trained from and its selected clients; its fields join the round's results
@@ -299,7 +307,10 @@ class RoundEngine:
             samples = self.shard_sizes[req.client_index]  # what it declared plays no part
             self.clients[req.client_id] = ClientInfo(req.client_id, req.client_index, samples)
             self.index_owner[req.client_index] = req.client_id
-            self.strategy.join(req.client_id, req.client_index, samples)
+            if req.client_index in self.new_indices:
+                self.new_clients.add(req.client_id)  # it waits for the evaluated models: never selected
+            else:
+                self.strategy.join(req.client_id, req.client_index, samples)
             issued = self.credentials.issue(req.client_id, req.client_index)
             log.info(
                 "client.join",
@@ -362,7 +373,10 @@ class RoundEngine:
             collection = self.strategy.close(loop.time())
             await self._drain(collection)
             await self._finish_version(collection)
-            await self._publish(self.strategy.published(loop.time()))
+            deliveries = self.strategy.published(loop.time())
+            if self.adapt_due and not self.strategy.done:  # the final model reaches them anyway
+                deliveries = {**deliveries, **{cid: False for cid in self.new_clients}}
+            await self._publish(deliveries)
         await self._publish({cid: False for cid in self.clients}, final=True)
         self.finished.set()
         log.info("run.done", wall_s=round_(self.wall()))
@@ -444,10 +458,12 @@ class RoundEngine:
         self.accumulators.append(c.accumulator)
         n = self.strategy.aggregations
         every = self.cfg.eval_every
-        if n == self.cfg.rounds or (every and n % every == 0):
+        evaluated = n == self.cfg.rounds or bool(every and n % every == 0)
+        if evaluated:
             acc, _, loss = await loop.run_in_executor(self.executor, self._evaluate)
         else:
             acc = loss = None
+        self.adapt_due = evaluated and bool(self.new_clients)
         if self.cfg.checkpoint:
             await loop.run_in_executor(self.executor, self._checkpoint)
         r = c.number
@@ -472,7 +488,8 @@ class RoundEngine:
             for cid, m in c.metrics.items():
                 if M.PM_ACCURACY in m:
                     self.results.add_pm(r, cid, m[M.PM_ACCURACY], int(m.get(M.PM_TEST_SAMPLES, 1)))
-        self.results.add_round(row, self.strategy.expected_reports(c))
+        # the new clients' reports on this model come after they adapted it (sent with the next publication)
+        self.results.add_round(row, self.strategy.expected_reports(c) | (self.new_clients if self.adapt_due else set()))
         log.info("round.done", round=r, gm_accuracy=row["gm_accuracy"], clients=row["clients"], round_s=row["round_s"])
 
     def _evaluate(self) -> tuple[float | None, int, float | None]:
@@ -509,7 +526,7 @@ class RoundEngine:
         deliveries, self.waiting = self.waiting, {}
         for cid, train in deliveries.items():
             self.seq += 1
-            self.mailbox[cid] = Delivery(self.seq, p, train)
+            self.mailbox[cid] = Delivery(self.seq, p, train, adapt=cid in self.new_clients)
             event = self.mail.get(cid)
             if event is not None:
                 event.set()  # wakes this recipient's stream only
@@ -539,6 +556,7 @@ class RoundEngine:
                     round=p.round,
                     final=p.final,
                     train=d.train,
+                    adapt=d.adapt,
                     num_tensors=len(self.manifest),
                     total_bytes=self.model_bytes,
                 )
@@ -563,6 +581,10 @@ class RoundEngine:
         if not 1 <= len(h.idempotency_key) <= MAX_KEY_CHARS:
             raise Refused(f"idempotency_key must have 1 to {MAX_KEY_CHARS} characters (got {len(h.idempotency_key)})")
         M.check(h.metrics, M.UPLOAD, "upload")
+        if h.client_id in self.new_clients:
+            raise Refused(
+                f"client {h.client_id!r} is a new client (new_clients): it does not train", Code.FAILED_PRECONDITION
+            )
         await self._after_earlier_attempt(h)
         self.strategy.check_retry(h.client_id, h.round, h.idempotency_key)  # answered for the rest of the run
         if self.finished.is_set():
@@ -614,6 +636,11 @@ class RoundEngine:
         if not 1 <= req.round <= self.cfg.rounds:
             raise Refused(f"report round {req.round} is outside 1..{self.cfg.rounds}")
         M.check(req.metrics, M.REPORT, "report")
+        new = req.client_id in self.new_clients
+        wrong = M.PM_ACCURACY if new else M.NEW_CLIENT_ACCURACY
+        if wrong in req.metrics:
+            kind = "a new client (new_clients), which has no PM" if new else "a training client, not a new one"
+            raise Refused(f"report metric {wrong!r}: client {req.client_id!r} is {kind}")
         _check_timeline(req, self.cfg.rounds)
         timeline = [{"phase": e.phase, "round": e.round, "start_s": e.start_s, "end_s": e.end_s} for e in req.timeline]
         self.results.add_report(req.client_id, req.round, dict(req.metrics), timeline, req.client_start_unix or None)

@@ -8,7 +8,11 @@ A round's line is written once the clients that trained in it have reported thei
 personalized-model accuracy for it (they evaluate right after the broadcast that closes the
 round), or when the next round closes, whichever comes first; lines stay in round order. With
 ``latest_pm`` (buffered aggregation, where clients train on different versions at once) a line
-does not wait and its ``pm_accuracy`` is the mean of every client's latest report.
+does not wait and its ``pm_accuracy`` is the mean of every client's latest report. With
+``new_clients`` a line also has ``new_client_accuracy`` (the new clients' accuracies on their
+local test sets after adapting that round's global model, weighted by test-set size; null where
+the round was not evaluated) and ``new_client_accuracies`` (client id -> accuracy), and an
+evaluated round's line waits for those reports too.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from wafl.common.jsonsafe import dumps
 
 
 class ResultsLog:
-    def __init__(self, out_dir: Path, run_start: float, latest_pm: bool = False) -> None:
+    def __init__(self, out_dir: Path, run_start: float, latest_pm: bool = False, new_clients: bool = False) -> None:
         self.out_dir = out_dir
         out_dir.mkdir(parents=True, exist_ok=True)
         self.results_path = out_dir / "results.jsonl"
@@ -34,6 +38,8 @@ class ResultsLog:
         self.reports: dict[int, dict[str, tuple[float, int]]] = {}  # round -> client -> (pm_acc, n_test)
         self.latest_pm = latest_pm
         self.latest: dict[str, tuple[float, int]] = {}  # client -> its latest (pm_acc, n_test)
+        self.new_clients = new_clients
+        self.new_reports: dict[int, dict[str, tuple[float, int]]] = {}  # round -> new client -> (acc, n_test)
         self.timelines: dict[str, Any] = {}
         self.rows: list[dict[str, Any]] = []
         self.listeners: list[Callable[[dict[str, Any]], None]] = []  # called with every line written
@@ -65,6 +71,9 @@ class ResultsLog:
             )
         if M.PM_ACCURACY in metrics:
             self.add_pm(round, client_id, metrics[M.PM_ACCURACY], int(metrics.get(M.PM_TEST_SAMPLES, 1)))
+        if M.NEW_CLIENT_ACCURACY in metrics:
+            n_test = int(metrics.get(M.NEW_CLIENT_TEST_SAMPLES, 1))
+            self.new_reports.setdefault(round, {})[client_id] = (metrics[M.NEW_CLIENT_ACCURACY], n_test)
         if timeline:
             self.timelines[client_id] = {"client_start_unix": client_start_unix, "events": timeline}
         self._flush()
@@ -92,11 +101,15 @@ class ResultsLog:
     def _flush(self) -> None:
         for r in sorted(self.pending):
             row, expected = self.pending[r]
-            if not expected.issubset(self.reports.get(r, {})):
+            new = self.new_reports.get(r, {})
+            if not expected.issubset(set(self.reports.get(r, {})) | set(new)):
                 break  # keep order: a later round waits for this one
             del self.pending[r]
             row["pm_accuracy"] = round_(self.pm_accuracy(r))
             row["pm_reports"] = len(self.reports.get(r, {}))
+            if self.new_clients:
+                row["new_client_accuracy"] = round_(weighted_mean((n, a) for a, n in new.values()))
+                row["new_client_accuracies"] = {c: round_(a) for c, (a, _) in sorted(new.items())}
             self.rows.append(row)
             for listener in self.listeners:
                 listener(row)
