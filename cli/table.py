@@ -14,7 +14,9 @@ mean +- population standard deviation over the row's seeds with the min-max spre
   reaches ``--target`` (a run that never does counts as missing);
 * ``mbytes``: megabytes that crossed the network (``bytes_up + bytes_down`` over the rounds);
 * ``epsilon``: the run's differential-privacy epsilon, for methods that report one (FedHKD with
-  ``sigma > 0``: the last round's ``epsilon``, a client that took part in every round).
+  ``sigma > 0``: the last round's ``epsilon``, a client that took part in every round);
+* ``final_new`` / ``best_new``: the same as ``final_gm`` for ``new_client_accuracy``, the clients held out of
+  training after adapting the global model (``new_clients``); only in tables of runs that have them.
 
 With ``--baseline LABEL`` every other row gets, per metric, the paired difference to the
 baseline on the same seeds: mean (min to max). Runs whose settings differ in anything but the
@@ -42,7 +44,9 @@ METRICS = (
     "mbytes",
     "epsilon",
 )
-PERCENT = {"final_gm", "best_gm", "final_pm", "best_pm", "final_local", "best_local"}
+NEW_CLIENTS = ("final_new", "best_new")  # in a table only when one of its runs held clients out (new_clients)
+KNOWN = METRICS + NEW_CLIENTS
+PERCENT = {"final_gm", "best_gm", "final_pm", "best_pm", "final_local", "best_local", *NEW_CLIENTS}
 DEFAULT_BY = ("algorithm", "params")
 
 
@@ -140,6 +144,7 @@ def run_metrics(run: Run, target: float) -> dict[str, float | None]:
     gm = [r["gm_accuracy"] for r in rows if r.get("gm_accuracy") is not None]
     pm = [r["pm_accuracy"] for r in rows if r.get("pm_accuracy") is not None]
     local = [r["local_accuracy"] for r in rows if r.get("local_accuracy") is not None]
+    new = [r["new_client_accuracy"] for r in rows if r.get("new_client_accuracy") is not None]
     t0 = float(rows[0]["wall_s"]) - float(rows[0].get("round_s") or 0.0) if rows else 0.0
     reach = next((float(r["wall_s"]) - t0 for r in rows if (r.get("gm_accuracy") or 0.0) >= target - 1e-12), None)
     traffic = sum((r.get("bytes_up") or 0) + (r.get("bytes_down") or 0) for r in rows)
@@ -153,6 +158,8 @@ def run_metrics(run: Run, target: float) -> dict[str, float | None]:
         "time_to_target": reach,
         "mbytes": traffic / 1e6 if rows else None,
         "epsilon": next((float(r["epsilon"]) for r in reversed(rows) if r.get("epsilon") is not None), None),
+        "final_new": new[-1] if new else None,
+        "best_new": max(new) if new else None,
     }
 
 
@@ -178,12 +185,15 @@ def build(
             raise TableError(f"two runs of {name!r} with seed {seed}: {folders[name]} and {r.path}")
         grouped[name][seed] = run_metrics(r, target)
         folders.setdefault(name, []).append(str(r.path))
+    metrics = METRICS
+    if any(v["final_new"] is not None for per_seed in grouped.values() for v in per_seed.values()):
+        metrics += NEW_CLIENTS
     table: dict[str, Any] = {}
     for name, per_seed in grouped.items():
         table[name] = {
             "seeds": sorted(per_seed),
             "runs": folders[name],
-            **{m: _stats([x for v in per_seed.values() if (x := v[m]) is not None]) for m in METRICS},
+            **{m: _stats([x for v in per_seed.values() if (x := v[m]) is not None]) for m in metrics},
         }
     diffs: dict[str, Any] = {}
     if baseline is not None:
@@ -198,7 +208,7 @@ def build(
                 m: _stats(
                     [a - b for s in common if (a := per_seed[s][m]) is not None and (b := base[s][m]) is not None]
                 )
-                for m in METRICS
+                for m in metrics
             }
     commits = sorted({r.commit for r in runs if r.commit})
     return {
@@ -222,7 +232,7 @@ def _cell(stats: Mapping[str, float] | None, metric: str, signed: bool = False) 
     return f"{f(stats['mean'])} ± {scale * stats['std']:.{digits}f} ({f(stats['min'])}–{f(stats['max'])})"
 
 
-def markdown(doc: Mapping[str, Any], metrics: Sequence[str] = METRICS) -> str:
+def markdown(doc: Mapping[str, Any], metrics: Sequence[str] = KNOWN) -> str:
     titles = {
         "final_gm": "final GM acc. (%)",
         "best_gm": "best GM acc. (%)",
@@ -233,6 +243,8 @@ def markdown(doc: Mapping[str, Any], metrics: Sequence[str] = METRICS) -> str:
         "time_to_target": f"s to GM {doc['target']:g}",
         "mbytes": "MB moved",
         "epsilon": "DP epsilon",
+        "final_new": "final new-client acc. (%)",
+        "best_new": "best new-client acc. (%)",
     }
     shown = [m for m in metrics if any(r.get(m) for r in doc["rows"].values())]
     head = ["run", "seeds", *[titles[m] for m in shown]]
@@ -261,10 +273,10 @@ def main(
 
     runs = find_runs([Path(p) for p in paths], on_skip=skipped)
     fields = tuple(f.strip() for f in by.split(",")) if by else DEFAULT_BY
-    shown = tuple(m.strip() for m in metrics.split(",")) if metrics else METRICS
-    unknown = [m for m in shown if m not in METRICS]
+    shown = tuple(m.strip() for m in metrics.split(",")) if metrics else KNOWN
+    unknown = [m for m in shown if m not in KNOWN]
     if unknown:
-        raise TableError(f"--metrics: unknown {', '.join(unknown)}; known: {', '.join(METRICS)}")
+        raise TableError(f"--metrics: unknown {', '.join(unknown)}; known: {', '.join(KNOWN)}")
     doc = build(runs, fields, target, baseline)
     print(markdown(doc, shown))
     if json_out:

@@ -261,3 +261,22 @@ def test_table_epsilon_column_is_the_last_rounds_epsilon() -> None:
     assert run_metrics(Run(Path("b"), {"rounds": 1}, plain), 0.9)["epsilon"] is None  # no noise: no column value
     doc = build([Run(Path("c"), {"algorithm": "fedhkd", "seed": 0, "rounds": 2}, rows)])
     assert markdown(doc).splitlines()[0].endswith("| DP epsilon |") and "0.63 ± 0.00" in markdown(doc)
+
+
+def test_table_new_client_columns_only_for_runs_with_new_clients() -> None:
+    from wafl.cli.table import Run
+
+    def run(seed: int, new: list[float | None]) -> Run:
+        rows = [
+            {"round": i + 1, "wall_s": float(i + 1), "gm_accuracy": 0.5, "new_client_accuracy": v}
+            for i, v in enumerate(new)
+        ]
+        return Run(Path(f"r{seed}"), {"algorithm": "fedavg", "seed": seed, "rounds": len(new)}, rows)
+
+    doc = build([run(0, [0.3, None, 0.6]), run(1, [0.5, 0.7, 0.4])])  # a round that was not evaluated: None
+    final, best = doc["rows"]["fedavg"]["final_new"], doc["rows"]["fedavg"]["best_new"]
+    assert (final["mean"], final["min"], final["max"]) == pytest.approx((0.5, 0.4, 0.6))
+    assert (best["mean"], best["min"], best["max"]) == pytest.approx((0.65, 0.6, 0.7))
+    assert "| final new-client acc. (%) | best new-client acc. (%) |" in markdown(doc).splitlines()[0]
+    plain = build([Run(Path("p"), {"algorithm": "fedavg", "seed": 0, "rounds": 1}, [{"round": 1, "wall_s": 1.0}])])
+    assert "final_new" not in plain["rows"]["fedavg"]  # tables of runs without new clients keep their shape
