@@ -47,6 +47,7 @@ from wafl.cli.bench import (
     training_start,
 )
 from wafl.common.config import RunConfig
+from wafl.server.strategies.buffered import BufferedConfig
 
 AGGREGATIONS = ("sync", "buffered")
 PROTOCOLS = ("compute-and-wait", "wait-free")
@@ -172,7 +173,7 @@ def bench_async(
         rounds, equal = cfg.rounds, None
         if aggregation == "buffered":
             probe = dataclasses.replace(cfg, aggregation="buffered", params=dict(cfg.params)).validate()
-            equal = math.ceil(cfg.rounds * cfg.num_clients / probe.buffered_size)
+            equal = math.ceil(cfg.rounds * cfg.num_clients / BufferedConfig.of(probe).buffer_size)
             rounds = equal * versions_factor
         run_cfg = dataclasses.replace(
             cfg, aggregation=aggregation, protocol=protocol, rounds=rounds, params=dict(cfg.params)

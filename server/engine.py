@@ -1,4 +1,4 @@
-"""The engine: drives I/O and time for one run; its strategy (``strategy.py``) makes every decision.
+"""The engine: drives I/O and time for one run; its strategy (``strategies/``) makes every decision.
 
 join -> start -> (collect -> close -> drain -> aggregate -> evaluate -> checkpoint -> publish)* ->
 final model. The engine owns the global model, the clients' mailboxes and the record of the run;
@@ -44,7 +44,7 @@ from wafl.server.aggregator import Accumulator, NormBound, RetainedBytes, Rule, 
 from wafl.server.auth import CREDENTIAL_KEY, ID_PATTERN, Credentials, JoinSecrets, check_id, load_or_create_key
 from wafl.server.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from wafl.server.results import ResultsLog, round_
-from wafl.server.strategy import Collection, Deliveries, RunAborted, make_strategy
+from wafl.server.strategies import Collection, Deliveries, RunAborted, make_strategy
 from wafl.server.tensorboard import TensorBoardLog
 from wafl.server.upload import FoldWorkers, Upload
 
@@ -137,7 +137,7 @@ class RoundEngine:
         self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="wafl-server")
         self.fold_workers = FoldWorkers()  # fold every upload's chunks: a bounded set of threads
         self.run_start = time.monotonic()
-        self.results = ResultsLog(out_dir, self.run_start, latest_pm=cfg.aggregation == "buffered")
+        self.results = ResultsLog(out_dir, self.run_start, latest_pm=self.strategy.latest_pm)
         self.checkpoint_path = out_dir / "checkpoint.pt"
         # called in a worker thread as each round closes, before aggregation, with the round's number, the
         # global model its clients trained from and its selected clients; its fields join the round's results
@@ -538,6 +538,7 @@ class RoundEngine:
                     round=p.round,
                     final=p.final,
                     train=d.train,
+                    upload_delta=self.strategy.uploads_are_deltas,
                     num_tensors=len(self.manifest),
                     total_bytes=self.model_bytes,
                 )
@@ -567,7 +568,7 @@ class RoundEngine:
         if self.finished.is_set():
             raise Refused("the run is over", Code.FAILED_PRECONDITION)
         now = asyncio.get_running_loop().time()
-        ticket = self.strategy.open(h.client_id, h.round, h.num_samples, h.idempotency_key, now)
+        ticket = self.strategy.open(h.client_id, h.round, h.num_samples, h.idempotency_key, now, h.metrics)
         upload = Upload(self, h, ticket)
         self.attempts[_attempt(h)] = upload
         return upload

@@ -119,20 +119,22 @@ class BroadcastRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., client_id: _Optional[str] = ...) -> None: ...
 
 class BroadcastHeader(_message.Message):
-    __slots__ = ("run_id", "round", "final", "num_tensors", "total_bytes", "train")
+    __slots__ = ("run_id", "round", "final", "num_tensors", "total_bytes", "train", "upload_delta")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
     NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     TRAIN_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_DELTA_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     round: int
     final: bool
     num_tensors: int
     total_bytes: int
     train: bool
-    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., final: _Optional[bool] = ..., num_tensors: _Optional[int] = ..., total_bytes: _Optional[int] = ..., train: _Optional[bool] = ...) -> None: ...
+    upload_delta: bool
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., final: _Optional[bool] = ..., num_tensors: _Optional[int] = ..., total_bytes: _Optional[int] = ..., train: _Optional[bool] = ..., upload_delta: _Optional[bool] = ...) -> None: ...
 
 class BroadcastTrailer(_message.Message):
     __slots__ = ("crc32", "num_chunks")
