@@ -48,6 +48,7 @@ from wafl.cli.bench import (
 )
 from wafl.common.config import RunConfig
 from wafl.common.contract import PROTOCOLS as CLIENT_PROTOCOLS
+from wafl.server.strategies.buffered import BufferedConfig
 
 AGGREGATIONS = ("sync", "buffered")
 PROTOCOLS = CLIENT_PROTOCOLS[::-1]  # the baseline, compute-and-wait, first
@@ -173,7 +174,7 @@ def bench_async(
         rounds, equal = cfg.rounds, None
         if aggregation == "buffered":
             probe = dataclasses.replace(cfg, aggregation="buffered", params=dict(cfg.params)).validate()
-            equal = math.ceil(cfg.rounds * cfg.num_clients / probe.buffered_size)
+            equal = math.ceil(cfg.rounds * cfg.num_clients / BufferedConfig.of(probe).buffer_size)
             rounds = equal * versions_factor
         run_cfg = dataclasses.replace(
             cfg, aggregation=aggregation, protocol=protocol, rounds=rounds, params=dict(cfg.params)

@@ -20,7 +20,7 @@ from wafl.common.config import ConfigError, RunConfig, load_config
 from wafl.common.contract import PROTOCOLS
 from wafl.common.datasets.base import DatasetNotFoundError
 from wafl.common.errors import UsageError
-from wafl.server import strategy as _strategy  # noqa: F401  (its plug-ins validate their configuration sections)
+from wafl.server import strategies as _strategies  # noqa: F401  (the rules validate their configuration sections)
 
 
 def _kv(text: str) -> tuple[str, Any]:
@@ -58,7 +58,7 @@ def _config_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--act-prob", dest="act_prob", type=float, help="independent per-client activation probability")
     g.add_argument("--algorithm", help="e.g. fedavg, scd, ditto, fedhkd, fedproto, fedprox+asd")
     g.add_argument("--protocol", choices=PROTOCOLS)
-    g.add_argument("--aggregation", help="sync (lock-step rounds) or buffered (asynchronous, FedBuff)")
+    g.add_argument("--aggregation", help="sync (lock-step rounds), buffered (FedBuff) or fedasync (FedAsync)")
     g.add_argument("--concurrency", type=int, help="buffered: clients training at once (default: all)")
     g.add_argument("--buffer-size", dest="buffer_size", type=int, help="buffered: updates per new version")
     g.add_argument("--slowdown", help="per-client compute slow-down: none, a list '1,2,4,...' or lognormal:sigma=S")

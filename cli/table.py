@@ -185,7 +185,7 @@ def build(
             raise TableError(f"two runs of {name!r} with seed {seed}: {folders[name]} and {r.path}")
         grouped[name][seed] = run_metrics(r, target)
         folders.setdefault(name, []).append(str(r.path))
-    metrics = METRICS
+    metrics: tuple[str, ...] = METRICS
     if any(v["final_new"] is not None for per_seed in grouped.values() for v in per_seed.values()):
         metrics += NEW_CLIENTS
     table: dict[str, Any] = {}

@@ -12,8 +12,9 @@ if selected, train the GM for ``local_epochs`` and
   so the PM stops within one batch; ``pm_min_steps``/``pm_max_epochs`` bound the loop;
 * compute-and-wait: train the PM for ``pm_epochs``, then upload, then idle.
 
-The same code serves both aggregations: under buffered aggregation a client receives a model
-when it is asked to train on it, and uploads its difference to that model. Heterogeneous
+The same code serves every aggregation rule: under an asynchronous one a client receives a model
+when it is asked to train on it; it uploads its difference to that model when the broadcast's
+header says so (``upload_delta``, set by the server's rule), else the trained model. Heterogeneous
 clients (``slowdown``, ``dropout``, see :mod:`wafl.common.heterogeneity`): a slowed-down client
 follows each GM and compute-and-wait PM phase with a ``slowdown`` phase of ``(factor - 1)`` times
 its length (its wait-free PM pauses that long after every step), and a client that drops out
@@ -96,7 +97,6 @@ class RoundProtocol:
         self.protocol = protocol
         cfg = trainer.cfg
         self.slowdown = slowdowns(cfg.slowdown, cfg.num_clients, cfg.seed)[trainer.index]
-        self.deltas = cfg.aggregation == "buffered"  # uploads are differences to the model received
         self.timeline = Timeline()
         self.pm_trained_round: int | None = None
         self.uploads: set[asyncio.Task[Any]] = set()
@@ -174,7 +174,8 @@ class RoundProtocol:
         seen, heads = self.arrived, self.headers
         selected = model.train
         await self.compute.run(t.begin_round, r, model.state, model.knowledge, selected)
-        base = model.state if self.deltas else None  # the upload's reference (buffered), else nothing to keep
+        # the upload's reference when the server asks for differences (its header says), else nothing to keep
+        base = model.state if model.upload_delta else None
         model.state = {}  # loaded into the local model: the received copy is freed during the round
         if selected and drops_out(cfg.seed, t.index, r, cfg.dropout):
             log.info("offline", round=r)

@@ -98,6 +98,7 @@ class ReceivedModel:
     knowledge: Knowledge
     nbytes: int = 0
     adapt: bool = False  # a new client (new_clients) is asked to adapt it and report its accuracy
+    upload_delta: bool = False  # an upload trained on it is the difference to it (else the trained model)
 
 
 def credential_path(state_dir: Path | None, index: int) -> Path | None:
@@ -386,4 +387,4 @@ class ModelAssembler:
         knowledge = from_proto(self.reader.knowledge)
         self.header = self.reader = self.shared = None
         self.buffers = {}
-        return ReceivedModel(h.round, h.train, h.final, state, knowledge, nbytes, h.adapt)
+        return ReceivedModel(h.round, h.train, h.final, state, knowledge, nbytes, h.adapt, h.upload_delta)

@@ -18,7 +18,6 @@ from typing import Any
 
 from wafl.common.contract import PROTOCOLS
 
-STALENESS = ("sqrt", "constant", "poly", "hinge")
 OPTIMIZERS = ("sgd", "adam")
 
 
@@ -31,10 +30,10 @@ _SECTION_CHECKS: dict[str, ConfigCheck] = {}
 
 
 def register_config_check(section: str, check: ConfigCheck) -> None:
-    """A plug-in validates its own configuration section: the round policies (``aggregation`` and its
-    fields, ``server/strategy.py``) and the aggregation rules (``aggregator``, ``server/aggregator.py``)
-    register here when they are imported, and :meth:`RunConfig.validate` runs every registered check
-    after its own fields'. So this module knows no plug-in: wherever a run starts (the server, an
+    """A plug-in validates its own configuration section: the round policies (``aggregation``, its fields
+    and ``aggregation_params``, ``server/strategies/``) and the aggregation rules (``aggregator``,
+    ``server/aggregator.py``) register here when they are imported, and :meth:`RunConfig.validate` runs
+    every registered check after its own fields'. So this module knows no plug-in: wherever a run starts (the server, an
     in-process run, ``wafl run``) the plug-ins it runs are imported and check the configuration;
     a client validates only the fields it owns, on a configuration its server has checked."""
     _SECTION_CHECKS[section] = check
@@ -72,14 +71,15 @@ class RunConfig:
     final_report_s: float = 30.0
     max_round_retries: int = 3
     seed: int = 0
-    # aggregation: lock-step rounds, or buffered asynchronous (FedBuff)
+    # aggregation rule (server/strategies/): sync (lock-step rounds), buffered (FedBuff), fedasync (FedAsync)
     aggregation: str = "sync"
-    concurrency: int | None = None  # buffered: clients training at once (None: every client)
+    aggregation_params: dict[str, Any] = field(default_factory=dict)  # the rule's own settings (fedasync: alpha)
+    concurrency: int | None = None  # buffered, fedasync: clients training at once (None: every client)
     buffer_size: int | None = None  # buffered: accepted updates per new version (None: half the concurrency)
-    staleness: str = "sqrt"  # buffered: update weight by age in versions: sqrt 1/sqrt(1+s), poly, hinge, constant
+    staleness: str = "sqrt"  # buffered, fedasync: weight by age in versions: sqrt 1/sqrt(1+s), poly, hinge, constant
     staleness_a: float = 0.5  # poly: (1+s)^-a; hinge: 1/(a(s-b)+1) beyond b
     staleness_b: int = 4  # hinge: the age up to which updates count fully
-    max_staleness: int = 20  # buffered: older updates are refused
+    max_staleness: int = 20  # buffered, fedasync: older updates are refused
     server_lr: float = 1.0  # buffered: step size of the averaged update
     # bounded influence of any one client
     aggregator: str = "mean"  # how uploads combine: mean (weighted), trimmed_mean, median (coordinate-wise)
@@ -146,7 +146,7 @@ class RunConfig:
         if self.min_clients is not None:
             _int_at_least("min_clients", self.min_clients, 1)
             if self.min_clients > self.training_clients:
-                raise ConfigError(f"min_clients={self.min_clients} is more than {self._training_text}")
+                raise ConfigError(f"min_clients={self.min_clients} is more than {self.training_clients_text}")
         _positive("round_deadline_s", self.round_deadline_s)
         _positive("join_timeout_s", self.join_timeout_s)
         _positive("upload_stall_s", self.upload_stall_s)
@@ -185,38 +185,20 @@ class RunConfig:
         _int_at_least("keep_checkpoint_every", self.keep_checkpoint_every, 0)
         if self.keep_checkpoint_every and not self.checkpoint:
             raise ConfigError(f"keep_checkpoint_every={self.keep_checkpoint_every} needs checkpoint = true")
-        if self.grad_dissimilarity_every and self.aggregation != "sync":
-            raise ConfigError(
-                f"grad_dissimilarity_every={self.grad_dissimilarity_every} needs aggregation='sync' (the clients of a "
-                f"round at one global model), not {self.aggregation!r}"
-            )
         if not (
             self.device in ("auto", "cpu", "cuda") or (self.device.startswith("cuda:") and self.device[5:].isdigit())
         ):
             raise ConfigError(f"device={self.device!r} is not one of auto, cpu, cuda, cuda:N")
         try:
-            self.params = registry.resolve(self.algorithm, self.params).params
+            self.params = registry.resolve(self.algorithm, self.params, dataclasses.asdict(self)).params
         except ValueError as e:
             raise ConfigError(str(e)) from None
         return self
 
     def _validate_aggregation(self) -> None:
-        _one_of("staleness", self.staleness, STALENESS)
-        if self.concurrency is not None:
-            _int_at_least("concurrency", self.concurrency, 1)
-            if self.concurrency > self.training_clients:
-                raise ConfigError(f"concurrency={self.concurrency} is more than {self._training_text}")
-        if self.buffer_size is not None:
-            _int_at_least("buffer_size", self.buffer_size, 1)
-            if self.buffer_size > self.buffered_concurrency:
-                raise ConfigError(
-                    f"buffer_size={self.buffer_size} is more than the {self.buffered_concurrency} clients "
-                    "that train at once (concurrency): no version could ever be published"
-                )
-        _positive("staleness_a", self.staleness_a)
-        _int_at_least("staleness_b", self.staleness_b, 0)
-        _int_at_least("max_staleness", self.max_staleness, 0)
-        _positive("server_lr", self.server_lr)
+        """The aggregator's fields, then every registered section check; the round policies' fields
+        (``concurrency``, ``staleness``, ...) are checked by their rule's configuration dataclass
+        (``server/strategies/``), when it is the run's rule."""
         _in_range("trim_fraction", self.trim_fraction, 0.0, 0.5, high_open=True)
         if self.clip_norm is not None:
             _positive("clip_norm", self.clip_norm)
@@ -241,30 +223,11 @@ class RunConfig:
         return self.num_clients - self.new_clients
 
     @property
-    def _training_text(self) -> str:
+    def training_clients_text(self) -> str:
         if not self.new_clients:
             return f"num_clients={self.num_clients}"
         n, k = self.num_clients, self.new_clients
         return f"the {self.training_clients} training clients (num_clients={n} - new_clients={k})"
-
-    @property
-    def uploads_per_aggregation(self) -> int:
-        """The uploads one aggregation nominally combines: a sync round's selected clients (no more
-        than ``min_clients``, with which a round may close), or a buffered version's buffer."""
-        if self.aggregation == "buffered":
-            return self.buffered_size
-        n = self.training_clients
-        share = self.act_prob if self.act_prob is not None else self.fraction
-        k = max(1, math.floor(share * n + (0.0 if self.act_prob is not None else 0.5)))
-        return min(k, self.min_clients) if self.min_clients is not None else k
-
-    @property
-    def buffered_concurrency(self) -> int:
-        return self.concurrency or self.training_clients
-
-    @property
-    def buffered_size(self) -> int:
-        return self.buffer_size or max(1, self.buffered_concurrency // 2)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -367,3 +330,7 @@ def _in_range(
         lo = "(" if low_open else "["
         hi = ")" if high_open else "]"
         raise ConfigError(f"{name}={value!r} must lie in {lo}{low}, {high}{hi}")
+
+
+# the field checks, for the plug-ins that check their own sections (server/strategies/): one wording everywhere
+one_of, positive, int_at_least, in_range = _one_of, _positive, _int_at_least, _in_range

@@ -55,13 +55,11 @@ CENTERS = ("mean", "trimmed_mean", "median")
 
 
 def check_aggregator(cfg: RunConfig) -> None:
-    """The ``aggregator`` section: a known rule, and one that can do what it is for with the run's
-    client counts (:func:`check_robust`)."""
+    """The ``aggregator`` section: a known rule. Whether it can do what it is for with the uploads one
+    aggregation combines (:func:`check_robust`) depends on the round policy, which checks it
+    (``wafl.server.strategies.check_aggregation``)."""
     if cfg.aggregator not in CENTERS:
         raise ConfigError(f"aggregator={cfg.aggregator!r} is not one of {list(CENTERS)}")
-    why = check_robust(cfg.aggregator, cfg.trim_fraction, cfg.uploads_per_aggregation)
-    if why is not None:
-        raise ConfigError(why)
 
 
 _scratch = threading.local()  # each folding thread's float64 buffer (UploadFold._contribution)

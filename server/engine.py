@@ -1,4 +1,4 @@
-"""The engine: drives I/O and time for one run; its strategy (``strategy.py``) makes every decision.
+"""The engine: drives I/O and time for one run; its strategy (``strategies/``) makes every decision.
 
 join -> start -> (collect -> close -> drain -> aggregate -> evaluate -> checkpoint -> publish)* ->
 final model. The engine owns the global model, the clients' mailboxes and the record of the run;
@@ -46,7 +46,7 @@ from wafl.server.aggregator import Accumulator, NormBound, RetainedBytes, Rule, 
 from wafl.server.auth import ID_PATTERN, Credentials, JoinSecrets, check_id, load_or_create_key
 from wafl.server.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from wafl.server.results import ResultsLog, round_
-from wafl.server.strategy import Collection, Deliveries, RunAborted, make_strategy
+from wafl.server.strategies import Collection, Deliveries, RunAborted, make_strategy
 from wafl.server.tensorboard import TensorBoardLog
 from wafl.server.upload import FoldWorkers, Upload
 
@@ -145,7 +145,7 @@ class RoundEngine:
         self.fold_workers = FoldWorkers()  # fold every upload's chunks: a bounded set of threads
         self.run_start = time.monotonic()
         self.results = ResultsLog(
-            out_dir, self.run_start, latest_pm=cfg.aggregation == "buffered", new_clients=bool(cfg.new_clients)
+            out_dir, self.run_start, latest_pm=self.strategy.latest_pm, new_clients=bool(cfg.new_clients)
         )
         self.checkpoint_path = out_dir / "checkpoint.pt"
         # called in a worker thread as each round closes, before aggregation, with the round's number, the
@@ -557,6 +557,7 @@ class RoundEngine:
                     final=p.final,
                     train=d.train,
                     adapt=d.adapt,
+                    upload_delta=self.strategy.uploads_are_deltas,
                     num_tensors=len(self.manifest),
                     total_bytes=self.model_bytes,
                 )
@@ -590,7 +591,7 @@ class RoundEngine:
         if self.finished.is_set():
             raise Refused("the run is over", Code.FAILED_PRECONDITION)
         now = asyncio.get_running_loop().time()
-        ticket = self.strategy.open(h.client_id, h.round, h.num_samples, h.idempotency_key, now)
+        ticket = self.strategy.open(h.client_id, h.round, h.num_samples, h.idempotency_key, now, h.metrics)
         upload = Upload(self, h, ticket)
         self.attempts[_attempt(h)] = upload
         return upload

@@ -37,7 +37,7 @@ from wafl.server.aggregator import UploadFold
 
 if TYPE_CHECKING:
     from wafl.server.engine import RoundEngine
-    from wafl.server.strategy import Ticket
+    from wafl.server.strategies.base import Ticket
 
 
 async def receive_upload(engine: RoundEngine, messages: AsyncIterator[object], credential: str = "") -> tuple[int, int]:

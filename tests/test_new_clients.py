@@ -13,7 +13,7 @@ from wafl.cli.launcher import launch
 from wafl.cli.simulate import simulate
 from wafl.client.trainer import Trainer
 from wafl.common import metrics as M
-from wafl.common.config import ConfigError, load_config
+from wafl.common.config import ConfigError, RunConfig, load_config
 from wafl.common.datasets import load_dataset
 from wafl.common.errors import Code, Refused
 from wafl.common.heterogeneity import new_client_indices
@@ -135,9 +135,18 @@ def test_bad_new_client_settings_are_refused_naming_the_field(fields, fragment) 
 
 
 def test_fraction_counts_the_training_clients_only() -> None:
+    from wafl.server.strategies import STRATEGIES
+
+    def per_aggregation(cfg: RunConfig) -> int:
+        return STRATEGIES[cfg.aggregation].check_config(cfg).uploads_per_aggregation(cfg)
+
     cfg = load_config(None, {**BASE, "num_clients": 10, "new_clients": 6, "fraction": 0.5})
-    assert cfg.training_clients == 4 and cfg.uploads_per_aggregation == 2
-    assert load_config(None, {**BASE, "new_clients": 0}).uploads_per_aggregation == 5
+    assert cfg.training_clients == 4 and per_aggregation(cfg) == 2
+    assert per_aggregation(load_config(None, {**BASE, "new_clients": 0})) == 5
+    buffered = load_config(None, {**BASE, "num_clients": 10, "new_clients": 6, "aggregation": "buffered"})
+    assert per_aggregation(buffered) == 2  # half of the 4 that may train at once
+    with pytest.raises(ConfigError, match=r"concurrency=5 is more than the 4 training clients"):
+        load_config(None, {**BASE, "num_clients": 10, "new_clients": 6, "aggregation": "buffered", "concurrency": 5})
 
 
 def test_the_server_refuses_uploads_from_new_clients_and_their_reports_from_others(tmp_path) -> None:

@@ -10,7 +10,7 @@ from wafl.common.algorithms import registry
 from wafl.common.codec import iter_chunks, manifest_of
 from wafl.common.config import ConfigError, load_config
 from wafl.server.aggregator import Accumulator, Rule
-from wafl.server.strategy import make_strategy
+from wafl.server.strategies import make_strategy
 
 
 def make_state(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:

@@ -227,6 +227,9 @@ class ServerUpdate:
     """The server side: how uploads are weighted and how their mean becomes the next global model.
 
     The default is FedAvg: weights are sample counts and the new global is the weighted mean.
+    :meth:`weight` also sees the metrics the upload's header declares (its ``train_steps``, ...),
+    and under lock-step rounds :meth:`collected` is told every committed upload of the round
+    (sample count and metrics) just before :meth:`finalize` (FedNova normalizes by local steps).
     ``prev`` and ``mean`` hold every tensor that travels, extra tensors included (names from
     :func:`extra_name`); ``finalize`` is the server's work between rounds.
     State kept across rounds goes through ``state_dict``/``load_state_dict`` into checkpoints.
@@ -236,8 +239,12 @@ class ServerUpdate:
 
     buffered_ok = True
 
-    def weight(self, num_samples: int) -> float:
+    def weight(self, num_samples: int, metrics: Mapping[str, float] | None = None) -> float:
+        """An upload's weight in the mean, from its sample count and declared metrics."""
         return float(num_samples)
+
+    def collected(self, uploads: list[tuple[int, Mapping[str, float]]]) -> None:
+        """The round's committed uploads, ``(num_samples, metrics)`` each, before :meth:`finalize`."""
 
     def finalize(
         self, prev: Mapping[str, torch.Tensor], mean: dict[str, torch.Tensor], participants: int

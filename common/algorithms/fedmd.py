@@ -77,7 +77,7 @@ class Consensus(ServerUpdate):
 
     buffered_ok = False
 
-    def weight(self, num_samples: int) -> float:
+    def weight(self, num_samples: int, metrics: Mapping[str, float] | None = None) -> float:
         return 1.0
 
     def finalize(

@@ -110,7 +110,7 @@ class ScaffoldServer(ServerUpdate):
     def __init__(self, num_clients: int) -> None:
         self.num_clients = num_clients
 
-    def weight(self, num_samples: int) -> float:
+    def weight(self, num_samples: int, metrics: Mapping[str, float] | None = None) -> float:
         return 1.0
 
     def finalize(

@@ -52,7 +52,7 @@ class FedDynUpdate(ServerUpdate):
         self.alpha, self.num_clients = alpha, num_clients
         self.h: dict[str, torch.Tensor] = {}
 
-    def weight(self, num_samples: int) -> float:
+    def weight(self, num_samples: int, metrics: Mapping[str, float] | None = None) -> float:
         return 1.0
 
     def finalize(

@@ -119,7 +119,7 @@ class BroadcastRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., client_id: _Optional[str] = ...) -> None: ...
 
 class BroadcastHeader(_message.Message):
-    __slots__ = ("run_id", "round", "final", "num_tensors", "total_bytes", "train", "adapt")
+    __slots__ = ("run_id", "round", "final", "num_tensors", "total_bytes", "train", "adapt", "upload_delta")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +127,7 @@ class BroadcastHeader(_message.Message):
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     TRAIN_FIELD_NUMBER: _ClassVar[int]
     ADAPT_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_DELTA_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     round: int
     final: bool
@@ -134,7 +135,8 @@ class BroadcastHeader(_message.Message):
     total_bytes: int
     train: bool
     adapt: bool
-    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., final: _Optional[bool] = ..., num_tensors: _Optional[int] = ..., total_bytes: _Optional[int] = ..., train: _Optional[bool] = ..., adapt: _Optional[bool] = ...) -> None: ...
+    upload_delta: bool
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., final: _Optional[bool] = ..., num_tensors: _Optional[int] = ..., total_bytes: _Optional[int] = ..., train: _Optional[bool] = ..., adapt: _Optional[bool] = ..., upload_delta: _Optional[bool] = ...) -> None: ...
 
 class BroadcastTrailer(_message.Message):
     __slots__ = ("crc32", "num_chunks")

@@ -1,0 +1,51 @@
+"""Round policies, one file per rule: who trains on which model version, what becomes of each
+update, when the next version is published, and how the gathered updates become it.
+
+* ``base.py``: the :class:`~wafl.server.strategies.base.Strategy` interface the engine calls, the
+  collections of updates, :func:`~wafl.server.strategies.base.register`;
+* ``sync.py``: lock-step rounds (``aggregation = "sync"``, the default);
+* ``buffered.py``: buffered asynchronous aggregation, FedBuff (``"buffered"``);
+* ``fedasync.py``: each update mixed in as it arrives, FedAsync (``"fedasync"``).
+
+Every module of this package is imported here, so a new rule is one new file (and its test):
+a :class:`~wafl.server.strategies.base.Strategy` subclass decorated with ``@register("name")``,
+whose ``Config`` reads and checks its settings. Importing this package registers the
+``aggregation`` section check with the configuration (:func:`check_aggregation`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Callable
+
+from wafl.common.algorithms.base import Algorithm
+from wafl.common.config import ConfigError, RunConfig, register_config_check
+from wafl.server.aggregator import CENTERS, Accumulator, check_robust
+from wafl.server.strategies.base import STRATEGIES, Collection, Deliveries, RunAborted, Strategy
+
+__all__ = ["STRATEGIES", "Collection", "Deliveries", "RunAborted", "Strategy", "check_aggregation", "make_strategy"]
+
+for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
+    importlib.import_module(f"{__name__}.{_module}")
+
+
+def check_aggregation(cfg: RunConfig) -> None:
+    """The ``aggregation`` section: a known rule, its settings (its ``Config``), and an aggregator
+    that can do what it is for with the uploads one aggregation of this rule combines."""
+    if cfg.aggregation not in STRATEGIES:
+        raise ConfigError(f"aggregation={cfg.aggregation!r} is not one of {sorted(STRATEGIES)}")
+    settings = STRATEGIES[cfg.aggregation].check_config(cfg)
+    if cfg.aggregator in CENTERS:
+        why = check_robust(cfg.aggregator, cfg.trim_fraction, settings.uploads_per_aggregation(cfg))
+        if why is not None:
+            raise ConfigError(why)
+
+
+register_config_check("aggregation", check_aggregation)
+
+
+def make_strategy(
+    cfg: RunConfig, algorithm: Algorithm, num_classes: int, new_accumulator: Callable[[], Accumulator]
+) -> Strategy:
+    return STRATEGIES[cfg.aggregation](cfg, algorithm, num_classes, new_accumulator)

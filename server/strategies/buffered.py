@@ -1,0 +1,247 @@
+"""Buffered asynchronous aggregation (FedBuff: Nguyen et al., "Federated Learning with Buffered
+Asynchronous Aggregation", AISTATS 2022).
+
+Up to ``concurrency`` clients train at once, each on the newest version when it was asked; each
+upload is a delta against the version it started from, weighted by ``staleness(age in versions)
+* samples``; ``buffer_size`` accepted deltas (plus any already streaming into the buffer when it
+filled) make the next version, ``x + server_lr * sum_i s(age_i) n_i delta_i / sum_i n_i``. Freed
+slots go at once to idle clients chosen at random (reproducibly from the seed), with the newest
+version. Its settings are run-wide fields (``concurrency``, ``buffer_size``, ``staleness``,
+``staleness_a``, ``staleness_b``, ``max_staleness``, ``server_lr``), checked by
+:class:`BufferedConfig`; the slots, versions and staleness rules here serve FedAsync too
+(``fedasync.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from wafl.common.config import ConfigError, RunConfig, int_at_least, one_of, positive
+from wafl.common.errors import Code, Refused
+from wafl.server.strategies.base import Collection, Deliveries, RuleConfig, State, Strategy, Ticket, register
+
+STALENESS = ("sqrt", "constant", "poly", "hinge")
+
+
+def staleness_function(kind: str, a: float, b: int) -> Callable[[int], float]:
+    """The weight of an update ``s`` versions old: FedBuff's ``sqrt`` ``1/sqrt(1+s)``, and FedAsync's
+    (Xie et al. 2019) ``constant`` 1, ``poly`` ``(1+s)^-a`` and ``hinge`` (1 up to ``b``, then
+    ``1/(a(s-b)+1)``), ``s = t - tau`` the versions published since the update's own."""
+    return {
+        "sqrt": lambda s: 1.0 / math.sqrt(1.0 + s),
+        "constant": lambda s: 1.0,
+        "poly": lambda s: (1.0 + s) ** -a,
+        "hinge": lambda s: 1.0 if s <= b else 1.0 / (a * (s - b) + 1.0),
+    }[kind]
+
+
+@dataclass(frozen=True)
+class AsyncConfig(RuleConfig):
+    """The settings every asynchronous rule here shares: slots, the staleness weight and bound."""
+
+    concurrency: int  # clients training at once
+    staleness: Callable[[int], float]  # the weight of an update by its age in versions
+    max_staleness: int  # older updates are refused
+
+    @classmethod
+    def async_fields(cls, cfg: RunConfig) -> tuple[int, Callable[[int], float], int]:
+        """Checks the shared fields and the algorithm; returns ``(concurrency, staleness, max_staleness)``."""
+        name = cfg.aggregation
+        if cfg.fraction != 1.0 or cfg.act_prob is not None or cfg.min_clients is not None:
+            raise ConfigError(
+                f"fraction, act_prob and min_clients apply to aggregation='sync'; aggregation={name!r} sets how "
+                "many clients train at once with concurrency"
+            )
+        if cfg.grad_dissimilarity_every:
+            raise ConfigError(
+                f"grad_dissimilarity_every={cfg.grad_dissimilarity_every} needs aggregation='sync' (the clients of a "
+                f"round at one global model), not {name!r}"
+            )
+        if cfg.concurrency is not None:
+            int_at_least("concurrency", cfg.concurrency, 1)
+            if cfg.concurrency > cfg.training_clients:
+                raise ConfigError(f"concurrency={cfg.concurrency} is more than {cfg.training_clients_text}")
+        one_of("staleness", cfg.staleness, STALENESS)
+        positive("staleness_a", cfg.staleness_a)
+        int_at_least("staleness_b", cfg.staleness_b, 0)
+        int_at_least("max_staleness", cfg.max_staleness, 0)
+        from wafl.common.algorithms import registry
+
+        try:
+            algo = registry.resolve(cfg.algorithm, cfg.params, dataclasses.asdict(cfg))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if not algo.server.buffered_ok:
+            raise ConfigError(
+                f"algorithm={cfg.algorithm!r} does not combine with aggregation={name!r}: its server update "
+                f"({type(algo.server).__name__}) keeps state built from one round's full models, while "
+                "asynchronous aggregation publishes versions from stale, staleness-weighted updates"
+            )
+        weight = staleness_function(cfg.staleness, cfg.staleness_a, cfg.staleness_b)
+        return cfg.concurrency or cfg.training_clients, weight, cfg.max_staleness
+
+
+@dataclass(frozen=True)
+class BufferedConfig(AsyncConfig):
+    buffer_size: int  # accepted updates per new version
+    server_lr: float  # step size of the averaged update
+
+    @classmethod
+    def of(cls, cfg: RunConfig) -> BufferedConfig:
+        cls.own_params(cfg)
+        concurrency, staleness, max_staleness = cls.async_fields(cfg)
+        if cfg.buffer_size is not None:
+            int_at_least("buffer_size", cfg.buffer_size, 1)
+            if cfg.buffer_size > concurrency:
+                raise ConfigError(
+                    f"buffer_size={cfg.buffer_size} is more than the {concurrency} clients that train at once "
+                    "(concurrency): no version could ever be published"
+                )
+        positive("server_lr", cfg.server_lr)
+        buffer_size = cfg.buffer_size or max(1, concurrency // 2)
+        return cls(concurrency, staleness, max_staleness, buffer_size, cfg.server_lr)
+
+    def uploads_per_aggregation(self, cfg: RunConfig) -> int:
+        return self.buffer_size
+
+
+@register("buffered")
+class BufferedStrategy(Strategy):
+    Config: ClassVar[type[BufferedConfig]] = BufferedConfig
+    drain = "wait"
+    uploads_are_deltas = True
+    latest_pm = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.config = self.Config.of(self.cfg)
+        self.concurrency = self.config.concurrency
+        self.buffer_size = self.config.buffer_size
+        self.weight_of = self.config.staleness
+        self.current: Collection | None = None
+        self.closing: list[Collection] = []
+        self.assigned: dict[str, tuple[int, float]] = {}  # client -> (version it trains on, when asked)
+        self.trained: dict[str, int] = {}  # client -> the version it was last asked to train on
+        self.draws = 0
+
+    def _assign(self, now: float) -> Deliveries:
+        """Hands free slots to idle clients (random, reproducible), with the newest version; a client
+        never trains twice on one version (a slot it frees waits for the next one instead)."""
+        out: Deliveries = {}
+        if self.done or len(self.assigned) >= self.concurrency:
+            return out  # no free slot: nothing to draw (and no pass over every client)
+        idle = sorted(
+            (
+                c
+                for c in self.clients.values()
+                if c.client_id not in self.assigned and self.trained.get(c.client_id) != self.version
+            ),
+            key=lambda c: c.index,
+        )
+        while idle and len(self.assigned) < self.concurrency:
+            self.draws += 1
+            pick = idle.pop(int(np.random.default_rng([self.cfg.seed, 7, self.draws]).integers(len(idle))))
+            self.assigned[pick.client_id] = (self.version, now)
+            self.trained[pick.client_id] = self.version
+            out[pick.client_id] = True
+        return out
+
+    def start(self, now: float) -> Deliveries:
+        self.current = self._collection(self.version, now)
+        return self._assign(now)
+
+    def published(self, now: float) -> Deliveries:
+        return self._assign(now)
+
+    def staleness_weight(self, staleness: int) -> float:
+        return self.weight_of(staleness)
+
+    def _open_collections(self) -> tuple[Collection, ...]:
+        return tuple(self.closing)
+
+    def _admit(self, client_id: str, round: int, now: float) -> tuple[Collection, int]:
+        if self.current is None or self.done:
+            raise Refused("no version is being collected", Code.FAILED_PRECONDITION)
+        given = self.assigned.get(client_id)
+        if given is None or given[0] != round:
+            raise Refused(
+                f"client {client_id!r} was not asked to train on version {round}"
+                + ("" if given is None else f" (it trains on version {given[0]})"),
+                Code.FAILED_PRECONDITION,
+            )
+        staleness = self.version - round
+        if staleness > self.config.max_staleness:
+            self.assigned.pop(client_id, None)
+            raise Refused(
+                f"an update from version {round} is {staleness} versions old; "
+                f"max_staleness={self.config.max_staleness}",
+                Code.FAILED_PRECONDITION,
+            )
+        return self.current, staleness
+
+    def _freed(self, client_id: str, now: float) -> Deliveries:
+        self.assigned.pop(client_id, None)
+        self._forget_drained()
+        return self._assign(now)
+
+    def release(self, ticket: Ticket) -> None:
+        super().release(ticket)
+        self._forget_drained()
+
+    def _forget_drained(self) -> None:
+        self.closing = [c for c in self.closing if c.in_flight]
+
+    def ready(self) -> bool:
+        assert self.current is not None
+        return len(self.current.metrics) >= self.buffer_size
+
+    def next_deadline(self) -> float | None:
+        first = min((t for _, t in self.assigned.values()), default=None)
+        return None if first is None else first + self.cfg.round_deadline_s
+
+    def tick(self, now: float) -> Deliveries:
+        expired = [c for c, (_, t) in self.assigned.items() if now - t >= self.cfg.round_deadline_s]
+        in_flight = {cid for c in (self.current, *self.closing) if c is not None for cid in c.in_flight}
+        for cid in expired:
+            if cid in in_flight:
+                self.assigned[cid] = (self.assigned[cid][0], now)  # streaming: it gets another deadline
+            else:
+                del self.assigned[cid]  # its slot goes to someone else; a late upload is refused
+        return self._assign(now) if expired else {}
+
+    def close(self, now: float) -> Collection:
+        assert self.current is not None
+        closing = self.current
+        closing.closed = True
+        if closing.in_flight:
+            self.closing.append(closing)
+        self.current = self._collection(self.version + 1, now)
+        return closing
+
+    def combine(self, prev: State, collection: Collection) -> dict[str, torch.Tensor]:
+        acc = collection.accumulator
+        if acc.rule.keeps_uploads:  # a robust center of the deltas, unweighted
+            mean, scale = acc.center(), self.config.server_lr
+        else:
+            mean = acc.mean()  # sum_i w_i delta_i / sum_i w_i, w_i = s(age_i) n_i
+            scale = self.config.server_lr * acc.total_weight / collection.samples
+        out: dict[str, torch.Tensor] = {}
+        for k, x in prev.items():
+            step = mean[k].to(torch.float64) * scale
+            out[k] = x + (step if x.is_floating_point() else torch.round(step)).to(x.dtype)
+        return out
+
+    def row(self, c: Collection) -> dict[str, Any]:
+        s = c.staleness
+        return {
+            **super().row(c),
+            "version": c.number + 1,
+            "staleness_mean": sum(s) / len(s) if s else None,
+            "staleness_max": max(s) if s else None,
+        }

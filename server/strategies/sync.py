@@ -1,0 +1,142 @@
+"""Lock-step rounds (FedAvg's schedule, McMahan et al., AISTATS 2017).
+
+Round ``r`` selects clients (a fraction or an activation probability); version ``r`` goes to
+the clients that do something with it: the selected ones, which train on it, every client when
+the algorithm trains the personal part of unselected clients (``pm_when_unselected``), and, for
+an algorithm with a personal phase, the clients selected in round ``r - 1``, whose PM phase ends
+at this broadcast and is evaluated after it (``broadcast_all`` sends it to every client). The
+round closes when every selected client uploaded or its deadline passed with ``min_clients``
+uploads (a deadline with fewer is extended ``max_round_retries`` times); uploads still streaming
+then are rolled back. Uploads are whole models; the algorithm's server update turns their
+weighted mean into version ``r + 1``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from wafl.common.config import RunConfig
+from wafl.common.errors import Code, Refused
+from wafl.server.selection import select_clients
+from wafl.server.strategies.base import Collection, Deliveries, RuleConfig, RunAborted, State, Strategy, register
+
+
+@dataclass(frozen=True)
+class SyncConfig(RuleConfig):
+    """Sync's settings are run-wide fields (``fraction``, ``act_prob``, ``min_clients``, ``round_deadline_s``,
+    ``max_round_retries``, ``broadcast_all``), checked with the run's own; no ``aggregation_params``."""
+
+    def uploads_per_aggregation(self, cfg: RunConfig) -> int:
+        """A round's selected clients (no more than ``min_clients``, with which a round may close)."""
+        n = cfg.training_clients
+        share = cfg.act_prob if cfg.act_prob is not None else cfg.fraction
+        k = max(1, math.floor(share * n + (0.0 if cfg.act_prob is not None else 0.5)))
+        return min(k, cfg.min_clients) if cfg.min_clients is not None else k
+
+
+@register("sync")
+class SyncStrategy(Strategy):
+    Config = SyncConfig
+    drain = "cancel"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.current: Collection | None = None
+        self.selected: set[str] = set()
+        self.deadline = math.inf
+        self.extensions = 0
+        self.short = False  # the deadline passed with enough uploads
+
+    @property
+    def round(self) -> int:
+        return self.version
+
+    def _open_round(self, now: float) -> Deliveries:
+        r = self.round
+        ids = [c.client_id for c in sorted(self.clients.values(), key=lambda c: c.index)]
+        self.selected = select_clients(self.cfg.seed, r, ids, self.cfg.fraction, self.cfg.act_prob)
+        self.current = self._collection(r, now)
+        self.deadline = now + self.cfg.round_deadline_s
+        self.extensions = 0
+        self.short = False
+        return {c: c in self.selected for c in self._recipients(r, ids)}
+
+    def _recipients(self, r: int, ids: list[str]) -> list[str]:
+        """Who is sent model ``r`` (module docstring): an unselected client that neither trains its
+        personal part on it nor ends a PM phase with it would only discard it."""
+        a = self.algorithm
+        if self.cfg.broadcast_all or (a.personalized and a.pm_when_unselected):
+            return ids
+        keep = self.selected
+        if a.personalized and r > 1:  # a pure function of the seed: the same after --resume
+            keep = keep | select_clients(self.cfg.seed, r - 1, ids, self.cfg.fraction, self.cfg.act_prob)
+        return [c for c in ids if c in keep]
+
+    def start(self, now: float) -> Deliveries:
+        return self._open_round(now)
+
+    def published(self, now: float) -> Deliveries:
+        return {} if self.done else self._open_round(now)
+
+    def _admit(self, client_id: str, round: int, now: float) -> tuple[Collection, int]:
+        c = self.current
+        if c is None or self.done:
+            raise Refused("no round is open", Code.FAILED_PRECONDITION)
+        if round < c.number or (round == c.number and c.closed):
+            raise Refused(f"round {round} is closed; the current round is {c.number}", Code.FAILED_PRECONDITION)
+        if round > c.number:
+            raise Refused(f"round {round} has not opened; the current round is {c.number}", Code.FAILED_PRECONDITION)
+        if client_id not in self.selected:
+            raise Refused(f"client {client_id!r} is not selected for round {round}", Code.FAILED_PRECONDITION)
+        return c, 0
+
+    def ready(self) -> bool:
+        assert self.current is not None
+        # only selected clients commit into the round (``_admit``): counting them is enough
+        return self.short or len(self.current.metrics) >= len(self.selected)
+
+    def next_deadline(self) -> float | None:
+        return self.deadline
+
+    def tick(self, now: float) -> Deliveries:
+        c = self.current
+        if c is None or now < self.deadline or self.ready():
+            return {}
+        got = len(c.metrics)
+        min_clients = min(self.cfg.min_clients or 1, len(self.selected))
+        if got >= min_clients or (got and self.extensions >= self.cfg.max_round_retries):
+            self.short = True
+            return {}
+        if self.extensions >= self.cfg.max_round_retries:
+            raise RunAborted(
+                f"round {c.number}: no client uploaded within {self.extensions + 1} deadlines of "
+                f"{self.cfg.round_deadline_s}s"
+            )
+        self.extensions += 1
+        self.deadline = now + self.cfg.round_deadline_s
+        return {}
+
+    def close(self, now: float) -> Collection:
+        assert self.current is not None
+        self.current.closed = True
+        return self.current
+
+    def combine(self, prev: State, collection: Collection) -> dict[str, torch.Tensor]:
+        acc = collection.accumulator
+        server = self.algorithm.server
+        server.collected([(collection.samples_of[cid], m) for cid, m in collection.metrics.items()])
+        return server.finalize(prev, acc.center(), acc.count)
+
+    def row(self, c: Collection) -> dict[str, Any]:
+        return {**super().row(c), "selected": len(self.selected)}
+
+    def expected_reports(self, c: Collection) -> set[str]:
+        """The clients that trained their PM in this round: those that uploaded and, for an algorithm
+        whose unselected clients train their personal part too, every client not selected."""
+        if self.algorithm.personalized and not self.algorithm.local_model_is_personal:
+            unselected = set(self.clients) - self.selected if self.algorithm.pm_when_unselected else set()
+            return set(c.metrics) | unselected
+        return set()

@@ -1,0 +1,106 @@
+"""Buffered aggregation (server/strategies/buffered.py), transport-free: its versions against a
+numpy re-computation, staleness rules, refusals, slots, and its configuration section."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from strategy_checks import IDS, SAMPLES, make, state, upload
+from wafl.common.config import ConfigError, load_config
+from wafl.common.errors import AlreadyAccepted, Code, Refused
+from wafl.server.strategies.buffered import BufferedConfig, BufferedStrategy, staleness_function
+
+
+def test_buffered_version_is_the_staleness_weighted_delta_step() -> None:
+    s = make(aggregation="buffered", buffer_size=2, server_lr=0.7)
+    assert isinstance(s, BufferedStrategy)
+    assert s.start(0.0) == {"a": True, "b": True, "c": True}  # concurrency: every client
+    x1 = state(0)
+    da, db, dc = state(1), state(2), state(3)
+    upload(s, "a", 1, da)
+    assert not s.ready()
+    upload(s, "b", 1, db)
+    assert s.ready()
+    c1 = s.close(1.0)
+    x2, _, row = s.aggregate(x1, c1)
+    assert row["round"] == 1 and row["version"] == 2 and row["clients"] == 2 and row["staleness_max"] == 0
+    for k in x1:
+        want = x1[k].double() + 0.7 * (10 * da[k].double() + 30 * db[k].double()) / 40
+        assert torch.allclose(x2[k].double(), want, atol=1e-6), k
+    assert s.published(2.0) == {"a": True, "b": True}  # freed slots get version 2; c still trains on 1
+    # c's update started from version 1: one version old, weight 1/sqrt(2)
+    upload(s, "c", 1, dc)
+    upload(s, "a", 2, da)
+    c2 = s.close(3.0)
+    x3, _, row = s.aggregate(x2, c2)
+    w = 1 / math.sqrt(2)
+    for k in x1:
+        want = x2[k].double() + 0.7 * (w * 20 * dc[k].double() + 10 * da[k].double()) / 30
+        assert torch.allclose(x3[k].double(), want, atol=1e-6), k
+    assert row["staleness_mean"] == 0.5 and row["staleness_max"] == 1
+
+
+def test_buffered_refusals_are_precise() -> None:
+    s = make(aggregation="buffered", buffer_size=1, concurrency=2, max_staleness=0)
+    assigned = s.start(0.0)
+    assert len(assigned) == 2
+    idle = next(c for c in IDS if c not in assigned)
+    with pytest.raises(Refused, match="not asked to train on version 1") as e:
+        s.open(idle, 1, SAMPLES[idle], "k", 0.0)
+    assert e.value.code == Code.FAILED_PRECONDITION
+    first, late = sorted(assigned)
+    upload(s, first, 1, state(1), key="k1")
+    with pytest.raises(AlreadyAccepted):  # a retry of a committed upload: its original outcome
+        s.open(first, 1, SAMPLES[first], "k1", 0.0)
+    s.aggregate(state(0), s.close(1.0))
+    with pytest.raises(Refused, match="1 versions old; max_staleness=0") as e:
+        s.open(late, 1, SAMPLES[late], "k", 2.0)
+    assert e.value.code == Code.FAILED_PRECONDITION
+
+
+def test_buffered_slot_expires_and_goes_to_another_client() -> None:
+    s = make(aggregation="buffered", concurrency=1, round_deadline_s=10.0)
+    (first,) = s.start(0.0)
+    assert s.next_deadline() == 10.0
+    assert s.tick(5.0) == {}
+    handed = s.tick(10.0)
+    assert len(handed) == 1 and first not in handed
+    with pytest.raises(Refused, match="not asked"):
+        s.open(first, 1, SAMPLES[first], "k", 11.0)
+
+
+def test_staleness_functions() -> None:
+    def f(kind: str, **kw):
+        cfg = load_config(None, {"staleness": kind, **kw})
+        return staleness_function(cfg.staleness, cfg.staleness_a, cfg.staleness_b)
+
+    assert f("sqrt")(3) == 0.5
+    assert f("constant")(7) == 1.0
+    assert f("poly", staleness_a=1.0)(3) == 0.25
+    hinge = f("hinge", staleness_a=0.5, staleness_b=2)
+    assert hinge(2) == 1.0 and hinge(4) == 0.5
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"algorithm": "feddyn"}, "feddyn.*does not combine with aggregation='buffered'"),
+        ({"algorithm": "fedavgm"}, "fedavgm.*does not combine"),
+        ({"fraction": 0.5}, "fraction, act_prob and min_clients apply to aggregation='sync'"),
+        ({"buffer_size": 4, "concurrency": 3}, "buffer_size=4 is more than the 3 clients"),
+        ({"concurrency": 0}, "concurrency=0 must be an integer >= 1"),
+        ({"grad_dissimilarity_every": 2}, "grad_dissimilarity_every=2 needs aggregation='sync'"),
+        ({"aggregation_params": {"alpha": 0.5}}, "aggregation_params.alpha is not a setting of aggregation"),
+        ({"staleness": "cubic"}, "staleness='cubic' is not one of"),
+    ],
+)
+def test_buffered_config_refuses_what_makes_no_sense(overrides, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, {"num_clients": 3, "aggregation": "buffered", **overrides})
+
+
+def test_buffered_default_sizes() -> None:
+    config = BufferedConfig.of(load_config(None, {"num_clients": 8, "aggregation": "buffered"}))
+    assert (config.concurrency, config.buffer_size) == (8, 4)
+    assert np.isclose(config.staleness(0), 1.0)
