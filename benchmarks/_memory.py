@@ -59,7 +59,7 @@ def cpu_and_role(pid: int) -> tuple[float, str] | None:
     except OSError:
         return None
     cpu = (int(fields[11]) + int(fields[12])) / CLK_TCK
-    role = next((a.decode() for a in argv if a in (b"server", b"worker", b"client")), "")
+    role = next((a.decode() for a in argv if a.decode(errors="replace") in ROLES), "")
     try:
         log = os.readlink(f"/proc/{pid}/fd/1")
         name = Path(log).name
@@ -73,6 +73,7 @@ def cpu_and_role(pid: int) -> tuple[float, str] | None:
 
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+ROLES = ("server", "worker", "client")  # the wafl subcommands a process of a run may run
 
 
 class TreeMemory(Sampler):
@@ -92,7 +93,13 @@ class TreeMemory(Sampler):
         for pid in descendants(self.root):
             c = cpu_and_role(pid)
             if c is not None:
-                self.cpu[pid] = c
+                cpu, role = c
+                # A role read from the command or the log stays: a forked process starts with its parent's
+                # command line, and an exited one (a zombie until reaped) has neither, reading as "?".
+                known = self.cpu.get(pid)
+                if known is not None and (known[1] in ROLES or role == "?"):
+                    role = known[1]
+                self.cpu[pid] = (cpu, role)
             r = rollup(pid)
             if r is not None:
                 rss, pss, n = rss + r[0], pss + r[1], n + 1
