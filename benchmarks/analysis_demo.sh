@@ -1,22 +1,24 @@
 #!/usr/bin/env bash
 # The digits demonstrations of `wafl analyze` (NOT the issue's Fashion-MNIST tables): figures and JSON in
-# benchmarks/results/analysis/digits-demo/, drawn from the run records kept there (config.json,
-# results.jsonl and point.json of every point). To make the runs again first:
-#   wafl sweep configs/sweeps/asd_digits_dissimilarity.toml --out $OUT/asd_digits_dissimilarity
-#   wafl sweep configs/sweeps/scd_digits_sensitivity.toml --out $OUT/scd_digits_sensitivity
+# benchmarks/results/analysis/digits-demo/ (only these summaries are committed, not the runs). Run the sweeps
+# first (each writes its runs under runs/, the file's `out`):
+#   wafl sweep configs/sweeps/asd_digits_dissimilarity.toml
+#   wafl sweep configs/sweeps/scd_digits_sensitivity.toml
 #   wafl sweep configs/sweeps/asd_digits_flatness.toml            (checkpoints: the flatness table)
+#   wafl table runs/sweep-asd_digits_flatness --baseline fedavg --json $OUT/asd_digits_flatness_accuracy.json
 #   wafl analyze flatness runs/sweep-asd_digits_flatness --samples 128 --probes 10 --max-iter 20 \
 #       --json $OUT/flatness.json     (and flatness.md: its table)
 #   wafl analyze flatness "runs/sweep-asd_digits_flatness/algorithm=fedavg+asd,seed=0" --samples 128 --probes 10 \
 #       --max-iter 20 --density $OUT/density_fedavg+asd_seed0.png --lanczos-steps 40 \
 #       --json $OUT/density_fedavg+asd_seed0.json         (the same for algorithm=fedavg,seed=0)
-# then run this script with OUT set to the folder (default: the committed records).
+# then run this script (RUNS: the folder holding the sweeps' folders, default runs; OUT: where the figures go).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/analysis/digits-demo}
 WAFL=${WAFL:-wafl}
-G=$OUT/asd_digits_dissimilarity
-S=$OUT/scd_digits_sensitivity
+RUNS=${RUNS:-runs}
+G=$RUNS/sweep-asd_digits_dissimilarity
+S=$RUNS/sweep-scd_digits_sensitivity
 $WAFL analyze curves "$G" --metrics grad_dissimilarity,gm_accuracy --by params.asd_lambda \
   --title "digits demonstration (8 rounds, 1 seed): G_d against rounds, fedavg+asd (lambda 0 = FedAvg)" \
   --out "$OUT/gd_rounds.png" --json "$OUT/gd_rounds.json"
