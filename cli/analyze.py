@@ -57,19 +57,10 @@ def training_union(cfg: RunConfig, dataset: FederatedDataset) -> np.ndarray:
     import numpy as np
     from wafl.common.algorithms import registry
     from wafl.common.heterogeneity import new_client_indices
-    from wafl.common.partition import federation_shards
+    from wafl.common.partition import run_shards
 
     public_size = registry.resolve(cfg.algorithm, cfg.params, vars(cfg)).public_size
-    shards = federation_shards(
-        dataset.train_labels,
-        cfg.num_clients,
-        cfg.partition,
-        cfg.alpha,
-        cfg.delta,
-        cfg.seed,
-        cfg.client_size,
-        public_size,
-    )
+    shards = run_shards(cfg, dataset.train_labels, public_size)
     new = new_client_indices(cfg.num_clients, cfg.new_clients, cfg.seed)
     return np.sort(np.concatenate([s for i, s in enumerate(shards) if i not in new]))
 

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from wafl.common.config import RunConfig
 
 PARTITIONS = ("dirichlet", "dirichlet-equal", "iid")
 
@@ -189,6 +192,14 @@ def federation_shards(
         return partition(labels, num_clients, kind, alpha, delta, seed, size)
     pool = public_split(labels, public_size, seed)[1]
     return [pool[s] for s in partition(labels[pool], num_clients, kind, alpha, delta, seed, size)]
+
+
+def run_shards(cfg: RunConfig, train_labels: np.ndarray, public_size: int = 0) -> list[np.ndarray]:
+    """:func:`federation_shards` with a run's own partition settings (``num_clients``, ``partition``,
+    ``alpha``, ``delta``, ``seed``, ``client_size``): what the server weighs and the analysis measures."""
+    return federation_shards(
+        train_labels, cfg.num_clients, cfg.partition, cfg.alpha, cfg.delta, cfg.seed, cfg.client_size, public_size
+    )
 
 
 def client_shard(

@@ -38,7 +38,7 @@ from wafl.common.heterogeneity import new_client_indices
 from wafl.common.jsonsafe import dumps
 from wafl.common.knowledge import ClassKnowledge, Knowledge, to_proto, validate_knowledge
 from wafl.common.models import build_model
-from wafl.common.partition import federation_shards
+from wafl.common.partition import run_shards
 from wafl.common.proto import federation_pb2 as pb
 from wafl.common.training import evaluate
 from wafl.common.wire import ChunkBatch, PreEncoded, encode_tensors, write_transfer
@@ -194,16 +194,7 @@ class RoundEngine:
         """Each client's training-set size, rebuilt from the seed as the clients build their shards
         (over what a public split leaves): the server, not the client, owns the aggregation weights."""
         cfg = self.cfg
-        shards = federation_shards(
-            self.dataset.train_labels,
-            cfg.num_clients,
-            cfg.partition,
-            cfg.alpha,
-            cfg.delta,
-            cfg.seed,
-            cfg.client_size,
-            self.algorithm.public_size,
-        )
+        shards = run_shards(cfg, self.dataset.train_labels, self.algorithm.public_size)
         return [len(s) for s in shards]
 
     # ----------------------------------------------------------------- state
