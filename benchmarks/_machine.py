@@ -44,23 +44,12 @@ class Sampler:
         raise NotImplementedError
 
 
-def git_commit() -> str | None:
-    """The commit of the code being measured, None outside a clone."""
-    import subprocess
-
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=Path(__file__).parent
-        )
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return out.stdout.strip()
-
-
 def provenance() -> dict[str, object]:
     """What every results JSON records: the commit measured, the machine, the load average now."""
     import os
     from datetime import UTC, datetime
+
+    from wafl.cli.bench import git_commit
 
     return {
         "commit": git_commit(),

@@ -27,13 +27,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from _machine import cpu_name
+from _machine import provenance
 from _memory import TreeMemory
-from wafl.cli.bench import git_commit
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -113,10 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     doc = {
         "benchmark": "main_job",
-        "commit": git_commit(),
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "cpu": cpu_name(),
-        "cpus": os.cpu_count(),
+        **provenance(),
         "arguments": extra,
         "smoke": a.smoke,
         "runs": runs,

@@ -38,13 +38,11 @@ import os
 import pstats
 import sys
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import torch
-from _machine import cpu_name
-from wafl.cli.bench import git_commit
+from _machine import provenance
 from wafl.cli.simulate import simulate
 from wafl.client.compute import SharedSlots
 from wafl.client.trainer import Trainer
@@ -209,10 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     doc = {
         "benchmark": "sim_overhead",
-        "commit": git_commit(),
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "cpu": cpu_name(),
-        "cpus": os.cpu_count(),
+        **provenance(),
         "cores_used": a.cores,
         "smoke": a.smoke,
         "points": points,
