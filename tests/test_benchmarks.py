@@ -76,6 +76,18 @@ def _scale(d: dict[str, Any]) -> None:
     assert f["clients"] == 30 and f["real"]["ok"] and f["bare"]["ok"] and f["cost_ratio"] > 0
 
 
+def _real_data(d: dict[str, Any]) -> None:
+    assert d["first_rc"] == 0 and d["kept"] == 2 and d["restored"] == 2, d
+    assert d["second_rc"] == 0 and "0 to run, 2 already done" in d["second_run"], d["second_run"]  # nothing re-run
+    names = ("config.json", "point.json", "results.jsonl")  # the records only: no logs, no reports
+    assert d["kept_files"] == sorted(f"algorithm={a}/{n}" for a in ("fedavg", "fedprox") for n in names)
+    assert set(d["table"]["rows"]) == {"fedavg", "fedprox mu=0.01"} and set(d["table"]["differences"]) == {
+        "fedprox mu=0.01"
+    }
+    assert "Points done: 2 of 2." in d["table_md"] and d["curves_png_bytes"] > 0
+    assert d["table"]["rows"]["fedavg"]["final_gm"]["mean"] > 0.2  # above chance on 10 classes
+
+
 # script path -> (arguments after --smoke given the test's folder, the JSON it writes there, its checks)
 SMOKE: dict[str, tuple[Callable[[Path], list[str]], str, Callable[[dict[str, Any]], None]]] = {
     "benchmarks/main_job.py": (lambda t: ["--out", str(t / "r.json")], "r.json", _main_job),
@@ -85,6 +97,7 @@ SMOKE: dict[str, tuple[Callable[[Path], list[str]], str, Callable[[dict[str, Any
     "benchmarks/fleet.py": (lambda t: ["--out", str(t), "--runs", str(t / "runs")], "fleet.json", _fleet),
     "benchmarks/scale.py": (lambda t: ["--results", str(t)], "scale.json", _scale),
     "benchmarks/norm_bound_honest.py": (lambda t: ["--out", str(t / "r.json")], "r.json", _norm_bound_honest),
+    "benchmarks/real_data.py": (lambda t: ["--out", str(t)], "smoke.json", _real_data),
 }
 
 
