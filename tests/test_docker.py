@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.util
 import io
 import json
 import os
@@ -51,15 +50,16 @@ ENTRYPOINT = DOCKER / "entrypoint.py"
 EXPECTED_TC = "tc qdisc replace dev {dev} root tbf rate 20000000bit burst 32768b latency 50ms"
 
 
-def _load_entrypoint() -> Any:
-    spec = importlib.util.spec_from_file_location("wafl_docker_entrypoint", ENTRYPOINT)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-ep = _load_entrypoint()
+sys.path.insert(0, str(DOCKER))  # the entrypoint's package, wafl_entry/, as the script finds it
+from wafl_entry import claims  # noqa: E402
+from wafl_entry import dns as entry_dns  # noqa: E402
+from wafl_entry.claims import claim_index, claim_name  # noqa: E402
+from wafl_entry.dns import nameservers  # noqa: E402
+from wafl_entry.errors import EntrypointError  # noqa: E402
+from wafl_entry.index import derive_index, replica_number  # noqa: E402
+from wafl_entry.main import main as entrypoint_main  # noqa: E402
+from wafl_entry.privileges import drop_privileges  # noqa: E402
+from wafl_entry.shaping import has_net_admin  # noqa: E402
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
@@ -357,9 +357,12 @@ def test_dockerfile_structure() -> None:
     assert entry[-1] == "wafl-entrypoint"
     health = next(r for w, r in runtime if w == "HEALTHCHECK")
     assert json.loads(health[health.index("CMD") + 3 :].strip()) == ["wafl-entrypoint", "--health"]
-    assert any(
-        w == "COPY" and r.split()[-2:] == ["docker/entrypoint.py", "/usr/local/bin/wafl-entrypoint"] for w, r in runtime
-    )
+    # the script and its package side by side, the command on the PATH a link to the script
+    copies = [r.split()[-2:] for w, r in runtime if w == "COPY"]
+    assert ["docker/entrypoint.py", "/opt/wafl-entrypoint/entrypoint.py"] in copies
+    assert ["docker/wafl_entry", "/opt/wafl-entrypoint/wafl_entry"] in copies
+    link = "ln -s /opt/wafl-entrypoint/entrypoint.py /usr/local/bin/wafl-entrypoint"
+    assert any(w == "RUN" and link in r for w, r in runtime)
     assert any(w == "ARG" and r == "TORCH_VARIANT=cpu" for w, r in ins)
     assert "https://download.pytorch.org/whl/${TORCH_VARIANT}" in DOCKERFILE.read_text()
     # dependencies are installed before the package source is copied (cache layering)
@@ -448,30 +451,30 @@ def _names(*pairs: tuple[str, str | None]) -> Any:
 )
 def test_index_from_replica_name(name: str, offset: str, expected: int) -> None:
     env = {"WAFL_CLIENT_INDEX_OFFSET": offset}
-    index, source = ep.derive_index(env, _names(("hostname", "0123456789ab"), ("reverse DNS", name)))
+    index, source = derive_index(env, _names(("hostname", "0123456789ab"), ("reverse DNS", name)))
     assert index == expected
     assert name in source
 
 
 def test_index_from_environment_wins() -> None:
-    assert ep.derive_index(
+    assert derive_index(
         {"WAFL_CLIENT_INDEX": "5", "WAFL_CLIENT_INDEX_OFFSET": "9"}, _names(("hostname", "x-client-2"))
     ) == (5, "WAFL_CLIENT_INDEX")
-    with pytest.raises(ep.EntrypointError, match="WAFL_CLIENT_INDEX='one'"):
-        ep.derive_index({"WAFL_CLIENT_INDEX": "one"}, _names())
+    with pytest.raises(EntrypointError, match="WAFL_CLIENT_INDEX='one'"):
+        derive_index({"WAFL_CLIENT_INDEX": "one"}, _names())
 
 
 def test_index_failures_say_what_to_do() -> None:
-    with pytest.raises(ep.EntrypointError) as info:
-        ep.derive_index({}, _names(("hostname", "3f2a1b9c0d12"), ("reverse DNS of 172.18.0.4 via 127.0.0.11:53", None)))
+    with pytest.raises(EntrypointError) as info:
+        derive_index({}, _names(("hostname", "3f2a1b9c0d12"), ("reverse DNS of 172.18.0.4 via 127.0.0.11:53", None)))
     message = str(info.value)
     assert info.value.code == 2
     assert "WAFL_CLIENT_INDEX" in message and "--scale client=N" in message
     assert "hostname '3f2a1b9c0d12'" in message and "127.0.0.11:53: no name" in message
-    with pytest.raises(ep.EntrypointError, match="start at 1"):
-        ep.derive_index({}, _names(("WAFL_CLIENT_NAME", "client-0")))
-    with pytest.raises(ep.EntrypointError, match="OFFSET"):
-        ep.derive_index({"WAFL_CLIENT_INDEX_OFFSET": "-1"}, _names(("hostname", "client-1")))
+    with pytest.raises(EntrypointError, match="start at 1"):
+        derive_index({}, _names(("WAFL_CLIENT_NAME", "client-0")))
+    with pytest.raises(EntrypointError, match="OFFSET"):
+        derive_index({"WAFL_CLIENT_INDEX_OFFSET": "-1"}, _names(("hostname", "client-1")))
 
 
 class FakeDNS:
@@ -516,19 +519,19 @@ class FakeDNS:
 
 def test_index_from_reverse_dns(monkeypatch: pytest.MonkeyPatch) -> None:
     """The path a `--scale` replica takes: a PTR query for its own address to the resolver."""
-    monkeypatch.setattr(ep.socket, "gethostname", lambda: "3f2a1b9c0d12")  # a container's default hostname
-    monkeypatch.setattr(ep, "own_addresses", lambda: ["172.18.0.5"])
+    monkeypatch.setattr(socket, "gethostname", lambda: "3f2a1b9c0d12")  # a container's default hostname
+    monkeypatch.setattr(entry_dns, "own_addresses", lambda: ["172.18.0.5"])
     dns = FakeDNS("wafl-client-4.wafl_default")
     try:
-        index, source = ep.derive_index({"WAFL_DNS_SERVER": dns.address})
+        index, source = derive_index({"WAFL_DNS_SERVER": dns.address})
     finally:
         dns.close()
     assert (index, source) == (3, "reverse DNS of 172.18.0.5 'wafl-client-4.wafl_default'")
     assert dns.queries == ["5.0.18.172.in-addr.arpa"]
     nx = FakeDNS(None)
     try:
-        with pytest.raises(ep.EntrypointError, match=r"reverse DNS of 172\.18\.0\.5 via 127\.0\.0\.1:\d+: no name"):
-            ep.derive_index({"WAFL_DNS_SERVER": nx.address})
+        with pytest.raises(EntrypointError, match=r"reverse DNS of 172\.18\.0\.5 via 127\.0\.0\.1:\d+: no name"):
+            derive_index({"WAFL_DNS_SERVER": nx.address})
     finally:
         nx.close()
 
@@ -536,8 +539,8 @@ def test_index_from_reverse_dns(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_nameservers_from_resolv_conf(tmp_path: Path) -> None:
     conf = tmp_path / "resolv.conf"
     conf.write_text("search example\nnameserver 127.0.0.11\nnameserver fe80::1\noptions ndots:0\n")
-    assert ep.nameservers({}, str(conf)) == [("127.0.0.11", 53)]
-    assert ep.nameservers({"WAFL_DNS_SERVER": "10.0.0.2:5353"}, str(conf)) == [("10.0.0.2", 5353)]
+    assert nameservers({}, str(conf)) == [("127.0.0.11", 53)]
+    assert nameservers({"WAFL_DNS_SERVER": "10.0.0.2:5353"}, str(conf)) == [("10.0.0.2", 5353)]
 
 
 def test_print_index_script() -> None:
@@ -545,7 +548,7 @@ def test_print_index_script() -> None:
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.strip() == "12"
     assert "WAFL_CLIENT_NAME 'proj-client-3'" in ok.stderr
-    if ep.replica_number(socket.gethostname()) is not None:
+    if replica_number(socket.gethostname()) is not None:
         pytest.skip(f"this machine's hostname {socket.gethostname()!r} itself ends in a replica number")
     dns = FakeDNS(None)
     try:
@@ -562,44 +565,44 @@ def test_claimed_indices_are_distinct_and_released() -> None:
     held = []
     try:
         for expected in (0, 1, 2):
-            index, sock = ep.claim_index(server, 0)
+            index, sock = claim_index(server, 0)
             held.append(sock)
             assert index == expected and sock.get_inheritable()  # kept across exec, by the CLI
         held[1].close()
-        index, sock = ep.claim_index(server, 0)
+        index, sock = claim_index(server, 0)
         held.append(sock)
         assert index == 1  # the released one
-        index, sock = ep.claim_index(server, 4)
+        index, sock = claim_index(server, 4)
         held.append(sock)
         assert index == 4  # WAFL_CLIENT_INDEX_OFFSET on another host
-        index, sock = ep.claim_index(server + "0", 0)
+        index, sock = claim_index(server + "0", 0)
         held.append(sock)
         assert index == 0  # another server, other claims
-        with pytest.raises(ep.EntrypointError, match="no free client index among 0..1"):
-            ep.claim_index(server, 0, limit=2)
+        with pytest.raises(EntrypointError, match="no free client index among 0..1"):
+            claim_index(server, 0, limit=2)
     finally:
         for sock in held:
             sock.close()
-    assert ep.claim_name("h" * 200, 3).startswith(b"\0wafl-client-index/") and len(ep.claim_name("h" * 200, 3)) < 108
+    assert claim_name("h" * 200, 3).startswith(b"\0wafl-client-index/") and len(claim_name("h" * 200, 3)) < 108
 
 
 def test_index_from_claim_and_bad_source() -> None:
     server = f"127.0.0.1:{_free_port()}"
     try:
-        index, source = ep.derive_index({"WAFL_CLIENT_INDEX_FROM": "claim", "WAFL_SERVER": server})
+        index, source = derive_index({"WAFL_CLIENT_INDEX_FROM": "claim", "WAFL_SERVER": server})
         assert (index, source) == (0, f"a claim among the clients of {server} on this network")
-        index, _ = ep.derive_index({"WAFL_CLIENT_INDEX_FROM": "claim", "WAFL_CLIENT_INDEX_OFFSET": "0"}, server=server)
+        index, _ = derive_index({"WAFL_CLIENT_INDEX_FROM": "claim", "WAFL_CLIENT_INDEX_OFFSET": "0"}, server=server)
         assert index == 1
         # an explicit index wins over a claim
-        assert ep.derive_index({"WAFL_CLIENT_INDEX_FROM": "claim", "WAFL_CLIENT_INDEX": "7"}) == (
+        assert derive_index({"WAFL_CLIENT_INDEX_FROM": "claim", "WAFL_CLIENT_INDEX": "7"}) == (
             7,
             "WAFL_CLIENT_INDEX",
         )
     finally:
-        while ep._held_claims:
-            ep._held_claims.pop().close()
-    with pytest.raises(ep.EntrypointError, match="WAFL_CLIENT_INDEX_FROM='dns' is neither"):
-        ep.derive_index({"WAFL_CLIENT_INDEX_FROM": "dns"})
+        while claims.held:
+            claims.held.pop().close()
+    with pytest.raises(EntrypointError, match="WAFL_CLIENT_INDEX_FROM='dns' is neither"):
+        derive_index({"WAFL_CLIENT_INDEX_FROM": "dns"})
 
 
 @pytest.mark.slow
@@ -719,10 +722,10 @@ def test_dry_run_rejects_a_bad_rate() -> None:
 
 
 def test_has_net_admin() -> None:
-    assert ep.has_net_admin("Name:\tx\nCapEff:\t000001ffffffffff\n") is True
-    assert ep.has_net_admin("CapEff:\t0000000000000000\n") is False
-    assert ep.has_net_admin("CapEff:\t0000000000001000\n") is True  # bit 12 alone
-    assert ep.has_net_admin("CapEff:\t0000000000000fff\n") is False
+    assert has_net_admin("Name:\tx\nCapEff:\t000001ffffffffff\n") is True
+    assert has_net_admin("CapEff:\t0000000000000000\n") is False
+    assert has_net_admin("CapEff:\t0000000000001000\n") is True  # bit 12 alone
+    assert has_net_admin("CapEff:\t0000000000000fff\n") is False
 
 
 def _main(
@@ -737,7 +740,7 @@ def _main(
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
-        code = ep.main(
+        code = entrypoint_main(
             argv, env, execve=lambda path, args, e: execs.append(args), run=fake_run, net_admin=lambda: net_admin
         )
     return code, execs, runs, err.getvalue()
@@ -789,7 +792,7 @@ def test_host_network_is_never_shaped(tmp_path: Path) -> None:
 def test_without_net_admin_script(tmp_path: Path) -> None:
     """The script itself, in a process that really lacks CAP_NET_ADMIN: exit 77, nothing started."""
     prefix: list[str] = []
-    if ep.has_net_admin():
+    if has_net_admin():
         if os.geteuid() != 0 or shutil.which("setpriv") is None:
             pytest.skip("cannot start a process without CAP_NET_ADMIN here (needs setpriv as root)")
         prefix = ["setpriv", "--inh-caps=-net_admin", "--bounding-set=-net_admin"]
@@ -820,7 +823,7 @@ def test_drop_privileges_as_root() -> None:
     if pid == 0:  # child: drop, report, exit without running pytest's cleanup
         try:
             env: dict[str, str] = {}
-            ep.drop_privileges("nobody", env)
+            drop_privileges("nobody", env)
             os.write(write, json.dumps([os.getuid(), os.geteuid(), os.getgroups(), env.get("USER")]).encode())
         finally:
             os._exit(0)
@@ -831,7 +834,7 @@ def test_drop_privileges_as_root() -> None:
     uid, euid, groups, user = json.loads(data)
     assert (uid, euid, user) == (nobody, nobody, "nobody")
     assert 0 not in groups
-    assert ep.drop_privileges("no-such-user-wafl", {}) == "user 'no-such-user-wafl' does not exist here; staying uid 0"
+    assert drop_privileges("no-such-user-wafl", {}) == "user 'no-such-user-wafl' does not exist here; staying uid 0"
 
 
 # --------------------------------------------------------------------------- entrypoint: health
