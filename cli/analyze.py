@@ -266,7 +266,7 @@ def cmd_flatness(a: argparse.Namespace) -> int:
         )
     doc: dict[str, Any] = results[0] if len(folders) == 1 and not a.table else {"runs": results}
     if "runs" in doc:
-        from wafl.cli.bench import git_commit
+        from wafl.cli.provenance import git_commit
 
         by = tuple(f.strip() for f in a.by.split(",")) if a.by else ("algorithm", "params")
         doc["by"] = list(by)

@@ -35,17 +35,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from wafl.cli.bench import (
-    _share_of_wall,
-    git_commit,
-    idle_fraction,
-    launch_measured,
-    plot_timelines,
-    read_jsonl,
-    read_timelines,
-    save_plot,
-    training_start,
-)
+from wafl.cli.bench_plots import plot_timelines, save_plot
+from wafl.cli.measured import launch_measured
+from wafl.cli.provenance import git_commit
+from wafl.cli.run_records import read_jsonl, read_timelines
+from wafl.cli.timeline_stats import idle_fraction, rounded, share_of_wall, training_start
 from wafl.common.config import RunConfig
 from wafl.common.contract import PROTOCOLS as CLIENT_PROTOCOLS
 from wafl.server.strategies.buffered import BufferedConfig
@@ -55,7 +49,7 @@ PROTOCOLS = CLIENT_PROTOCOLS[::-1]  # the baseline, compute-and-wait, first
 
 
 def _phase_fraction(timelines: Mapping[str, Any], phase: str) -> float | None:
-    return _share_of_wall(
+    return share_of_wall(
         timelines, lambda ev: sum(float(e["end_s"]) - float(e["start_s"]) for e in ev if e["phase"] == phase)
     )
 
@@ -68,10 +62,6 @@ def accuracy_curve(rows: Sequence[Mapping[str, Any]]) -> list[tuple[float, float
 
 def time_to(curve: Sequence[tuple[float, float]], target: float) -> float | None:
     return next((t for t, a in curve if a >= target - 1e-12), None)
-
-
-def _r(v: float | None, digits: int = 4) -> float | None:
-    return None if v is None or not math.isfinite(v) else round(float(v), digits)
 
 
 def accuracy_at(curve: Sequence[tuple[float, float]], seconds: float) -> float | None:
@@ -92,22 +82,22 @@ def summarize(
     budgets: dict[str, Any] = {}
     if equal_updates is not None:
         at = [r["gm_accuracy"] for r in rows if r.get("round") == equal_updates and r.get("gm_accuracy") is not None]
-        budgets["gm_at_equal_updates"] = _r(at[0] if at else None)
+        budgets["gm_at_equal_updates"] = rounded(at[0] if at else None)
     if sync_total_s is not None:
-        budgets["gm_at_sync_time"] = _r(accuracy_at(curve, sync_total_s))
+        budgets["gm_at_sync_time"] = rounded(accuracy_at(curve, sync_total_s))
     return {
         "versions": len(rows),
-        "total_s": _r(curve[-1][0] if curve else None, 3),
-        "time_to_target_s": _r(time_to(curve, target), 3),
-        "final_gm_accuracy": _r(curve[-1][1] if curve else None),
-        "best_gm_accuracy": _r(max((a for _, a in curve), default=None)),
-        "idle_fraction": _r(idle_fraction(timelines)),
-        "slowdown_fraction": _r(_phase_fraction(timelines, "slowdown")),
-        "offline_fraction": _r(_phase_fraction(timelines, "offline")),
-        "staleness_mean": _r(sum(stale) / len(stale) if stale else None),
+        "total_s": rounded(curve[-1][0] if curve else None, 3),
+        "time_to_target_s": rounded(time_to(curve, target), 3),
+        "final_gm_accuracy": rounded(curve[-1][1] if curve else None),
+        "best_gm_accuracy": rounded(max((a for _, a in curve), default=None)),
+        "idle_fraction": rounded(idle_fraction(timelines)),
+        "slowdown_fraction": rounded(_phase_fraction(timelines, "slowdown")),
+        "offline_fraction": rounded(_phase_fraction(timelines, "offline")),
+        "staleness_mean": rounded(sum(stale) / len(stale) if stale else None),
         "staleness_max": max((r["staleness_max"] for r in rows if r.get("staleness_max") is not None), default=None),
         **budgets,
-        "curve": [(_r(t, 3), _r(a)) for t, a in curve],
+        "curve": [(rounded(t, 3), rounded(a)) for t, a in curve],
     }
 
 
@@ -119,11 +109,11 @@ def compare(runs: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
             continue
         ts, tb = s["time_to_target_s"], b["time_to_target_s"]
         fs = s["final_gm_accuracy"]
-        speedup = _r(ts / tb) if ts is not None and tb else None
+        speedup = rounded(ts / tb) if ts is not None and tb else None
         entry: dict[str, Any] = {"speedup_to_target": speedup}
         for budget, key in (("equal_updates", "gm_at_equal_updates"), ("equal_time", "gm_at_sync_time")):
             fb = b.get(key)
-            diff = _r(fb - fs) if fs is not None and fb is not None else None
+            diff = rounded(fb - fs) if fs is not None and fb is not None else None
             entry[f"final_difference_{budget}"] = diff
             met = speedup is not None and speedup >= 1.5 and diff is not None and diff >= -0.01
             entry[f"target_met_{budget}"] = met

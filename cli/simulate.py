@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 import torch
 from wafl.cli.local_transport import LocalSession
-from wafl.client.app import warm_up_torch
 from wafl.client.compute import SharedSlots
 from wafl.client.protocol import client_protocol
+from wafl.client.startup import warm_up_torch
 from wafl.client.trainer import Trainer
 from wafl.common.algorithms.base import split_payload
 from wafl.common.analysis.dissimilarity import full_gradient, gradient_dissimilarity

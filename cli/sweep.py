@@ -111,7 +111,7 @@ def run_point(cfg_json: str, folder: str, network: bool) -> dict[str, Any]:
 
         configure_logging("sweep", out / "logs" / "run.jsonl", level="INFO", console=False)
         ok = len(simulate(cfg, out)) == cfg.rounds
-    from wafl.cli.bench import git_commit
+    from wafl.cli.provenance import git_commit
 
     result = {"ok": ok, "wall_s": round(time.monotonic() - t0, 3), "network": network, "commit": git_commit()}
     if ok:

@@ -21,13 +21,11 @@ from pathlib import Path
 
 import structlog
 import torch
-from wafl.client.app import warm_up_torch
 from wafl.client.compute import SharedSlots
-from wafl.client.protocol import NewClientProtocol, RoundProtocol, client_protocol
 from wafl.client.reception import SharedReception
 from wafl.client.residency import Residency
-from wafl.client.session import Session, credential_path
-from wafl.client.trainer import Trainer, resolve_device
+from wafl.client.startup import Connection, HostedClient, start
+from wafl.client.trainer import Trainer
 from wafl.common.config import ConfigError, RunConfig
 from wafl.common.datasets import load_dataset
 from wafl.common.tls import ClientTls
@@ -88,26 +86,22 @@ async def run_worker(
     """Runs the clients ``indices`` to the end of the run in this process; 0 when every one finished."""
     if not indices:
         raise ConfigError("a worker needs at least one client index")
-    warm = asyncio.create_task(asyncio.to_thread(warm_up_torch))
-    probe = Session(address, f"client-{indices[0]}", indices[0], 0, token=token, reconnect_s=reconnect_s, tls=tls)
-    reply = await probe.join()  # num_samples=0: the configuration, without registering
-    await probe.close()
-    cfg = RunConfig.from_json(reply.config_json).validate()
-    if max(indices) >= cfg.num_clients:
-        raise ConfigError(f"client index {max(indices)} is outside 0..{cfg.num_clients - 1} of this run")
-    dev = str(resolve_device(device or cfg.device))
-    data = await asyncio.to_thread(load_dataset, cfg.dataset, data_dir or cfg.data_dir)
-    # one after another: each trainer seeds torch's global generator before building its model
-    trainers = await asyncio.to_thread(lambda: [Trainer(cfg, i, state_dir, data_dir, dev, data) for i in indices])
-    await warm
+    conn = Connection(address, token, reconnect_s, tls, state_dir)
+
+    def build(cfg: RunConfig, dev: str) -> list[Trainer]:
+        data = load_dataset(cfg.dataset, data_dir or cfg.data_dir)  # loaded once, shared by every client
+        # one after another: each trainer seeds torch's global generator before building its model
+        return [Trainer(cfg, i, state_dir, data_dir, dev, data) for i in indices]
+
+    _, dev, trainers = await start(conn, indices, device, build)
     # on an accelerator only the clients training (or last trained) keep their tensors there
     pool = SharedSlots(slots, Residency(slots) if torch.device(dev).type != "cpu" else None)
     joining = asyncio.Semaphore(JOINS_AT_ONCE)
     reception = SharedReception()
-    clients = [_HostedClient(address, t, dev, token, reconnect_s, tls, pool, joining, reception) for t in trainers]
+    clients = [HostedClient(conn, t, dev, pool.view(t), reception) for t in trainers]
     log.info("worker.ready", clients=len(clients), first=indices[0], last=indices[-1], slots=slots, device=dev)
     try:
-        results = await asyncio.gather(*(c.run() for c in clients), return_exceptions=True)
+        results = await asyncio.gather(*(_hosted(c, joining) for c in clients), return_exceptions=True)
     finally:
         pool.shutdown()
     failed = [(c.client_id, r) for c, r in zip(clients, results) if isinstance(r, BaseException)]
@@ -135,43 +129,6 @@ async def run_worker(
     return 1 if failed else 0
 
 
-class _HostedClient:
-    def __init__(
-        self,
-        address: str,
-        trainer: Trainer,
-        device: str,
-        token: str,
-        reconnect_s: float,
-        tls: ClientTls | None,
-        pool: SharedSlots,
-        joining: asyncio.Semaphore,
-        reception: SharedReception | None = None,
-    ) -> None:
-        self.trainer = trainer
-        self.client_id = f"client-{trainer.index}"
-        self.session = Session(
-            address,
-            self.client_id,
-            trainer.index,
-            trainer.num_samples,
-            device=device,
-            token=token,
-            reconnect_s=reconnect_s,
-            tls=tls,
-            credential_file=credential_path(trainer.state_path.parent if trainer.state_path else None, trainer.index),
-            reception=reception,
-        )
-        self.pool = pool
-        self.joining = joining
-        self.protocol: RoundProtocol | NewClientProtocol | None = None
-
-    async def run(self) -> None:
-        structlog.contextvars.bind_contextvars(client=self.client_id)  # this task's log lines name their client
-        try:
-            async with self.joining:
-                await self.session.join()
-            self.protocol = client_protocol(self.session, self.trainer, self.pool.view(self.trainer))
-            await self.protocol.run()
-        finally:
-            await self.session.close()
+async def _hosted(client: HostedClient, joining: asyncio.Semaphore) -> None:
+    structlog.contextvars.bind_contextvars(client=client.client_id)  # this task's log lines name their client
+    await client.run(joining)

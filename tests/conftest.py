@@ -18,3 +18,11 @@ def repo() -> Path:
 @pytest.fixture
 def python() -> str:
     return sys.executable
+
+
+@pytest.fixture(scope="session")
+def stubs(tmp_path_factory: pytest.TempPathFactory):
+    """The protobuf and gRPC modules generated from the .proto (``independent_client.generate_stubs``)."""
+    from independent_client import generate_stubs
+
+    return generate_stubs(tmp_path_factory.mktemp("independent-stubs"))

@@ -27,11 +27,10 @@ from independent_client import (
     ServerProcess,
     call_error,
     expect_status,
-    generate_stubs,
-    join_clients,
     tensor_chunks,
     upload_messages,
 )
+from support.federation import JoinedFederation, serving
 
 TOKEN = "attack-tests-" + uuid.uuid4().hex
 NUM_SAMPLES = (30, 70)
@@ -52,24 +51,9 @@ Code = grpc.StatusCode
 FORGED = 0.123456  # an accuracy no honest report carries
 
 
-@pytest.fixture(scope="module")
-def stubs(tmp_path_factory: pytest.TempPathFactory):
-    return generate_stubs(tmp_path_factory.mktemp("attack-stubs"))
-
-
-class Fed:
+class Fed(JoinedFederation):
     def __init__(self, pb: Any, pb_grpc: Any, server: ServerProcess) -> None:
-        self.pb, self.pb_grpc, self.server = pb, pb_grpc, server
-        self.clients = join_clients(pb, pb_grpc, server, "honest", NUM_SAMPLES, TOKEN)
-        self.manifest = list(self.clients[0].reply.manifest)
-
-    @property
-    def a(self) -> IndependentClient:
-        return self.clients[0]
-
-    @property
-    def b(self) -> IndependentClient:
-        return self.clients[1]
+        super().__init__(pb, pb_grpc, server, "honest", NUM_SAMPLES, TOKEN)
 
     def stranger(self, client_id: str, index: int = 0) -> IndependentClient:
         return IndependentClient(self.pb, self.pb_grpc, self.server.address, client_id, index, 10)
@@ -115,10 +99,6 @@ class Fed:
         assert self.server.alive(), self.server.log_tail()
         return new
 
-    def close(self) -> None:
-        for c in self.clients:
-            c.close()
-
 
 @pytest.fixture(scope="module")
 def fed(stubs, tmp_path_factory: pytest.TempPathFactory):
@@ -126,18 +106,8 @@ def fed(stubs, tmp_path_factory: pytest.TempPathFactory):
     work = tmp_path_factory.mktemp("attack-server")
     token_file = work / "token"
     token_file.write_text(TOKEN)
-    server = ServerProcess(CONFIG, work, extra_args=["--token-file", str(token_file)])
-    federation = None
-    try:
-        federation = Fed(pb, pb_grpc, server)
-        federation.a.listener.wait(1)
-        yield federation
-    finally:
-        if federation is not None:
-            federation.close()
-        alive = server.alive()
-        server.stop()
-    assert alive, "the server process died during the tests"
+    with serving(lambda server: Fed(pb, pb_grpc, server), CONFIG, work, ["--token-file", str(token_file)]) as f:
+        yield f
 
 
 def expect(err: grpc.RpcError, code: grpc.StatusCode, *fragments: str) -> None:

@@ -37,12 +37,11 @@ from independent_client import (
     ServerProcess,
     call_error,
     expect_status,
-    generate_stubs,
-    join_clients,
     numpy_dtype,
     tensor_chunks,
     upload_messages,
 )
+from support.federation import JoinedFederation, serving
 
 NUM_SAMPLES = (30, 70)  # declared at Join by client 0 and client 1: unequal FedAvg weights
 CONFIG = {
@@ -62,31 +61,14 @@ Code = grpc.StatusCode
 # --------------------------------------------------------------------------- fixtures
 
 
-@pytest.fixture(scope="session")
-def stubs(tmp_path_factory: pytest.TempPathFactory):
-    return generate_stubs(tmp_path_factory.mktemp("independent-stubs"))
-
-
-class Federation:
+class Federation(JoinedFederation):
     """The shared server, two joined clients and the round bookkeeping of the tests."""
 
     def __init__(self, pb: Any, pb_grpc: Any, server: ServerProcess) -> None:
-        self.pb = pb
-        self.pb_grpc = pb_grpc
-        self.server = server
-        self.clients = join_clients(pb, pb_grpc, server, "indep", NUM_SAMPLES)
+        super().__init__(pb, pb_grpc, server, "indep", NUM_SAMPLES)
         assert all(c.reply.run_id == server.run_id for c in self.clients)
-        self.manifest = list(self.clients[0].reply.manifest)
         self.model_bytes = sum(len(c.data) for c in tensor_chunks(pb, self.manifest, self.zero_tensors()))
         self.clean = True
-
-    @property
-    def a(self) -> IndependentClient:
-        return self.clients[0]
-
-    @property
-    def b(self) -> IndependentClient:
-        return self.clients[1]
 
     def zero_tensors(self) -> dict[str, np.ndarray]:
         return {s.name: np.zeros(tuple(s.shape), dtype=numpy_dtype(self.pb, s.dtype)) for s in self.manifest}
@@ -199,18 +181,10 @@ class Federation:
 @pytest.fixture(scope="module")
 def fed(stubs, tmp_path_factory: pytest.TempPathFactory):
     pb, pb_grpc = stubs
-    server = ServerProcess(CONFIG, tmp_path_factory.mktemp("bad-input-server"))
-    federation = None
-    try:
-        federation = Federation(pb, pb_grpc, server)
-        federation.a.listener.wait(1)
-        yield federation
-    finally:
-        if federation is not None:
-            federation.close()
-        alive = server.alive()
-        server.stop()
-    assert alive, "the server process died during the tests"
+    with serving(
+        lambda server: Federation(pb, pb_grpc, server), CONFIG, tmp_path_factory.mktemp("bad-input-server")
+    ) as f:
+        yield f
 
 
 def first_index(chunks: list[Any], name: str) -> int:

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 import wafl.client.trainer as trainer_module
-from wafl.cli.main import _resolve_config, build_parser, main
+from wafl.cli.config_flags import resolve_config as _resolve_config
+from wafl.cli.main import build_parser, main
 from wafl.client.trainer import Trainer, resolve_device
 from wafl.common.config import ConfigError, load_config
 from wafl.common.datasets import load_dataset

@@ -30,12 +30,11 @@ from independent_client import (
     ServerProcess,
     call_error,
     expect_status,
-    generate_stubs,
-    join_clients,
     numpy_dtype,
     tensor_chunks,
     upload_messages,
 )
+from support.federation import JoinedFederation, serving
 
 NUM_SAMPLES = (30, 70)
 ROUNDS = 6  # the rounds the tests below consume, in order; the last one ends the run
@@ -52,14 +51,9 @@ CONFIG = {
 Code = grpc.StatusCode
 
 
-class Run:
+class Run(JoinedFederation):
     def __init__(self, pb: Any, pb_grpc: Any, server: ServerProcess) -> None:
-        self.pb = pb
-        self.pb_grpc = pb_grpc
-        self.server = server
-        self.clients = join_clients(pb, pb_grpc, server, "once", NUM_SAMPLES)
-        self.a, self.b = self.clients
-        self.manifest = list(self.a.reply.manifest)
+        super().__init__(pb, pb_grpc, server, "once", NUM_SAMPLES)
 
     def model(self, round: int) -> Model:
         m = self.a.listener.wait(round, timeout=120)
@@ -97,23 +91,17 @@ class Run:
 
 
 @pytest.fixture(scope="module")
-def stubs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
-    return generate_stubs(tmp_path_factory.mktemp("once-stubs"))
-
-
-@pytest.fixture(scope="module")
 def run(stubs: tuple[Any, Any], tmp_path_factory: pytest.TempPathFactory):
     pb, pb_grpc = stubs
-    server = ServerProcess(CONFIG, tmp_path_factory.mktemp("once-server"))
-    r = None
-    try:
-        r = Run(pb, pb_grpc, server)
+    # the last test ends the run: the server is not expected to outlive the module
+    with serving(
+        lambda server: Run(pb, pb_grpc, server),
+        CONFIG,
+        tmp_path_factory.mktemp("once-server"),
+        first_round=False,
+        must_survive=False,
+    ) as r:
         yield r
-    finally:
-        if r is not None:
-            for c in r.clients:
-                c.close()
-        server.stop()
 
 
 expect = expect_status

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from wafl.cli import bench
+from wafl.cli import bench, run_records
+from wafl.cli import timeline_stats as stats
 from wafl.common.config import load_config
 
 
@@ -68,17 +69,17 @@ ROWS: list[dict[str, Any]] = [
 
 def test_idle_fraction_sums_idle_over_client_wall_time() -> None:
     # idle: a 2 + 1, b 1 + 1; wall: a 17.5 - 0, b 17.2 - 0
-    assert bench.idle_fraction(TIMELINES) == pytest.approx(5.0 / 34.7)
+    assert stats.idle_fraction(TIMELINES) == pytest.approx(5.0 / 34.7)
 
 
 def test_idle_fraction_wall_starts_at_first_phase() -> None:
     tl = {"c": {"events": [_ev("gm_train", 1, 10.0, 14.0), _ev("idle", 1, 14.0, 15.0), _ev("evaluate", 1, 15.0, 20.0)]}}
-    assert bench.idle_fraction(tl) == pytest.approx(1.0 / 10.0)
-    assert bench.idle_fraction({}) is None
+    assert stats.idle_fraction(tl) == pytest.approx(1.0 / 10.0)
+    assert stats.idle_fraction({}) is None
 
 
 def test_untracked_fraction_counts_time_in_no_phase() -> None:
-    assert bench.untracked_fraction(TIMELINES) == pytest.approx(0.0)
+    assert stats.untracked_fraction(TIMELINES) == pytest.approx(0.0)
     # covered: [0, 6] (gm and an overlapping upload, then idle), [6.5, 7], [7.2, 10]
     tl = {
         "c": {
@@ -91,45 +92,45 @@ def test_untracked_fraction_counts_time_in_no_phase() -> None:
             ]
         }
     }
-    assert bench.untracked_fraction(tl) == pytest.approx(0.7 / 10.0)
+    assert stats.untracked_fraction(tl) == pytest.approx(0.7 / 10.0)
 
 
 def test_phase_medians() -> None:
-    assert sorted(bench.phase_durations(TIMELINES, "gm_train")) == pytest.approx([2.8, 4.0, 4.0, 5.0])
-    assert bench.median(bench.phase_durations(TIMELINES, "gm_train")) == pytest.approx(4.0)
-    assert bench.median(bench.phase_durations(TIMELINES, "pm_train")) == pytest.approx(2.0)
-    assert bench.median(bench.phase_durations(TIMELINES, "upload")) == pytest.approx(1.0)  # 0.5, 1, 1, 2
-    assert bench.median([]) is None
+    assert sorted(stats.phase_durations(TIMELINES, "gm_train")) == pytest.approx([2.8, 4.0, 4.0, 5.0])
+    assert stats.median(stats.phase_durations(TIMELINES, "gm_train")) == pytest.approx(4.0)
+    assert stats.median(stats.phase_durations(TIMELINES, "pm_train")) == pytest.approx(2.0)
+    assert stats.median(stats.phase_durations(TIMELINES, "upload")) == pytest.approx(1.0)  # 0.5, 1, 1, 2
+    assert stats.median([]) is None
 
 
 def test_comm_is_the_last_uploaders_span_per_round() -> None:
     # round 1: a 9 - 6 = 3, b 9 - 7 = 2 -> 2; round 2: a 17 - 15.5 = 1.5, b 17 - 14 = 3 -> 1.5
-    assert bench.comm_durations(TIMELINES) == pytest.approx([2.0, 1.5])
-    assert bench.median(bench.comm_durations(TIMELINES)) == pytest.approx(1.75)
+    assert stats.comm_durations(TIMELINES) == pytest.approx([2.0, 1.5])
+    assert stats.median(stats.comm_durations(TIMELINES)) == pytest.approx(1.75)
 
 
 def test_ideal_speedup() -> None:
-    assert bench.ideal_speedup(4.0, 2.0, 1.75) == pytest.approx(7.75 / 5.75)
-    assert bench.ideal_speedup(3.0, 0.0, 1.0) == pytest.approx(1.0)
-    assert bench.ideal_speedup(None, 2.0, 1.0) is None
+    assert stats.ideal_speedup(4.0, 2.0, 1.75) == pytest.approx(7.75 / 5.75)
+    assert stats.ideal_speedup(3.0, 0.0, 1.0) == pytest.approx(1.0)
+    assert stats.ideal_speedup(None, 2.0, 1.0) is None
 
 
 def test_pm_curve_weights_latest_reports_by_test_size() -> None:
-    curve = bench.pm_accuracy_curve(REPORTS)
+    curve = stats.pm_accuracy_curve(REPORTS)
     # t=10: only b has reported -> no point; t=11: (0.5*100 + 0.9*300)/400; t=20: a's newer 0.7; t=21: b's 0.95
     assert [t for t, _ in curve] == [11.0, 20.0, 21.0]
     assert [a for _, a in curve] == pytest.approx([0.8, 0.85, 0.8875])
 
 
 def test_zeta_is_the_first_crossing_after_start() -> None:
-    curve = bench.pm_accuracy_curve(REPORTS)
-    t0 = bench.training_start(ROWS)
+    curve = stats.pm_accuracy_curve(REPORTS)
+    t0 = stats.training_start(ROWS)
     assert t0 == pytest.approx(5.0)
     # b alone is at 0.9 at t=10, but the metric needs every client: the first point is t=11
-    assert bench.zeta_total(curve, 0.5, t0) == pytest.approx(6.0)
-    assert bench.zeta_total(curve, 0.85, t0) == pytest.approx(15.0)
-    assert bench.zeta_total(curve, 0.86, t0) == pytest.approx(16.0)
-    assert bench.zeta_total(curve, 0.95, t0) is None
+    assert stats.zeta_total(curve, 0.5, t0) == pytest.approx(6.0)
+    assert stats.zeta_total(curve, 0.85, t0) == pytest.approx(15.0)
+    assert stats.zeta_total(curve, 0.86, t0) == pytest.approx(16.0)
+    assert stats.zeta_total(curve, 0.95, t0) is None
 
 
 def test_pm_curve_falls_back_to_round_rows() -> None:
@@ -138,7 +139,7 @@ def test_pm_curve_falls_back_to_round_rows() -> None:
         {"round": 2, "wall_s": 5.0, "pm_accuracy": None},
         {"round": 3, "wall_s": 7.0, "pm_accuracy": 0.6},
     ]
-    assert bench.pm_accuracy_curve([{"client": "c", "t_s": 7.5, "final": 1.0}], rows) == [(3.0, 0.4), (7.0, 0.6)]
+    assert stats.pm_accuracy_curve([{"client": "c", "t_s": 7.5, "final": 1.0}], rows) == [(3.0, 0.4), (7.0, 0.6)]
 
 
 def test_summarize_run_and_compare(tmp_path: Path) -> None:
@@ -186,11 +187,11 @@ def test_gm_cpu_per_step_from_the_clients_logs(tmp_path: Path) -> None:
     for name, rows in (("client-0", a), ("client-1", b)):
         (logs / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (logs / "server.jsonl").write_text(json.dumps({"event": "gm.trained", "steps": 1, "wall_s": 1, "process_cpu_s": 9}))
-    phases = bench.trained_phases(logs)
+    phases = run_records.trained_phases(logs)
     assert [p["round"] for p in phases] == [1, 2, 1, 2]
-    per_step, per_wall = bench.cpu_per_step(phases)
+    per_step, per_wall = stats.cpu_per_step(phases)
     assert per_step == pytest.approx(0.09) and per_wall == pytest.approx(0.4)
-    assert bench.cpu_per_step(bench.trained_phases(logs, "pm.trained")) == pytest.approx((0.02, 0.1 / 9))
+    assert stats.cpu_per_step(run_records.trained_phases(logs, "pm.trained")) == pytest.approx((0.02, 0.1 / 9))
     c = bench.compare({"compute-and-wait": {"gm_cpu_per_step_s": 0.08}, "wait-free": {"gm_cpu_per_step_s": 0.09}})
     assert c["gm_cpu_per_step_ratio"] == pytest.approx(1.125)
 

@@ -35,8 +35,8 @@ def test_run_refuses_bad_worker_counts(capsys) -> None:
 
 
 def test_run_hosts_the_clients_in_workers_by_default() -> None:
+    from wafl.cli.commands.preflight import workers as _workers
     from wafl.cli.launcher import default_workers
-    from wafl.cli.main import _workers
 
     assert _workers(None, load_config(None, {"num_clients": 10}), False) == default_workers(10)
     assert _workers(None, load_config(None, {"num_clients": 1}), False) == 1  # never more workers than clients

@@ -1,0 +1,73 @@
+"""The checks a command makes before any process of a run starts: the dataset loads, the output folder
+can be made, ``--link-rate`` and ``--host-cpus`` parse for the run, and ``--workers`` names a count."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from wafl.common.config import ConfigError, RunConfig
+from wafl.common.errors import UsageError
+
+OFF = ("off", "0")  # --workers off / 0: one process per client
+
+
+def workers(spec: str | None, cfg: RunConfig, per_client_hosts: bool) -> int | None:
+    """``--workers``: a count, ``auto`` (one per core, at most one per client) or ``off``/``0`` (one process
+    per client); unset: ``auto``, or ``off`` with per-client links or CPU shares (a namespace or a control
+    group holds one process)."""
+    from wafl.cli.launcher import check_workers, default_workers
+
+    if spec is None:
+        spec = "off" if per_client_hosts else "auto"
+    if spec in OFF:
+        return None
+    if spec == "auto":
+        return default_workers(cfg.num_clients)
+    try:
+        n = int(spec)
+    except ValueError:
+        raise UsageError(f"--workers={spec!r} is not a count, auto or off") from None
+    return check_workers(n, cfg)
+
+
+def check_link_rate(spec: str | None, cfg: RunConfig) -> None:
+    """``--link-rate`` gives every client of ``cfg`` a rate (a :class:`ConfigError` otherwise)."""
+    if spec:
+        from wafl.common.heterogeneity import link_rates
+
+        try:
+            link_rates(spec, cfg.num_clients, cfg.seed)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
+def check_host_cpus(spec: str | None, cfg: RunConfig) -> None:
+    """``--host-cpus`` gives every host of ``cfg`` a CPU share this machine has (a :class:`ConfigError` otherwise)."""
+    if spec:
+        from wafl.cli.cgroups import machine_cpus
+        from wafl.common.heterogeneity import host_cpus
+
+        try:
+            host_cpus(spec, cfg.num_clients, cfg.seed, machine_cpus())
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
+def check_dataset(cfg: RunConfig) -> None:
+    """The run's dataset loads here (its files are present and readable) before any process starts."""
+    from wafl.common.datasets import load_dataset
+
+    data = load_dataset(cfg.dataset, cfg.data_dir)
+    if cfg.client_size is not None and cfg.client_size * cfg.num_clients > len(data.train_labels):
+        raise ConfigError(
+            f"client_size={cfg.client_size} for {cfg.num_clients} clients needs {cfg.client_size * cfg.num_clients} "
+            f"samples; {cfg.dataset}'s training split has {len(data.train_labels)}"
+        )
+
+
+def creatable(out: Path) -> None:
+    """``--out`` exists or can be made (a :class:`UsageError` naming the flag otherwise)."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--out {out} cannot be created: {e.strerror}") from None
