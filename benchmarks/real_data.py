@@ -166,7 +166,7 @@ algorithm = ["fedavg", "fedprox"]
 def smoke(out: Path) -> dict[str, object]:
     """The whole cycle on a tiny digits sweep in ``out``: run, keep, restore into a fresh folder (where the
     sweep then has nothing left to run), and the summary; returns (and writes to smoke.json) what it saw."""
-    from wafl.cli.bench import git_commit
+    from wafl.cli.provenance import git_commit
 
     out.mkdir(parents=True, exist_ok=True)
     sweep_file = out / "smoke.toml"

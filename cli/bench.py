@@ -50,8 +50,6 @@ from typing import Any
 
 from wafl.cli.bench_plots import PROTOCOL_ORDER, plot_pm_accuracy, plot_timelines
 from wafl.cli.measured import launch_measured
-
-# git_commit and read_jsonl are also imported from here by the scripts of benchmarks/
 from wafl.cli.provenance import git_commit
 from wafl.cli.run_records import read_jsonl, read_timelines, trained_phases
 from wafl.cli.timeline_stats import (
