@@ -58,6 +58,7 @@ from wafl.client.timeline import PhaseEvent, Timeline
 from wafl.client.trainer import Trainer
 from wafl.common import metrics as M
 from wafl.common.codec import crc32_of
+from wafl.common.contract import PROTOCOLS, ClientProtocol
 from wafl.common.heterogeneity import drops_out, slowdowns
 from wafl.common.knowledge import Knowledge
 
@@ -90,11 +91,11 @@ class Transport(Protocol):
 class RoundProtocol:
     def __init__(self, session: Transport, trainer: Trainer, protocol: str, compute: Any = None) -> None:
         """``compute``: where the training runs (:mod:`wafl.client.compute`); default: this client's own threads."""
-        if protocol not in ("wait-free", "compute-and-wait"):
-            raise ValueError(f"protocol={protocol!r} is not one of ['wait-free', 'compute-and-wait']")
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"protocol={protocol!r} is not one of {list(PROTOCOLS)}")
         self.session = session
         self.trainer = trainer
-        self.protocol = protocol
+        self.protocol = ClientProtocol(protocol)
         cfg = trainer.cfg
         self.slowdown = slowdowns(cfg.slowdown, cfg.num_clients, cfg.seed)[trainer.index]
         self.timeline = Timeline()
@@ -106,7 +107,9 @@ class RoundProtocol:
         self.headers = 0  # broadcast headers received (``pm_yield_transfers``: the PM stops at the next one)
         session.on_header = self._on_header
         self.wake = asyncio.Event()  # set as a broadcast's header or its end arrives (the wait-free PM's stop)
-        self.compute = compute or OwnThreads(protocol == "wait-free" and trainer.algorithm.personalized, cfg.pm_nice)
+        self.compute = compute or OwnThreads(
+            self.protocol is ClientProtocol.WAIT_FREE and trainer.algorithm.personalized, cfg.pm_nice
+        )
 
     @property
     def background(self) -> ThreadPoolExecutor | None:
@@ -205,7 +208,7 @@ class RoundProtocol:
         # the personal phase: after the GM (selected), or alone when the algorithm trains the personal
         # part of an unselected client on the model it received (README, "Partial participation")
         trains_pm = t.algorithm.personalized and (selected or t.algorithm.pm_when_unselected)
-        if trains_pm and self.protocol == "compute-and-wait" and cfg.pm_epochs > 0:
+        if trains_pm and self.protocol is ClientProtocol.COMPUTE_AND_WAIT and cfg.pm_epochs > 0:
             cpu = time.process_time()
             with self.timeline.phase("pm_train", r) as phase:
                 pm_stats = await self.compute.run(t.train_pm, None, float(cfg.pm_epochs))
@@ -216,9 +219,9 @@ class RoundProtocol:
             upload = asyncio.create_task(self._upload(r, state, metrics, knowledge))
             self.uploads.add(upload)
             upload.add_done_callback(self.uploads.discard)
-            if self.protocol == "compute-and-wait":
+            if self.protocol is ClientProtocol.COMPUTE_AND_WAIT:
                 await upload
-        if trains_pm and self.protocol == "wait-free":
+        if trains_pm and self.protocol is ClientProtocol.WAIT_FREE:
             if cfg.pm_yield_transfers:  # the client's own transfers get its CPU: PM after the upload, until a header
                 if selected:
                     await asyncio.wait({upload})  # its outcome is the upload task's (drained at the end)

@@ -46,7 +46,7 @@ from wafl.server.aggregator import Accumulator, NormBound, RetainedBytes, Rule, 
 from wafl.server.auth import ID_PATTERN, Credentials, JoinSecrets, check_id, load_or_create_key
 from wafl.server.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from wafl.server.results import ResultsLog, round_
-from wafl.server.strategies import Collection, Deliveries, RunAborted, make_strategy
+from wafl.server.strategies import Collection, Deliveries, Drain, RunAborted, make_strategy
 from wafl.server.tensorboard import TensorBoardLog
 from wafl.server.upload import FoldWorkers, Upload
 
@@ -412,7 +412,7 @@ class RoundEngine:
 
     async def _drain(self, c: Collection) -> None:
         loop = asyncio.get_running_loop()
-        if self.strategy.drain == "wait":
+        if self.strategy.drain is Drain.WAIT:
             deadline = loop.time() + self.cfg.round_deadline_s
             while c.in_flight and loop.time() < deadline:
                 self.changed.clear()

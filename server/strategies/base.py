@@ -19,6 +19,7 @@ of the configuration's ``aggregation`` string.
 from __future__ import annotations
 
 import copy
+import enum
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
@@ -36,6 +37,13 @@ from wafl.server.results import weighted_mean
 
 State: TypeAlias = "OrderedDict[str, torch.Tensor]"
 Deliveries = dict[str, bool]  # client id -> asked to train on the model it is sent
+
+
+class Drain(enum.StrEnum):
+    """What the engine does with uploads still streaming into a collection that closes."""
+
+    CANCEL = "cancel"  # they are rolled back (the client may retry into a later collection)
+    WAIT = "wait"  # they may finish into it, for up to ``round_deadline_s``
 
 
 class RunAborted(RuntimeError):
@@ -127,9 +135,8 @@ class Strategy(ABC):
     #: the PM reports of its round, and its ``pm_accuracy`` is the mean of each client's latest report
     latest_pm: ClassVar[bool] = False
 
-    #: what the engine does with uploads still streaming into a collection that closes:
-    #: "cancel" rolls them back, "wait" lets them finish into it
-    drain: str = "cancel"
+    #: what the engine does with uploads still streaming into a collection that closes
+    drain: ClassVar[Drain] = Drain.CANCEL
 
     def __init__(
         self, cfg: RunConfig, algorithm: Algorithm, num_classes: int, new_accumulator: Callable[[], Accumulator]

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from wafl.common.config import ConfigError, RunConfig, int_at_least, one_of, positive
 from wafl.common.errors import Code, Refused
-from wafl.server.strategies.base import Collection, Deliveries, RuleConfig, State, Strategy, Ticket, register
+from wafl.server.strategies.base import Collection, Deliveries, Drain, RuleConfig, State, Strategy, Ticket, register
 
 STALENESS = ("sqrt", "constant", "poly", "hinge")
 
@@ -114,7 +114,7 @@ class BufferedConfig(AsyncConfig):
 @register("buffered")
 class BufferedStrategy(Strategy):
     Config: ClassVar[type[BufferedConfig]] = BufferedConfig
-    drain = "wait"
+    drain = Drain.WAIT
     uploads_are_deltas = True
     latest_pm = True
 

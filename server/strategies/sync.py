@@ -21,7 +21,16 @@ import torch
 from wafl.common.config import RunConfig
 from wafl.common.errors import Code, Refused
 from wafl.server.selection import select_clients
-from wafl.server.strategies.base import Collection, Deliveries, RuleConfig, RunAborted, State, Strategy, register
+from wafl.server.strategies.base import (
+    Collection,
+    Deliveries,
+    Drain,
+    RuleConfig,
+    RunAborted,
+    State,
+    Strategy,
+    register,
+)
 
 
 @dataclass(frozen=True)
@@ -40,7 +49,7 @@ class SyncConfig(RuleConfig):
 @register("sync")
 class SyncStrategy(Strategy):
     Config = SyncConfig
-    drain = "cancel"
+    drain = Drain.CANCEL
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
