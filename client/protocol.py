@@ -283,7 +283,10 @@ async def _prefetch(models: Any, on_arrival: Callable[[], None] | None = None) -
                 await queue.put(m)
                 if on_arrival is not None:
                     on_arrival()
-        except BaseException as e:  # surfaced to the consumer
+        # BaseException: a stream the transport cancels raises CancelledError, which must reach the
+        # consumer as the stream's failure, not pass for its end (this task's own cancellation, by
+        # the consumer's ``finally``, comes when nobody reads the queue any more)
+        except BaseException as e:
             await queue.put(e)
         finally:
             await queue.put(done)

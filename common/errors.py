@@ -35,6 +35,11 @@ class Refused(Exception):
         self.code = code
 
 
+class InvariantError(RuntimeError):
+    """An internal invariant does not hold (a method called out of order, a state that cannot arise):
+    a bug in wafl or in the code that drives it, not bad input; the message says what is wrong."""
+
+
 class UsageError(Exception):
     """A mistake in how wafl was started (a file, a folder, an address); its message is one line
     for the user, printed without a traceback."""

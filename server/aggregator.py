@@ -50,7 +50,7 @@ from wafl.common.codec import (
     torch_dtype,
 )
 from wafl.common.config import ConfigError, RunConfig, register_config_check
-from wafl.common.errors import Code
+from wafl.common.errors import Code, InvariantError
 
 
 class Center(enum.StrEnum):
@@ -499,7 +499,8 @@ class UploadFold:
 
     def _kept(self, kept: memoryview | bytes | int, nbytes: int) -> memoryview | bytes:
         if isinstance(kept, int):
-            assert self.spill is not None
+            if self.spill is None:
+                raise InvariantError(f"a chunk kept at spill position {kept} but the fold has no spill slot")
             self.spill.seek(kept)
             return self.spill.read(nbytes)
         return kept

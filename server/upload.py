@@ -275,7 +275,9 @@ class FoldPipeline:
                 try:
                     self.crc = crc32(chunk.data, self.crc)
                     self.fold.add(spec, chunk)
-                except BaseException as e:  # reported to the handler by put/finish
+                # every error, not only Exception: it is this upload's, re-raised in its handler by
+                # put/finish, and the fold worker, shared by every upload, must live on
+                except BaseException as e:
                     self.error = e
             with self.lock:
                 self.pending -= 1

@@ -30,7 +30,7 @@ import torch
 from wafl.common import metrics as M
 from wafl.common.algorithms.base import Algorithm
 from wafl.common.config import ConfigError, RunConfig
-from wafl.common.errors import AlreadyAccepted, Code, Refused
+from wafl.common.errors import AlreadyAccepted, Code, InvariantError, Refused
 from wafl.common.knowledge import Knowledge, KnowledgeAccumulator
 from wafl.server.aggregator import Accumulator
 from wafl.server.results import weighted_mean
@@ -149,6 +149,7 @@ class Strategy(ABC):
         # (client, round) -> (idempotency key, bytes, number of the collection it went into)
         self.accepted: dict[tuple[str, int], tuple[str, int, int]] = {}
         self.aggregations = 0  # versions built so far (the initial model is version 1)
+        self.current: Collection | None = None  # the collection uploads fold into now; None before start
 
     @classmethod
     def check_config(cls, cfg: RunConfig) -> RuleConfig:
@@ -179,6 +180,12 @@ class Strategy(ABC):
             else None
         )
         return Collection(number, self.new_accumulator(), know, opened_at=now)
+
+    def collecting(self) -> Collection:
+        """The collection uploads fold into now; raises :class:`InvariantError` before :meth:`start`."""
+        if self.current is None:
+            raise InvariantError(f"aggregation={self.name!r}: no collection is open (start was not called)")
+        return self.current
 
     @abstractmethod
     def start(self, now: float) -> Deliveries:

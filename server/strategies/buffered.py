@@ -124,7 +124,6 @@ class BufferedStrategy(Strategy):
         self.concurrency = self.config.concurrency
         self.buffer_size = self.config.buffer_size
         self.weight_of = self.config.staleness
-        self.current: Collection | None = None
         self.closing: list[Collection] = []
         self.assigned: dict[str, tuple[int, float]] = {}  # client -> (version it trains on, when asked)
         self.trained: dict[str, int] = {}  # client -> the version it was last asked to train on
@@ -198,8 +197,7 @@ class BufferedStrategy(Strategy):
         self.closing = [c for c in self.closing if c.in_flight]
 
     def ready(self) -> bool:
-        assert self.current is not None
-        return len(self.current.metrics) >= self.buffer_size
+        return len(self.collecting().metrics) >= self.buffer_size
 
     def next_deadline(self) -> float | None:
         first = min((t for _, t in self.assigned.values()), default=None)
@@ -216,8 +214,7 @@ class BufferedStrategy(Strategy):
         return self._assign(now) if expired else {}
 
     def close(self, now: float) -> Collection:
-        assert self.current is not None
-        closing = self.current
+        closing = self.collecting()
         closing.closed = True
         if closing.in_flight:
             self.closing.append(closing)

@@ -53,7 +53,6 @@ class SyncStrategy(Strategy):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.current: Collection | None = None
         self.selected: set[str] = set()
         self.deadline = math.inf
         self.extensions = 0
@@ -103,9 +102,8 @@ class SyncStrategy(Strategy):
         return c, 0
 
     def ready(self) -> bool:
-        assert self.current is not None
         # only selected clients commit into the round (``_admit``): counting them is enough
-        return self.short or len(self.current.metrics) >= len(self.selected)
+        return self.short or len(self.collecting().metrics) >= len(self.selected)
 
     def next_deadline(self) -> float | None:
         return self.deadline
@@ -129,9 +127,9 @@ class SyncStrategy(Strategy):
         return {}
 
     def close(self, now: float) -> Collection:
-        assert self.current is not None
-        self.current.closed = True
-        return self.current
+        c = self.collecting()
+        c.closed = True
+        return c
 
     def combine(self, prev: State, collection: Collection) -> dict[str, torch.Tensor]:
         acc = collection.accumulator
