@@ -136,8 +136,9 @@ class RoundProtocol:
                     M.BYTES_UP: float(self.bytes_up),
                     M.GLOBAL_CRC32: float(crc32_of(model.state.values())),
                 }
-                await self.session.report(model.round - 1, final, self.timeline.events, self.timeline.start_unix)
-                log.info("run.final", round=model.round - 1)
+                built = model.round - 1  # versions built: the final model is version rounds + 1
+                await self.session.report(built, final, self.timeline.events, self.timeline.start_unix)
+                log.info("run.final", round=built)
                 return
             online = await self._round(model)
             waiting = ("idle" if online else "offline", model.round, self.timeline.now())
@@ -173,7 +174,7 @@ class RoundProtocol:
         """Trains on one model as asked; returns False when the client went offline instead."""
         t = self.trainer
         cfg = t.cfg
-        r = model.round
+        r = model.round  # the model's version: the round it trains in (the wire's and the timeline's round)
         seen, heads = self.arrived, self.headers
         selected = model.train
         await self.compute.run(t.begin_round, r, model.state, model.knowledge, selected)
@@ -332,7 +333,7 @@ class NewClientProtocol:
     async def _run(self) -> None:
         t = self.trainer
         async for model in self.session.models():
-            r = model.round - 1  # the round whose aggregation made this model
+            r = model.round - 1  # the results line of this model: the version it was built from
             if model.adapt:
                 with self.timeline.phase("evaluate", r):
                     acc, n = await self.compute.run(

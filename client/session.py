@@ -91,7 +91,7 @@ class Backoff:
 
 @dataclass
 class ReceivedModel:
-    round: int  # the round it opens (sync) or its version (buffered)
+    round: int  # its version (the header's ``round``; sync: the round it opens); rounds + 1 for the final model
     train: bool  # this client is asked to train on it
     final: bool
     state: dict[str, torch.Tensor]

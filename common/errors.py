@@ -48,7 +48,7 @@ class UsageError(Exception):
 class AlreadyAccepted(Exception):
     """A retry of an upload that was already committed (same client, version and idempotency key)."""
 
-    def __init__(self, round: int, nbytes: int) -> None:
-        super().__init__(f"duplicate of the upload accepted for round {round}")
-        self.round = round
+    def __init__(self, version: int, nbytes: int) -> None:
+        super().__init__(f"duplicate of the upload accepted for round {version}")
+        self.version = version  # the version the upload was trained from (the wire's ``round``)
         self.nbytes = nbytes

@@ -164,21 +164,21 @@ class BufferedStrategy(Strategy):
     def _open_collections(self) -> tuple[Collection, ...]:
         return tuple(self.closing)
 
-    def _admit(self, client_id: str, round: int, now: float) -> tuple[Collection, int]:
+    def _admit(self, client_id: str, version: int, now: float) -> tuple[Collection, int]:
         if self.current is None or self.done:
             raise Refused("no version is being collected", Code.FAILED_PRECONDITION)
         given = self.assigned.get(client_id)
-        if given is None or given[0] != round:
+        if given is None or given[0] != version:
             raise Refused(
-                f"client {client_id!r} was not asked to train on version {round}"
+                f"client {client_id!r} was not asked to train on version {version}"
                 + ("" if given is None else f" (it trains on version {given[0]})"),
                 Code.FAILED_PRECONDITION,
             )
-        staleness = self.version - round
+        staleness = self.version - version
         if staleness > self.config.max_staleness:
             self.assigned.pop(client_id, None)
             raise Refused(
-                f"an update from version {round} is {staleness} versions old; "
+                f"an update from version {version} is {staleness} versions old; "
                 f"max_staleness={self.config.max_staleness}",
                 Code.FAILED_PRECONDITION,
             )
@@ -238,7 +238,7 @@ class BufferedStrategy(Strategy):
         s = c.staleness
         return {
             **super().row(c),
-            "version": c.number + 1,
+            "version": c.version + 1,
             "staleness_mean": sum(s) / len(s) if s else None,
             "staleness_max": max(s) if s else None,
         }
