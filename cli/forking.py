@@ -64,12 +64,11 @@ class ForkedProcess:
         import time
 
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
+        while (code := self.poll()) is None:
             if deadline is not None and time.monotonic() > deadline:
                 raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
             time.sleep(0.02)
-        assert self.returncode is not None
-        return self.returncode
+        return code
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
@@ -120,7 +119,9 @@ def fork_main(argv: Sequence[str], log: Path, env: dict[str, str]) -> ForkedProc
         code = main(list(argv))
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except BaseException:  # noqa: BLE001 - reported in the child's log, its exit status says it failed
+    # BaseException: a forked child never unwinds into the parent's code (KeyboardInterrupt included); what
+    # it raised is in its log and its exit status says it failed
+    except BaseException:  # noqa: BLE001
         import traceback
 
         traceback.print_exc()

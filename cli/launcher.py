@@ -119,7 +119,7 @@ def launch(
     try:
         optional = host_cpus is None if quota_optional is None else quota_optional
         groups, plan = _cpu_groups(cfg, host_cpus or ("auto" if link_rate else "none"), optional)
-    except BaseException:
+    except BaseException:  # cleanup, then re-raised: Ctrl-C here must not leave the namespaces behind either
         if star is not None:
             star.close()
         raise

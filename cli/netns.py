@@ -216,7 +216,7 @@ class Star:
             _open_stars.add(self)
         try:
             self._build()
-        except BaseException:
+        except BaseException:  # cleanup, then re-raised: a half-built star (Ctrl-C included) is torn down
             self.close()
             raise
 

@@ -148,7 +148,9 @@ class ServerActor:
             self.code = asyncio.run(
                 serve(self.cfg, host, port, self.out, token=self.token, resume=resume, ready_file=ready)
             )
-        except BaseException as e:  # noqa: BLE001 - reported to the driver through poll()
+        # BaseException: the server thread ends with a code whatever stopped it (SystemExit included), else
+        # the driver, which polls for that code, would wait for ever; reported through poll()
+        except BaseException as e:  # noqa: BLE001
             self.error = f"{type(e).__name__}: {e}"
             self.code = 1
 

@@ -58,6 +58,7 @@ from wafl.client.timeline import PhaseEvent, Timeline
 from wafl.client.trainer import Trainer
 from wafl.common import metrics as M
 from wafl.common.codec import crc32_of
+from wafl.common.contract import PROTOCOLS, ClientProtocol
 from wafl.common.heterogeneity import drops_out, slowdowns
 from wafl.common.knowledge import Knowledge
 
@@ -90,11 +91,11 @@ class Transport(Protocol):
 class RoundProtocol:
     def __init__(self, session: Transport, trainer: Trainer, protocol: str, compute: Any = None) -> None:
         """``compute``: where the training runs (:mod:`wafl.client.compute`); default: this client's own threads."""
-        if protocol not in ("wait-free", "compute-and-wait"):
-            raise ValueError(f"protocol={protocol!r} is not one of ['wait-free', 'compute-and-wait']")
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"protocol={protocol!r} is not one of {list(PROTOCOLS)}")
         self.session = session
         self.trainer = trainer
-        self.protocol = protocol
+        self.protocol = ClientProtocol(protocol)
         cfg = trainer.cfg
         self.slowdown = slowdowns(cfg.slowdown, cfg.num_clients, cfg.seed)[trainer.index]
         self.timeline = Timeline()
@@ -106,7 +107,9 @@ class RoundProtocol:
         self.headers = 0  # broadcast headers received (``pm_yield_transfers``: the PM stops at the next one)
         session.on_header = self._on_header
         self.wake = asyncio.Event()  # set as a broadcast's header or its end arrives (the wait-free PM's stop)
-        self.compute = compute or OwnThreads(protocol == "wait-free" and trainer.algorithm.personalized, cfg.pm_nice)
+        self.compute = compute or OwnThreads(
+            self.protocol is ClientProtocol.WAIT_FREE and trainer.algorithm.personalized, cfg.pm_nice
+        )
 
     @property
     def background(self) -> ThreadPoolExecutor | None:
@@ -133,8 +136,9 @@ class RoundProtocol:
                     M.BYTES_UP: float(self.bytes_up),
                     M.GLOBAL_CRC32: float(crc32_of(model.state.values())),
                 }
-                await self.session.report(model.round - 1, final, self.timeline.events, self.timeline.start_unix)
-                log.info("run.final", round=model.round - 1)
+                built = model.round - 1  # versions built: the final model is version rounds + 1
+                await self.session.report(built, final, self.timeline.events, self.timeline.start_unix)
+                log.info("run.final", round=built)
                 return
             online = await self._round(model)
             waiting = ("idle" if online else "offline", model.round, self.timeline.now())
@@ -170,7 +174,7 @@ class RoundProtocol:
         """Trains on one model as asked; returns False when the client went offline instead."""
         t = self.trainer
         cfg = t.cfg
-        r = model.round
+        r = model.round  # the model's version: the round it trains in (the wire's and the timeline's round)
         seen, heads = self.arrived, self.headers
         selected = model.train
         await self.compute.run(t.begin_round, r, model.state, model.knowledge, selected)
@@ -205,7 +209,7 @@ class RoundProtocol:
         # the personal phase: after the GM (selected), or alone when the algorithm trains the personal
         # part of an unselected client on the model it received (README, "Partial participation")
         trains_pm = t.algorithm.personalized and (selected or t.algorithm.pm_when_unselected)
-        if trains_pm and self.protocol == "compute-and-wait" and cfg.pm_epochs > 0:
+        if trains_pm and self.protocol is ClientProtocol.COMPUTE_AND_WAIT and cfg.pm_epochs > 0:
             cpu = time.process_time()
             with self.timeline.phase("pm_train", r) as phase:
                 pm_stats = await self.compute.run(t.train_pm, None, float(cfg.pm_epochs))
@@ -216,9 +220,9 @@ class RoundProtocol:
             upload = asyncio.create_task(self._upload(r, state, metrics, knowledge))
             self.uploads.add(upload)
             upload.add_done_callback(self.uploads.discard)
-            if self.protocol == "compute-and-wait":
+            if self.protocol is ClientProtocol.COMPUTE_AND_WAIT:
                 await upload
-        if trains_pm and self.protocol == "wait-free":
+        if trains_pm and self.protocol is ClientProtocol.WAIT_FREE:
             if cfg.pm_yield_transfers:  # the client's own transfers get its CPU: PM after the upload, until a header
                 if selected:
                     await asyncio.wait({upload})  # its outcome is the upload task's (drained at the end)
@@ -280,7 +284,10 @@ async def _prefetch(models: Any, on_arrival: Callable[[], None] | None = None) -
                 await queue.put(m)
                 if on_arrival is not None:
                     on_arrival()
-        except BaseException as e:  # surfaced to the consumer
+        # BaseException: a stream the transport cancels raises CancelledError, which must reach the
+        # consumer as the stream's failure, not pass for its end (this task's own cancellation, by
+        # the consumer's ``finally``, comes when nobody reads the queue any more)
+        except BaseException as e:
             await queue.put(e)
         finally:
             await queue.put(done)
@@ -326,7 +333,7 @@ class NewClientProtocol:
     async def _run(self) -> None:
         t = self.trainer
         async for model in self.session.models():
-            r = model.round - 1  # the round whose aggregation made this model
+            r = model.round - 1  # the results line of this model: the version it was built from
             if model.adapt:
                 with self.timeline.phase("evaluate", r):
                     acc, n = await self.compute.run(

@@ -91,7 +91,7 @@ class Backoff:
 
 @dataclass
 class ReceivedModel:
-    round: int  # the round it opens (sync) or its version (buffered)
+    round: int  # its version (the header's ``round``; sync: the round it opens); rounds + 1 for the final model
     train: bool  # this client is asked to train on it
     final: bool
     state: dict[str, torch.Tensor]
@@ -188,20 +188,19 @@ class Session:
         if reply.session_credential:
             self.credential = reply.session_credential
             if self.credential_file is not None:
-                self._keep_credential()
+                self._keep_credential(self.credential_file)
         self.join_reply = reply
         self.manifest = tuple(TensorSpec.from_proto(s) for s in reply.manifest)
         log.info("joined", run_id=reply.run_id, round=reply.round, algorithm=reply.algorithm)
         return reply
 
-    def _keep_credential(self) -> None:
-        assert self.credential_file is not None
-        self.credential_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.credential_file.with_name(self.credential_file.name + ".tmp")
+    def _keep_credential(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(self.credential)
-        tmp.replace(self.credential_file)
+        tmp.replace(path)
 
     async def _why_unreachable(self, req: pb.JoinRequest) -> str:
         """Why the server cannot be reached (a name that does not resolve, a refused connection), from one

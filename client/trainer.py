@@ -26,6 +26,7 @@ from wafl.common.algorithms import registry
 from wafl.common.algorithms.base import Algorithm, Phase, RoundContext, extra_name, parameters_of, split_payload
 from wafl.common.config import ConfigError, RunConfig
 from wafl.common.datasets import FederatedDataset, load_dataset
+from wafl.common.errors import InvariantError
 from wafl.common.heterogeneity import new_client_indices
 from wafl.common.models import build_model
 from wafl.common.partition import client_shard, public_split
@@ -126,8 +127,7 @@ class Trainer:
         missing, unexpected = self.gm.load_state_dict(state, strict=False)
         if unexpected or sorted(missing) != sorted(self.local_keys):
             raise ValueError(f"received model tensors do not match the algorithm's: {missing} {unexpected}")
-        if self.separate_pm and (not self.pm_initialized or self.algorithm.pm_from_global):
-            assert self.pm is not None
+        if self.pm is not None and self.separate_pm and (not self.pm_initialized or self.algorithm.pm_from_global):
             self.pm.load_state_dict(self.gm.state_dict())  # the PM starts equal to the (first) global model
             self.pm_initialized = True
             if self.algorithm.pm_from_global:
@@ -183,16 +183,24 @@ class Trainer:
             )
         return epochs(self.data.train, self.train_idx, self.cfg.batch_size, self.rng, num_epochs, self.device)
 
+    def _context(self) -> RoundContext:
+        """The current round's context; raises :class:`InvariantError` before the first :meth:`begin_round`."""
+        if self.ctx is None:
+            raise InvariantError("no round has begun on this trainer (begin_round was not called)")
+        return self.ctx
+
     def train_gm(self) -> PhaseStats:
         """The algorithm's local phases, in order, on the local model."""
-        assert self.ctx is not None and self.algorithm.phases is not None
+        ctx, phases = self._context(), self.algorithm.phases
+        if phases is None:
+            raise InvariantError(f"algorithm {self.algorithm.name!r} has no local phases to train the local model with")
         stats = PhaseStats()
-        for phase in self.algorithm.phases:
-            if phase.when is not None and not phase.when(self.ctx):
+        for phase in phases:
+            if phase.when is not None and not phase.when(ctx):
                 continue
             data = self._data(phase, phase.epochs if phase.epochs is not None else self.cfg.local_epochs)
             opt = self._optimizer(parameters_of(self.gm, phase.params), phase)
-            stats = stats.add(train_phase(self.gm, phase, self.ctx, data, opt))
+            stats = stats.add(train_phase(self.gm, phase, ctx, data, opt))
         if self.client_state or self.local_keys:
             self.save_state()  # client state the phases updated (FedDyn's g_k), the part that does not travel
         return stats
@@ -206,21 +214,22 @@ class Trainer:
     ) -> PhaseStats:
         """Trains the PM for ``num_epochs`` (None: until ``should_stop``), on its own CUDA stream on a GPU;
         ``on_step`` runs after every step (a slowed-down client's pacing)."""
-        phase = self.algorithm.pm_phase
-        assert self.ctx is not None and self.pm is not None and phase is not None
+        ctx, pm, phase = self._context(), self.pm, self.algorithm.pm_phase
+        if pm is None or phase is None:
+            raise InvariantError(f"algorithm {self.algorithm.name!r} has no personal model and phase to train")
         data = self._data(phase, num_epochs)
         if self.pm_optimizer is None:
-            self.pm_optimizer = self._optimizer(parameters_of(self.pm, phase.params), phase)
+            self.pm_optimizer = self._optimizer(parameters_of(pm, phase.params), phase)
             if self._pm_optimizer_state is not None:  # the state saved before a restart
                 self.pm_optimizer.load_state_dict(self._pm_optimizer_state)
                 self._pm_optimizer_state = None
         if self.pm_stream is not None:
             self.pm_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.pm_stream):
-                stats = train_phase(self.pm, phase, self.ctx, data, self.pm_optimizer, should_stop, min_steps, on_step)
+                stats = train_phase(pm, phase, ctx, data, self.pm_optimizer, should_stop, min_steps, on_step)
             self.pm_stream.synchronize()
         else:
-            stats = train_phase(self.pm, phase, self.ctx, data, self.pm_optimizer, should_stop, min_steps, on_step)
+            stats = train_phase(pm, phase, ctx, data, self.pm_optimizer, should_stop, min_steps, on_step)
         self.save_state()
         return stats
 
@@ -247,10 +256,9 @@ class Trainer:
                 self.train_pm(None, float(num_epochs))
             return self.evaluate_personal()
         if num_epochs:
-            assert self.ctx is not None
             phase = Phase("finetune", main=False)
             data = self._data(phase, float(num_epochs))
-            train_phase(self.gm, phase, self.ctx, data, self._optimizer(parameters_of(self.gm, phase.params)))
+            train_phase(self.gm, phase, self._context(), data, self._optimizer(parameters_of(self.gm, phase.params)))
         return self.evaluate_local(self.gm)
 
     def gm_upload_state(self, base: Mapping[str, torch.Tensor] | None = None) -> OrderedDict[str, torch.Tensor]:
@@ -259,8 +267,7 @@ class Trainer:
         out: OrderedDict[str, torch.Tensor] = OrderedDict()
         items = [(k, v) for k, v in self.gm.state_dict().items() if self.algorithm.shares(k)]
         if self.extra_names:
-            assert self.ctx is not None
-            extras = self.algorithm.hooks.upload(self.ctx)
+            extras = self.algorithm.hooks.upload(self._context())
             if sorted(extras) != sorted(self.extra_names):
                 raise ValueError(f"uploaded extras {sorted(extras)} are not the declared {sorted(self.extra_names)}")
             items += [(extra_name(k), extras[k]) for k in self.extra_names]

@@ -9,6 +9,17 @@ service comment, on purpose.
 
 from __future__ import annotations
 
+import enum
+
 PROTOCOL_VERSION = 1  # JoinRequest.protocol_version that this server speaks and these clients send
 CREDENTIAL_KEY = "wafl-credential"  # gRPC metadata entry of the session credential Join hands out
-PROTOCOLS = ("wait-free", "compute-and-wait")  # the client protocols; the first is the default
+
+
+class ClientProtocol(enum.StrEnum):
+    """A client protocol (the configuration's ``protocol``): when a client trains its personal model."""
+
+    WAIT_FREE = "wait-free"  # in the background, from its upload until the next broadcast arrives
+    COMPUTE_AND_WAIT = "compute-and-wait"  # for ``pm_epochs`` before its upload
+
+
+PROTOCOLS = tuple(p.value for p in ClientProtocol)  # the client protocols' names; the first is the default

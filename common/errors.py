@@ -35,6 +35,11 @@ class Refused(Exception):
         self.code = code
 
 
+class InvariantError(RuntimeError):
+    """An internal invariant does not hold (a method called out of order, a state that cannot arise):
+    a bug in wafl or in the code that drives it, not bad input; the message says what is wrong."""
+
+
 class UsageError(Exception):
     """A mistake in how wafl was started (a file, a folder, an address); its message is one line
     for the user, printed without a traceback."""
@@ -43,7 +48,7 @@ class UsageError(Exception):
 class AlreadyAccepted(Exception):
     """A retry of an upload that was already committed (same client, version and idempotency key)."""
 
-    def __init__(self, round: int, nbytes: int) -> None:
-        super().__init__(f"duplicate of the upload accepted for round {round}")
-        self.round = round
+    def __init__(self, version: int, nbytes: int) -> None:
+        super().__init__(f"duplicate of the upload accepted for round {version}")
+        self.version = version  # the version the upload was trained from (the wire's ``round``)
         self.nbytes = nbytes

@@ -32,12 +32,14 @@ _LOGNORMAL = re.compile(r"^lognormal:(.*)$")
 
 def _lognormal_params(spec: str, name: str, allowed: set[str]) -> dict[str, str]:
     m = _LOGNORMAL.match(spec.strip())
-    assert m is not None
+    expected = f"{name}={spec!r}: expected lognormal:{','.join(f'{a}=...' for a in sorted(allowed))}"
+    if m is None:
+        raise ValueError(expected)
     out: dict[str, str] = {}
     for part in filter(None, (p.strip() for p in m.group(1).split(","))):
         key, sep, value = part.partition("=")
         if not sep or key.strip() not in allowed:
-            raise ValueError(f"{name}={spec!r}: expected lognormal:{','.join(f'{a}=...' for a in sorted(allowed))}")
+            raise ValueError(expected)
         out[key.strip()] = value.strip()
     missing = allowed - set(out)
     if missing:

@@ -54,7 +54,8 @@ def dirichlet_partition(
             best = shards
         if smallest >= min_size:
             break
-    assert best is not None
+    if best is None:
+        raise ValueError(f"max_tries={max_tries} must be at least 1")
     if min(len(s) for s in best) < 1:
         raise ValueError(
             f"alpha={alpha}: no Dirichlet split of {len(labels)} samples gave every one of {num_clients} clients a "

@@ -151,7 +151,8 @@ def run_phase(
             loss = cross_entropy(out) if use_cross_entropy else None
             for term in terms:
                 loss = term(model, out, ctx) if loss is None else loss + term(model, out, ctx)
-            assert loss is not None, "a phase without cross-entropy needs a loss term"
+            if loss is None:
+                raise ValueError("a phase without cross-entropy needs a loss term")
             return loss
 
         loss = rule.step(model, trained, closure, optimizer, (x, y))

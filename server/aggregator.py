@@ -26,6 +26,7 @@ chunk and folded, clipped, at its commit.
 
 from __future__ import annotations
 
+import enum
 import heapq
 import math
 import os
@@ -49,9 +50,18 @@ from wafl.common.codec import (
     torch_dtype,
 )
 from wafl.common.config import ConfigError, RunConfig, register_config_check
-from wafl.common.errors import Code
+from wafl.common.errors import Code, InvariantError
 
-CENTERS = ("mean", "trimmed_mean", "median")
+
+class Center(enum.StrEnum):
+    """The configuration's ``aggregator``: what a collection's committed uploads combine into."""
+
+    MEAN = "mean"  # their weighted mean, folded as they stream in
+    TRIMMED_MEAN = "trimmed_mean"  # coordinate-wise, ``trim_fraction`` dropped at each end
+    MEDIAN = "median"  # coordinate-wise
+
+
+CENTERS = tuple(c.value for c in Center)
 
 
 def check_aggregator(cfg: RunConfig) -> None:
@@ -74,14 +84,14 @@ class Rule:
     clipping: at the fixed ``clip_norm``, or else (``adaptive`` > 0) at the bound each collection's
     accumulator is given (:attr:`Accumulator.bound`, see :class:`NormBound`)."""
 
-    center: str = "mean"
+    center: str = Center.MEAN  # a :class:`Center`'s name
     trim: float = 0.1  # trimmed_mean: share of the values dropped at each end of every coordinate
     clip_norm: float | None = None  # L2 bound on each upload's update (floating-point tensors)
     adaptive: float = 0.0  # without clip_norm: the bound's multiple of the median of recent accepted norms
 
     @property
     def keeps_uploads(self) -> bool:
-        return self.center != "mean"
+        return self.center != Center.MEAN
 
     @property
     def measures(self) -> bool:
@@ -148,13 +158,13 @@ class NormBound:
 
 def check_robust(center: str, trim: float, uploads: int) -> str | None:
     """Why a robust ``center`` cannot work with ``uploads`` per aggregation (None when it can)."""
-    if center == "trimmed_mean" and math.floor(trim * uploads) < 1:
+    if center == Center.TRIMMED_MEAN and math.floor(trim * uploads) < 1:
         return (
             f"aggregator=trimmed_mean with trim_fraction={trim:g} trims floor({trim:g} x {uploads}) = 0 values at "
             f"each end of a round of {uploads} uploads: it is the plain mean; set trim_fraction >= {1 / uploads:.3g} "
             "or use more clients per round"
         )
-    if center == "median" and uploads < 3:
+    if center == Center.MEDIAN and uploads < 3:
         return (
             f"aggregator=median of {uploads} uploads per round is their mean: it resists no outlier; "
             "use at least 3 clients per round"
@@ -366,10 +376,10 @@ class Accumulator:
             raise ValueError("no upload was aggregated")
         out: dict[str, torch.Tensor] = {}
         k = len(self.kept)
-        cut = int(math.floor(self.rule.trim * k)) if self.rule.center == "trimmed_mean" else 0
+        cut = int(math.floor(self.rule.trim * k)) if self.rule.center == Center.TRIMMED_MEAN else 0
         for s in self.manifest:
             values = np.stack([f.values(s.name, s.numel) for f in self.kept])  # (k, numel) float64
-            if self.rule.center == "median":
+            if self.rule.center == Center.MEDIAN:
                 c = np.median(values, axis=0)
             else:
                 values.sort(axis=0)
@@ -396,6 +406,14 @@ class Accumulator:
         return out
 
 
+class FoldState(enum.StrEnum):
+    """Where an :class:`UploadFold` stands: open until its commit or its rollback ends it."""
+
+    OPEN = "open"
+    COMMITTED = "committed"
+    ROLLED_BACK = "rolled back"
+
+
 class UploadFold:
     """One upload's contribution, folded chunk by chunk; ``commit`` or ``rollback`` ends it.
 
@@ -413,7 +431,7 @@ class UploadFold:
         self.released = False  # its spill slot and retained bytes went back
         # (name, start element, elements, wire dtype, the chunk's bytes or its position in the spill slot)
         self.folded: list[tuple[str, int, int, int, memoryview | bytes | int]] = []
-        self.state = "open"
+        self.state = FoldState.OPEN
         self.sq_norm = 0.0  # squared L2 norm of the model's update so far (what clipping bounds)
         self.sq_all = 0.0  # the same over every floating-point tensor, extra tensors included
         self.scale = 1.0  # the update's factor once committed (clipping)
@@ -455,7 +473,7 @@ class UploadFold:
             bound = self.acc.bound
             beyond = not self.deferred and bound is not None and self.sq_norm > bound * bound
         with self.lock:  # keeping the chunk too: a rollback must never interleave with it
-            if self.state != "open":
+            if self.state is not FoldState.OPEN:
                 raise ChunkError("the round closed while this upload was streaming", Code.ABORTED)
             if beyond:
                 self._defer()
@@ -481,7 +499,8 @@ class UploadFold:
 
     def _kept(self, kept: memoryview | bytes | int, nbytes: int) -> memoryview | bytes:
         if isinstance(kept, int):
-            assert self.spill is not None
+            if self.spill is None:
+                raise InvariantError(f"a chunk kept at spill position {kept} but the fold has no spill slot")
             self.spill.seek(kept)
             return self.spill.read(nbytes)
         return kept
@@ -499,14 +518,14 @@ class UploadFold:
         clip = acc.rule.clip_norm if acc.rule.clip_norm is not None else acc.bound
         norm = math.sqrt(self.sq_norm)
         with self.lock:
-            if self.state != "open":
+            if self.state is not FoldState.OPEN:
                 raise ChunkError("the round closed while this upload was streaming", Code.ABORTED)
             if clip is not None and norm > clip:
                 self.scale = clip / norm
             if self.deferred and not acc.rule.keeps_uploads:
                 with acc.lock:
                     self._fold_kept()
-            self.state = "committed"
+            self.state = FoldState.COMMITTED
             with acc.folds_lock:
                 if acc.rule.measures:
                     acc.norms.append(norm * self.scale)
@@ -562,9 +581,9 @@ class UploadFold:
     def rollback(self) -> None:
         """Subtracts what was folded (from the kept chunks); idempotent."""
         with self.lock:
-            if self.state != "open":
+            if self.state is not FoldState.OPEN:
                 return
-            self.state = "rolled back"
+            self.state = FoldState.ROLLED_BACK
             with self.acc.folds_lock:
                 self.acc.open_folds.discard(self)
             for name, start, n, wire, kept in [] if self.deferred else self.folded:

@@ -46,7 +46,7 @@ from wafl.server.aggregator import Accumulator, NormBound, RetainedBytes, Rule, 
 from wafl.server.auth import ID_PATTERN, Credentials, JoinSecrets, check_id, load_or_create_key
 from wafl.server.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from wafl.server.results import ResultsLog, round_
-from wafl.server.strategies import Collection, Deliveries, RunAborted, make_strategy
+from wafl.server.strategies import Collection, Deliveries, Drain, RunAborted, make_strategy
 from wafl.server.tensorboard import TensorBoardLog
 from wafl.server.upload import FoldWorkers, Upload
 
@@ -69,7 +69,7 @@ class ClientInfo:
 class Publication:
     """One global model, encoded once for every recipient."""
 
-    round: int  # the round it opens (sync) or its version (buffered); rounds + 1 for the final one
+    version: int  # the version it is (sync: the round it opens); rounds + 1 for the final one
     final: bool
     messages: list[object]  # the transfer after the header: chunk messages, knowledge, trailer
     nbytes: int
@@ -139,7 +139,7 @@ class RoundEngine:
         self.final_reported = asyncio.Event()
         self.final_progress = 0  # messages of final models sent plus final reports received
         self.final_sent: dict[str, int] = {}  # per client: messages of the final model it was sent
-        self.attempts: dict[tuple[str, int, str], Upload] = {}  # open uploads by (client, round, idempotency key)
+        self.attempts: dict[tuple[str, int, str], Upload] = {}  # open uploads by (client, version, idempotency key)
         self.bytes_down = 0
         self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="wafl-server")
         self.fold_workers = FoldWorkers()  # fold every upload's chunks: a bounded set of threads
@@ -209,6 +209,7 @@ class RoundEngine:
         state = ck["global_state"]
         if not isinstance(state, dict) or manifest_of(state) != self.manifest:
             raise CheckpointError(f"checkpoint {path}: its model does not match this run's tensor manifest")
+        # the checkpoint's "round": the versions built when it was written (it holds version round + 1)
         if not (isinstance(ck["round"], int) and 0 <= ck["round"] <= self.cfg.rounds and isinstance(ck["run_id"], str)):
             raise CheckpointError(f"checkpoint {path}: round or run id out of range")
         try:
@@ -237,11 +238,11 @@ class RoundEngine:
         self.algorithm.server.load_state_dict(ck["server_state"])
         self.global_knowledge = knowledge
         self.run_id = ck["run_id"]
-        self.strategy.resume(ck["round"])
+        self.strategy.resume(ck["round"] + 1)
         log.info("resume", round=ck["round"], run_id=self.run_id)
 
     def _checkpoint(self) -> None:
-        n, keep = self.strategy.aggregations, self.cfg.keep_checkpoint_every
+        n, keep = self.strategy.version - 1, self.cfg.keep_checkpoint_every  # versions built
         if keep and n % keep == 0:  # kept as it is written: the same bytes as checkpoint.pt
             self._save_checkpoint(self.out_dir / "checkpoints" / f"round-{n}.pt")
         self._save_checkpoint(self.checkpoint_path)
@@ -250,7 +251,7 @@ class RoundEngine:
         save_checkpoint(
             path,
             {
-                "round": self.strategy.aggregations,
+                "round": self.strategy.version - 1,  # versions built (the file format's name)
                 "run_id": self.run_id,
                 "config": json.loads(self.cfg.to_json()),
                 "global_state": self.global_state,
@@ -412,7 +413,7 @@ class RoundEngine:
 
     async def _drain(self, c: Collection) -> None:
         loop = asyncio.get_running_loop()
-        if self.strategy.drain == "wait":
+        if self.strategy.drain is Drain.WAIT:
             deadline = loop.time() + self.cfg.round_deadline_s
             while c.in_flight and loop.time() < deadline:
                 self.changed.clear()
@@ -422,7 +423,7 @@ class RoundEngine:
                     pass
         cancelled = await loop.run_in_executor(self.executor, c.accumulator.cancel_open)
         if cancelled:
-            log.warning("round.cancelled_uploads", round=c.number, count=cancelled)
+            log.warning("round.cancelled_uploads", round=c.version, count=cancelled)
 
     async def _finish_version(self, c: Collection) -> None:
         """Aggregates a closed collection, evaluates, checkpoints and records its results line."""
@@ -430,24 +431,24 @@ class RoundEngine:
         probed: dict[str, Any] = {}
         if self.round_probe is not None:
             selected = sorted(getattr(self.strategy, "selected", c.metrics))
-            probed = await loop.run_in_executor(self.executor, self.round_probe, c.number, self.global_state, selected)
+            probed = await loop.run_in_executor(self.executor, self.round_probe, c.version, self.global_state, selected)
         state, knowledge, fields = await loop.run_in_executor(
             self.executor, self.strategy.aggregate, self.global_state, c
         )
         if state is not None:
             self.global_state = state
         if "refused" in fields:
-            log.error("round.refused", round=c.number, reason=fields["refused"])
+            log.error("round.refused", round=c.version, reason=fields["refused"])
         if knowledge is not None:
             self.global_knowledge = knowledge
         if self.rule.adaptive:
             self.norm_bound.record(c.accumulator.norms)
             if c.accumulator.clipped:
                 fields = {**fields, "clipped": c.accumulator.clipped}
-                log.warning("round.clipped", round=c.number, uploads=c.accumulator.clipped, bound=c.accumulator.bound)
+                log.warning("round.clipped", round=c.version, uploads=c.accumulator.clipped, bound=c.accumulator.bound)
         await loop.run_in_executor(self.executor, c.accumulator.reset)
         self.accumulators.append(c.accumulator)
-        n = self.strategy.aggregations
+        n = self.strategy.version - 1  # versions built, this one included (sync: this round)
         every = self.cfg.eval_every
         evaluated = n == self.cfg.rounds or bool(every and n % every == 0)
         if evaluated:
@@ -457,7 +458,7 @@ class RoundEngine:
         self.adapt_due = evaluated and bool(self.new_clients)
         if self.cfg.checkpoint:
             await loop.run_in_executor(self.executor, self._checkpoint)
-        r = c.number
+        r = c.version  # the results line's "round"
         self.results.close_before(r)
         row = {
             "run_id": self.run_id,
@@ -494,25 +495,25 @@ class RoundEngine:
     async def _publish(self, deliveries: Deliveries, final: bool = False) -> None:
         """Encodes the global model once (worker thread) and delivers it as the strategy decided."""
         loop = asyncio.get_running_loop()
-        r = self.cfg.rounds + 1 if final else self.strategy.version
-        self.publication = await loop.run_in_executor(self.executor, self._encode, r, final)
+        version = self.cfg.rounds + 1 if final else self.strategy.version
+        self.publication = await loop.run_in_executor(self.executor, self._encode, version, final)
         self._deliver(deliveries)
 
-    def _encode(self, round: int, final: bool) -> Publication:
+    def _encode(self, version: int, final: bool) -> Publication:
         messages: list[object] = []
         for m in write_transfer(pb.BroadcastMessage, self.global_state.items(), to_proto(self.global_knowledge)):
             # tensors come as RawChunk / ChunkBatch (encoded once here), knowledge and trailer as messages
             messages.append(
                 m if isinstance(m, pb.BroadcastMessage) else PreEncoded(encode_tensors(cast(RawChunk | ChunkBatch, m)))
             )
-        return Publication(round, final, messages, self.model_bytes)
+        return Publication(version, final, messages, self.model_bytes)
 
     def _deliver(self, deliveries: Deliveries) -> None:
         """Sends the current publication as decided; work handed out for a version still being
         published waits for it."""
         self.waiting.update(deliveries)
         p = self.publication
-        if not self.waiting or p is None or (p.round != self.strategy.version and not p.final):
+        if not self.waiting or p is None or (p.version != self.strategy.version and not p.final):
             return
         deliveries, self.waiting = self.waiting, {}
         for cid, train in deliveries.items():
@@ -544,7 +545,7 @@ class RoundEngine:
             yield pb.BroadcastMessage(
                 header=pb.BroadcastHeader(
                     run_id=self.run_id,
-                    round=p.round,
+                    round=p.version,
                     final=p.final,
                     train=d.train,
                     adapt=d.adapt,

@@ -34,13 +34,22 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
-from wafl.common.errors import Code, Refused
+from wafl.common.errors import Code, InvariantError, Refused
 
 CREDENTIALED = ("/wafl.v1.Federation/Upload", "/wafl.v1.Federation/Report", "/wafl.v1.Federation/Broadcasts")
 BROADCASTS = "/wafl.v1.Federation/Broadcasts"
 LOBBY_SIZE = 32  # calls without a credential waiting at once (Join, health, reflection), plus one per client
 LOBBY_READ_S = 10.0  # a unary call in the lobby must deliver its request within this
 CLIENT_CALLS = 4  # uploads and reports of one client at once (its Broadcasts stream apart)
+
+
+def _current_task(what: str) -> asyncio.Task[Any]:
+    """The task running ``what`` (which cancels, and is cancelled, as a task); raises :class:`InvariantError` outside
+    one."""
+    task = asyncio.current_task()
+    if task is None:
+        raise InvariantError(f"{what} must run inside an asyncio task")
+    return task
 
 
 class Lobby:
@@ -55,8 +64,7 @@ class Lobby:
 
     @contextlib.asynccontextmanager
     async def admit(self) -> AsyncIterator[None]:
-        task = asyncio.current_task()
-        assert task is not None
+        task = _current_task("Lobby.admit")
         key = next(self.ids)
         while len(self.calls) >= self.size:
             old, old_task = self.calls.popitem(last=False)
@@ -104,8 +112,7 @@ class ClientCalls:
 
     @contextlib.asynccontextmanager
     async def stream(self, index: int) -> AsyncIterator[None]:
-        task = asyncio.current_task()
-        assert task is not None
+        task = _current_task("ClientCalls.stream")
         old = self.streams.get(index)
         if old is not None and not old.done():
             self.replaced.add(id(old))

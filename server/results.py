@@ -13,6 +13,11 @@ does not wait and its ``pm_accuracy`` is the mean of every client's latest repor
 local test sets after adapting that round's global model, weighted by test-set size; null where
 the round was not evaluated) and ``new_client_accuracies`` (client id -> accuracy), and an
 evaluated round's line waits for those reports too.
+
+A line's ``round`` keeps its name for every aggregation rule: under sync it is the round, whose
+clients trained on version ``round``; under buffered aggregation and FedAsync it is the model
+version the line's collection was built from (the version it published is its ``version``
+column). Reports name the same number.
 """
 
 from __future__ import annotations
@@ -28,6 +33,9 @@ from wafl.common.jsonsafe import dumps
 
 
 class ResultsLog:
+    """Writes ``results.jsonl`` and ``reports.jsonl`` (module docstring): one line per aggregation,
+    keyed by its ``round`` (under buffered aggregation, a model version)."""
+
     def __init__(self, out_dir: Path, run_start: float, latest_pm: bool = False, new_clients: bool = False) -> None:
         self.out_dir = out_dir
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -127,7 +127,7 @@ class FederationService:
             round, nbytes = await receive_upload(self.engine, requests, _credential(ctx))
         except AlreadyAccepted as e:
             await self._drain(requests)
-            return pb.UploadReply(accepted=True, round=e.round, bytes_received=e.nbytes)
+            return pb.UploadReply(accepted=True, round=e.version, bytes_received=e.nbytes)
         except Refused as e:
             log.warning("upload.rejected", code=e.code.value, reason=_details(str(e)))
             if e.code not in (Code.DEADLINE_EXCEEDED, Code.UNAUTHENTICATED, Code.PERMISSION_DENIED):

@@ -33,11 +33,11 @@ from wafl.common.errors import Code, Refused
 from wafl.common.knowledge import Knowledge, from_proto, validate_knowledge
 from wafl.common.proto import federation_pb2 as pb
 from wafl.common.wire import MALFORMED, TransferReader
-from wafl.server.aggregator import UploadFold
+from wafl.server.aggregator import FoldState, UploadFold
+from wafl.server.strategies.base import Drain, Ticket
 
 if TYPE_CHECKING:
     from wafl.server.engine import RoundEngine
-    from wafl.server.strategies.base import Ticket
 
 
 async def receive_upload(engine: RoundEngine, messages: AsyncIterator[object], credential: str = "") -> tuple[int, int]:
@@ -149,7 +149,7 @@ class Upload:
         await self.pipeline.finish()
         self.reader.finish(self.pipeline.crc)
         knowledge = self._knowledge()
-        if self.ticket.collection.closed and self.engine.strategy.drain == "cancel":
+        if self.ticket.collection.closed and self.engine.strategy.drain is Drain.CANCEL:
             raise Refused(f"round {self.header.round} closed while the upload was streaming", Code.ABORTED)
         self.fold.commit()
         self.engine.commit(self, knowledge)
@@ -182,7 +182,7 @@ class Upload:
     async def _close(self) -> None:
         try:
             await self.pipeline.stop()
-            if self.fold.state == "open":
+            if self.fold.state is FoldState.OPEN:
                 await asyncio.get_running_loop().run_in_executor(self.engine.executor, self.fold.rollback)
             if not self.committed:
                 self.engine.release(self)
@@ -275,7 +275,9 @@ class FoldPipeline:
                 try:
                     self.crc = crc32(chunk.data, self.crc)
                     self.fold.add(spec, chunk)
-                except BaseException as e:  # reported to the handler by put/finish
+                # every error, not only Exception: it is this upload's, re-raised in its handler by
+                # put/finish, and the fold worker, shared by every upload, must live on
+                except BaseException as e:
                     self.error = e
             with self.lock:
                 self.pending -= 1

@@ -135,3 +135,8 @@ def test_client_size_needs_the_equal_split():
         load_config(None, {"partition": "dirichlet", "client_size": 50})
     with pytest.raises(ConfigError, match="client_size=0"):
         load_config(None, {"partition": "dirichlet-equal", "client_size": 0})
+
+
+def test_dirichlet_partition_refuses_no_tries(digits) -> None:
+    with pytest.raises(ValueError, match="max_tries=0 must be at least 1"):
+        dirichlet_partition(digits.train_labels, 4, 0.5, seed=0, max_tries=0)

@@ -3,7 +3,7 @@ results fields the policy owns."""
 
 import pytest
 from strategy_checks import IDS, SAMPLES, make, state, upload
-from wafl.common.errors import Code, Refused
+from wafl.common.errors import Code, InvariantError, Refused
 from wafl.server.strategies.base import RunAborted, local_accuracy
 from wafl.server.strategies.sync import SyncStrategy
 
@@ -56,3 +56,12 @@ def test_local_accuracy_is_the_test_set_weighted_mean_of_the_uploads_that_report
     assert local_accuracy(uploads, personal=True) is None  # the personal ones say pm_accuracy
     assert local_accuracy([{"pm_accuracy": 0.7, "pm_test_samples": 4.0}], personal=True) == pytest.approx(0.7)
     assert local_accuracy([], personal=False) is None
+
+
+def test_a_rule_asked_about_its_collection_before_start_says_so() -> None:
+    for aggregation in ("sync", "buffered"):
+        s = make(aggregation=aggregation)
+        with pytest.raises(InvariantError, match=f"aggregation={aggregation!r}: no collection is open"):
+            s.ready()
+        with pytest.raises(InvariantError, match="start was not called"):
+            s.close(0.0)

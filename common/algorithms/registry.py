@@ -13,48 +13,103 @@ import importlib
 import math
 import pkgutil
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from wafl.common.algorithms.base import Algorithm, LossTerm
 
 
 @dataclass(frozen=True)
-class Param:
-    default: Any
-    rule: str  # "> 0", ">= 0", "(0, 1]", "bool", "model|layer", ...
+class Number:
+    """A numeric parameter's rule: ``test`` on the finite value; ``text`` is the rule as messages print it."""
 
-    def check(self, name: str, value: Any) -> Any:
-        r = self.rule
-        if r == "bool":
-            if isinstance(value, bool):
-                return value
-            if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
-                return value.lower() in ("true", "1")
-            raise ValueError(f"params.{name}={value!r} must be true or false")
-        if "|" in r:
-            if value not in r.split("|"):
-                raise ValueError(f"params.{name}={value!r} must be one of {r.split('|')}")
-            return value
+    text: str
+    test: Callable[[float], bool]
+    integer: bool = False  # the value is taken as an int
+
+    def check(self, name: str, value: Any) -> float | int:
         try:
             v = float(value)
         except (TypeError, ValueError):
-            raise ValueError(f"params.{name}={value!r} must be a number {r}") from None
-        ok = (
-            math.isfinite(v)
-            and {
-                "> 0": v > 0,
-                ">= 0": v >= 0,
-                "(0, 1]": 0 < v <= 1,
-                "[0, 1)": 0 <= v < 1,
-                "(0, 1)": 0 < v < 1,
-                "int >= 0": v >= 0 and v.is_integer(),
-                "int >= 1": v >= 1 and v.is_integer(),
-            }[r]
-        )
-        if not ok:
-            raise ValueError(f"params.{name}={value!r} must be {r}")
-        return int(v) if r.startswith("int") else v
+            raise ValueError(f"params.{name}={value!r} must be a number {self.text}") from None
+        if not (math.isfinite(v) and self.test(v)):
+            raise ValueError(f"params.{name}={value!r} must be {self.text}")
+        return int(v) if self.integer else v
+
+
+@dataclass(frozen=True)
+class Flag:
+    """A true-or-false parameter (``true``/``false``/``1``/``0`` as text too)."""
+
+    text: str = "bool"
+
+    def check(self, name: str, value: Any) -> bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+            return value.lower() in ("true", "1")
+        raise ValueError(f"params.{name}={value!r} must be true or false")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A parameter that is one of ``options``; its text is ``"a|b"``."""
+
+    options: tuple[str, ...]
+
+    @property
+    def text(self) -> str:
+        return "|".join(self.options)
+
+    def check(self, name: str, value: Any) -> Any:
+        if value not in self.options:
+            raise ValueError(f"params.{name}={value!r} must be one of {list(self.options)}")
+        return value
+
+
+ParamRule = Number | Flag | Choice
+
+POSITIVE = Number("> 0", lambda v: v > 0)
+NON_NEGATIVE = Number(">= 0", lambda v: v >= 0)
+UNIT = Number("(0, 1]", lambda v: 0 < v <= 1)
+UNIT_FROM_ZERO = Number("[0, 1)", lambda v: 0 <= v < 1)
+OPEN_UNIT = Number("(0, 1)", lambda v: 0 < v < 1)
+COUNT = Number("int >= 0", lambda v: v >= 0 and v.is_integer(), integer=True)
+POSITIVE_COUNT = Number("int >= 1", lambda v: v >= 1 and v.is_integer(), integer=True)
+FLAG = Flag()
+
+#: the named rules by their text, which a :class:`Param` may give instead of the rule
+RULES: dict[str, ParamRule] = {
+    r.text: r for r in (POSITIVE, NON_NEGATIVE, UNIT, UNIT_FROM_ZERO, OPEN_UNIT, COUNT, POSITIVE_COUNT, FLAG)
+}
+
+
+def rule_of(text: str) -> ParamRule:
+    """The rule a text names: one of :data:`RULES`, or ``"a|b|..."`` for a :class:`Choice`; raises
+    ``ValueError`` for any other text (when the algorithm registers, not when a user's value is checked)."""
+    if "|" in text:
+        return Choice(tuple(text.split("|")))
+    if text not in RULES:
+        raise ValueError(f"parameter rule {text!r} is not one of {sorted(RULES)} nor a choice 'a|b'")
+    return RULES[text]
+
+
+@dataclass(frozen=True)
+class Param:
+    """A declared parameter: its default and the rule a given value must meet (a rule, or its text:
+    ``"> 0"``, ``">= 0"``, ``"(0, 1]"``, ``"bool"``, ``"model|layer"``, ...; :func:`rule_of`)."""
+
+    default: Any
+    rule: ParamRule | str
+    checker: ParamRule = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "checker", rule_of(self.rule) if isinstance(self.rule, str) else self.rule)
+
+    def check(self, name: str, value: Any) -> Any:
+        """The value as the algorithm takes it (a number, an int, a bool, a choice); raises ``ValueError``
+        naming ``params.<name>`` and the rule."""
+        return self.checker.check(name, value)
 
 
 Builder = Callable[[dict[str, Any], Mapping[str, Any]], Algorithm]

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from wafl.common.errors import InvariantError
 
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, labels) -> mean loss
 
@@ -146,7 +147,8 @@ def top_eigenvalue(op: HessianOperator, max_iter: int = 100, tol: float = 1e-3, 
         if norm == 0:
             return Eigenvalue(0.0, i, True)
         v = hv / norm
-    assert value is not None
+    if value is None:  # max_iter >= 1: the loop ran
+        raise InvariantError("power iteration ran no step")
     return Eigenvalue(value, max_iter, False)
 
 

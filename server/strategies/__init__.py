@@ -22,9 +22,18 @@ from collections.abc import Callable
 from wafl.common.algorithms.base import Algorithm
 from wafl.common.config import ConfigError, RunConfig, register_config_check
 from wafl.server.aggregator import CENTERS, Accumulator, check_robust
-from wafl.server.strategies.base import STRATEGIES, Collection, Deliveries, RunAborted, Strategy
+from wafl.server.strategies.base import STRATEGIES, Collection, Deliveries, Drain, RunAborted, Strategy
 
-__all__ = ["STRATEGIES", "Collection", "Deliveries", "RunAborted", "Strategy", "check_aggregation", "make_strategy"]
+__all__ = [
+    "STRATEGIES",
+    "Collection",
+    "Deliveries",
+    "Drain",
+    "RunAborted",
+    "Strategy",
+    "check_aggregation",
+    "make_strategy",
+]
 
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
     importlib.import_module(f"{__name__}.{_module}")

@@ -19,6 +19,7 @@ of the configuration's ``aggregation`` string.
 from __future__ import annotations
 
 import copy
+import enum
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
@@ -29,13 +30,20 @@ import torch
 from wafl.common import metrics as M
 from wafl.common.algorithms.base import Algorithm
 from wafl.common.config import ConfigError, RunConfig
-from wafl.common.errors import AlreadyAccepted, Code, Refused
+from wafl.common.errors import AlreadyAccepted, Code, InvariantError, Refused
 from wafl.common.knowledge import Knowledge, KnowledgeAccumulator
 from wafl.server.aggregator import Accumulator
 from wafl.server.results import weighted_mean
 
 State: TypeAlias = "OrderedDict[str, torch.Tensor]"
 Deliveries = dict[str, bool]  # client id -> asked to train on the model it is sent
+
+
+class Drain(enum.StrEnum):
+    """What the engine does with uploads still streaming into a collection that closes."""
+
+    CANCEL = "cancel"  # they are rolled back (the client may retry into a later collection)
+    WAIT = "wait"  # they may finish into it, for up to ``round_deadline_s``
 
 
 class RunAborted(RuntimeError):
@@ -46,7 +54,7 @@ class RunAborted(RuntimeError):
 class Collection:
     """The updates gathered for one new version."""
 
-    number: int  # the results row's round: the version it is built from (sync: the round)
+    version: int  # the version it is built from (sync: the round); the results row's ``round``
     accumulator: Accumulator
     knowledge: KnowledgeAccumulator | None
     opened_at: float
@@ -64,7 +72,7 @@ class Ticket:
     """One admitted upload: who, from which version, with which fold weight, into which collection."""
 
     client_id: str
-    round: int
+    version: int  # the version it was trained from (its header's ``round``)
     key: str
     samples: int
     weight: float
@@ -127,9 +135,8 @@ class Strategy(ABC):
     #: the PM reports of its round, and its ``pm_accuracy`` is the mean of each client's latest report
     latest_pm: ClassVar[bool] = False
 
-    #: what the engine does with uploads still streaming into a collection that closes:
-    #: "cancel" rolls them back, "wait" lets them finish into it
-    drain: str = "cancel"
+    #: what the engine does with uploads still streaming into a collection that closes
+    drain: ClassVar[Drain] = Drain.CANCEL
 
     def __init__(
         self, cfg: RunConfig, algorithm: Algorithm, num_classes: int, new_accumulator: Callable[[], Accumulator]
@@ -139,9 +146,10 @@ class Strategy(ABC):
         self.num_classes = num_classes
         self.new_accumulator = new_accumulator
         self.clients: dict[str, ClientSlot] = {}
-        # (client, round) -> (idempotency key, bytes, number of the collection it went into)
+        # (client, version trained from) -> (idempotency key, bytes, version of the collection it went into)
         self.accepted: dict[tuple[str, int], tuple[str, int, int]] = {}
-        self.aggregations = 0  # versions built so far (the initial model is version 1)
+        self.version = 1  # the newest published version: 1, the initial model, then one more per aggregation
+        self.current: Collection | None = None  # the collection uploads fold into now; None before start
 
     @classmethod
     def check_config(cls, cfg: RunConfig) -> RuleConfig:
@@ -154,24 +162,27 @@ class Strategy(ABC):
         self.clients[client_id] = ClientSlot(client_id, index, num_samples)
 
     @property
-    def version(self) -> int:
-        """The newest published version (1: the initial model)."""
-        return self.aggregations + 1
-
-    @property
     def done(self) -> bool:
-        return self.aggregations >= self.cfg.rounds
+        """Whether ``rounds`` versions were built (the newest is version ``rounds + 1``)."""
+        return self.version > self.cfg.rounds
 
-    def resume(self, aggregations: int) -> None:
-        self.aggregations = aggregations
+    def resume(self, version: int) -> None:
+        """Goes on from ``version``, the newest one a checkpoint holds."""
+        self.version = version
 
-    def _collection(self, number: int, now: float) -> Collection:
+    def _collection(self, version: int, now: float) -> Collection:
         know = (
             KnowledgeAccumulator(self.num_classes, uniform=self.algorithm.knowledge_weighting == "uniform")
             if self.algorithm.knowledge is not None
             else None
         )
-        return Collection(number, self.new_accumulator(), know, opened_at=now)
+        return Collection(version, self.new_accumulator(), know, opened_at=now)
+
+    def collecting(self) -> Collection:
+        """The collection uploads fold into now; raises :class:`InvariantError` before :meth:`start`."""
+        if self.current is None:
+            raise InvariantError(f"aggregation={self.name!r}: no collection is open (start was not called)")
+        return self.current
 
     @abstractmethod
     def start(self, now: float) -> Deliveries:
@@ -182,39 +193,40 @@ class Strategy(ABC):
         """A new version was published: who receives it, and who trains on it."""
 
     # ------------------------------------------------------------------ uploads
-    def check_retry(self, client_id: str, round: int, key: str) -> None:
-        """Raises :class:`AlreadyAccepted` when ``key`` names this client's committed upload for
-        ``round``: a retry is answered with the original outcome for the rest of the run."""
-        done = self.accepted.get((client_id, round))
+    def check_retry(self, client_id: str, version: int, key: str) -> None:
+        """Raises :class:`AlreadyAccepted` when ``key`` names this client's committed upload trained
+        from ``version``: a retry is answered with the original outcome for the rest of the run."""
+        done = self.accepted.get((client_id, version))
         if done is not None and key and done[0] == key:
-            raise AlreadyAccepted(round, done[1])
+            raise AlreadyAccepted(version, done[1])
 
     def open(
         self,
         client_id: str,
-        round: int,
+        version: int,
         num_samples: int,
         key: str,
         now: float,
         metrics: Mapping[str, float] | None = None,
     ) -> Ticket:
-        """Admits an upload's header or raises :class:`Refused` (:class:`AlreadyAccepted` for a retry);
-        ``metrics`` are the header's declared metrics (its ``train_steps``, ...), which the fold weight sees."""
-        self.check_retry(client_id, round, key)
-        done = self.accepted.get((client_id, round))
-        collection, staleness = self._admit(client_id, round, now)
+        """Admits an upload's header (``version``: the version it was trained from, the header's ``round``)
+        or raises :class:`Refused` (:class:`AlreadyAccepted` for a retry); ``metrics`` are the header's
+        declared metrics (its ``train_steps``, ...), which the fold weight sees."""
+        self.check_retry(client_id, version, key)
+        done = self.accepted.get((client_id, version))
+        collection, staleness = self._admit(client_id, version, now)
         if done is not None:
-            raise Refused(f"client {client_id!r} already uploaded for round {round}", Code.ALREADY_EXISTS)
+            raise Refused(f"client {client_id!r} already uploaded for round {version}", Code.ALREADY_EXISTS)
         slot = self.clients[client_id]
         if not 0 < num_samples <= slot.num_samples:
             raise Refused(f"num_samples {num_samples} must lie in 1..{slot.num_samples} (declared at Join)")
         for c in (collection, *self._open_collections()):
             if client_id in c.in_flight:
                 raise Refused(
-                    f"an upload from client {client_id!r} for round {round} is already streaming", Code.ALREADY_EXISTS
+                    f"an upload from client {client_id!r} for round {version} is already streaming", Code.ALREADY_EXISTS
                 )
         weight = self.fold_weight(num_samples, metrics or {}, staleness)
-        ticket = Ticket(client_id, round, key, num_samples, weight, staleness, collection)
+        ticket = Ticket(client_id, version, key, num_samples, weight, staleness, collection)
         collection.in_flight[client_id] = ticket
         return ticket
 
@@ -230,8 +242,8 @@ class Strategy(ABC):
         return 1.0
 
     @abstractmethod
-    def _admit(self, client_id: str, round: int, now: float) -> tuple[Collection, int]:
-        """The collection an upload from ``round`` folds into and its staleness, or :class:`Refused`."""
+    def _admit(self, client_id: str, version: int, now: float) -> tuple[Collection, int]:
+        """The collection an upload trained from ``version`` folds into and its staleness, or :class:`Refused`."""
 
     def commit(
         self, ticket: Ticket, metrics: Mapping[str, float], knowledge: Knowledge | None, nbytes: int, now: float
@@ -246,21 +258,21 @@ class Strategy(ABC):
         c.bytes_up += nbytes
         if c.knowledge is not None and knowledge:
             c.knowledge.add(knowledge)
-        self.accepted[(ticket.client_id, ticket.round)] = (ticket.key, nbytes, c.number)
+        self.accepted[(ticket.client_id, ticket.version)] = (ticket.key, nbytes, c.version)
         return self._freed(ticket.client_id, now)
 
     def committed_uploads(self) -> list[list[Any]]:
-        """The committed uploads of the versions built so far, ``[client, round, key, bytes]`` each
+        """The committed uploads of the versions built so far, ``[client, version, key, bytes]`` each
         (plain values for a checkpoint), so that a resumed server answers their retries as before."""
-        return [[cid, r, key, n] for (cid, r), (key, n, number) in self.accepted.items() if number <= self.aggregations]
+        return [[cid, v, key, n] for (cid, v), (key, n, into) in self.accepted.items() if into < self.version]
 
     def restore_uploads(self, entries: list[list[Any]]) -> None:
         """Takes :meth:`committed_uploads` back after a resume; raises ``ValueError`` for a malformed entry."""
         for entry in entries:
-            cid, r, key, n = entry
-            if not (isinstance(cid, str) and isinstance(key, str) and isinstance(r, int) and isinstance(n, int)):
+            cid, v, key, n = entry
+            if not (isinstance(cid, str) and isinstance(key, str) and isinstance(v, int) and isinstance(n, int)):
                 raise ValueError(f"malformed committed upload {entry!r}")
-            self.accepted[(cid, r)] = (key, n, 0)
+            self.accepted[(cid, v)] = (key, n, 0)
 
     def release(self, ticket: Ticket) -> None:
         """An admitted upload failed (it was rolled back); the client may retry."""
@@ -290,8 +302,9 @@ class Strategy(ABC):
         """The next global model from the previous one and a closed collection (worker thread)."""
 
     def aggregate(self, prev: State, collection: Collection) -> tuple[State | None, Knowledge | None, dict[str, Any]]:
-        """``(next model or None when nothing was committed, next knowledge or None, row fields)``."""
-        self.aggregations += 1
+        """``(next model or None when nothing was committed, next knowledge or None, row fields)``; the
+        next version's number is taken whatever it holds (the previous model again, when None)."""
+        self.version += 1
         row = self.row(collection)
         if collection.accumulator.count == 0:
             return None, None, row
@@ -312,7 +325,7 @@ class Strategy(ABC):
         losses = [(c.samples_of[cid], m[M.TRAIN_LOSS]) for cid, m in c.metrics.items() if M.TRAIN_LOSS in m]
         samples = sum(n for n, _ in losses)
         row: dict[str, Any] = {
-            "round": c.number,
+            "round": c.version,
             "clients": c.accumulator.count,
             "bytes_up": c.bytes_up,
             "train_loss": sum(n * loss for n, loss in losses) / samples if samples else None,
@@ -327,9 +340,6 @@ class Strategy(ABC):
     def expected_reports(self, c: Collection) -> set[str]:
         """Clients whose PM report for this row's round the results line waits for."""
         return set()
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"aggregations": self.aggregations}
 
 
 def local_accuracy(uploads: Iterable[Mapping[str, float]], personal: bool) -> float | None:

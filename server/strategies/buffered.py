@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from wafl.common.config import ConfigError, RunConfig, int_at_least, one_of, positive
 from wafl.common.errors import Code, Refused
-from wafl.server.strategies.base import Collection, Deliveries, RuleConfig, State, Strategy, Ticket, register
+from wafl.server.strategies.base import Collection, Deliveries, Drain, RuleConfig, State, Strategy, Ticket, register
 
 STALENESS = ("sqrt", "constant", "poly", "hinge")
 
@@ -114,7 +114,7 @@ class BufferedConfig(AsyncConfig):
 @register("buffered")
 class BufferedStrategy(Strategy):
     Config: ClassVar[type[BufferedConfig]] = BufferedConfig
-    drain = "wait"
+    drain = Drain.WAIT
     uploads_are_deltas = True
     latest_pm = True
 
@@ -124,7 +124,6 @@ class BufferedStrategy(Strategy):
         self.concurrency = self.config.concurrency
         self.buffer_size = self.config.buffer_size
         self.weight_of = self.config.staleness
-        self.current: Collection | None = None
         self.closing: list[Collection] = []
         self.assigned: dict[str, tuple[int, float]] = {}  # client -> (version it trains on, when asked)
         self.trained: dict[str, int] = {}  # client -> the version it was last asked to train on
@@ -165,21 +164,21 @@ class BufferedStrategy(Strategy):
     def _open_collections(self) -> tuple[Collection, ...]:
         return tuple(self.closing)
 
-    def _admit(self, client_id: str, round: int, now: float) -> tuple[Collection, int]:
+    def _admit(self, client_id: str, version: int, now: float) -> tuple[Collection, int]:
         if self.current is None or self.done:
             raise Refused("no version is being collected", Code.FAILED_PRECONDITION)
         given = self.assigned.get(client_id)
-        if given is None or given[0] != round:
+        if given is None or given[0] != version:
             raise Refused(
-                f"client {client_id!r} was not asked to train on version {round}"
+                f"client {client_id!r} was not asked to train on version {version}"
                 + ("" if given is None else f" (it trains on version {given[0]})"),
                 Code.FAILED_PRECONDITION,
             )
-        staleness = self.version - round
+        staleness = self.version - version
         if staleness > self.config.max_staleness:
             self.assigned.pop(client_id, None)
             raise Refused(
-                f"an update from version {round} is {staleness} versions old; "
+                f"an update from version {version} is {staleness} versions old; "
                 f"max_staleness={self.config.max_staleness}",
                 Code.FAILED_PRECONDITION,
             )
@@ -198,8 +197,7 @@ class BufferedStrategy(Strategy):
         self.closing = [c for c in self.closing if c.in_flight]
 
     def ready(self) -> bool:
-        assert self.current is not None
-        return len(self.current.metrics) >= self.buffer_size
+        return len(self.collecting().metrics) >= self.buffer_size
 
     def next_deadline(self) -> float | None:
         first = min((t for _, t in self.assigned.values()), default=None)
@@ -216,8 +214,7 @@ class BufferedStrategy(Strategy):
         return self._assign(now) if expired else {}
 
     def close(self, now: float) -> Collection:
-        assert self.current is not None
-        closing = self.current
+        closing = self.collecting()
         closing.closed = True
         if closing.in_flight:
             self.closing.append(closing)
@@ -241,7 +238,7 @@ class BufferedStrategy(Strategy):
         s = c.staleness
         return {
             **super().row(c),
-            "version": c.number + 1,
+            "version": c.version + 1,
             "staleness_mean": sum(s) / len(s) if s else None,
             "staleness_max": max(s) if s else None,
         }

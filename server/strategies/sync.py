@@ -21,7 +21,16 @@ import torch
 from wafl.common.config import RunConfig
 from wafl.common.errors import Code, Refused
 from wafl.server.selection import select_clients
-from wafl.server.strategies.base import Collection, Deliveries, RuleConfig, RunAborted, State, Strategy, register
+from wafl.server.strategies.base import (
+    Collection,
+    Deliveries,
+    Drain,
+    RuleConfig,
+    RunAborted,
+    State,
+    Strategy,
+    register,
+)
 
 
 @dataclass(frozen=True)
@@ -40,39 +49,34 @@ class SyncConfig(RuleConfig):
 @register("sync")
 class SyncStrategy(Strategy):
     Config = SyncConfig
-    drain = "cancel"
+    drain = Drain.CANCEL
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.current: Collection | None = None
         self.selected: set[str] = set()
         self.deadline = math.inf
         self.extensions = 0
         self.short = False  # the deadline passed with enough uploads
 
-    @property
-    def round(self) -> int:
-        return self.version
-
     def _open_round(self, now: float) -> Deliveries:
-        r = self.round
+        v = self.version  # round v trains on version v
         ids = [c.client_id for c in sorted(self.clients.values(), key=lambda c: c.index)]
-        self.selected = select_clients(self.cfg.seed, r, ids, self.cfg.fraction, self.cfg.act_prob)
-        self.current = self._collection(r, now)
+        self.selected = select_clients(self.cfg.seed, v, ids, self.cfg.fraction, self.cfg.act_prob)
+        self.current = self._collection(v, now)
         self.deadline = now + self.cfg.round_deadline_s
         self.extensions = 0
         self.short = False
-        return {c: c in self.selected for c in self._recipients(r, ids)}
+        return {c: c in self.selected for c in self._recipients(v, ids)}
 
-    def _recipients(self, r: int, ids: list[str]) -> list[str]:
-        """Who is sent model ``r`` (module docstring): an unselected client that neither trains its
+    def _recipients(self, v: int, ids: list[str]) -> list[str]:
+        """Who is sent version ``v`` (module docstring): an unselected client that neither trains its
         personal part on it nor ends a PM phase with it would only discard it."""
         a = self.algorithm
         if self.cfg.broadcast_all or (a.personalized and a.pm_when_unselected):
             return ids
         keep = self.selected
-        if a.personalized and r > 1:  # a pure function of the seed: the same after --resume
-            keep = keep | select_clients(self.cfg.seed, r - 1, ids, self.cfg.fraction, self.cfg.act_prob)
+        if a.personalized and v > 1:  # a pure function of the seed: the same after --resume
+            keep = keep | select_clients(self.cfg.seed, v - 1, ids, self.cfg.fraction, self.cfg.act_prob)
         return [c for c in ids if c in keep]
 
     def start(self, now: float) -> Deliveries:
@@ -81,22 +85,21 @@ class SyncStrategy(Strategy):
     def published(self, now: float) -> Deliveries:
         return {} if self.done else self._open_round(now)
 
-    def _admit(self, client_id: str, round: int, now: float) -> tuple[Collection, int]:
+    def _admit(self, client_id: str, version: int, now: float) -> tuple[Collection, int]:
         c = self.current
         if c is None or self.done:
             raise Refused("no round is open", Code.FAILED_PRECONDITION)
-        if round < c.number or (round == c.number and c.closed):
-            raise Refused(f"round {round} is closed; the current round is {c.number}", Code.FAILED_PRECONDITION)
-        if round > c.number:
-            raise Refused(f"round {round} has not opened; the current round is {c.number}", Code.FAILED_PRECONDITION)
+        if version < c.version or (version == c.version and c.closed):
+            raise Refused(f"round {version} is closed; the current round is {c.version}", Code.FAILED_PRECONDITION)
+        if version > c.version:
+            raise Refused(f"round {version} has not opened; the current round is {c.version}", Code.FAILED_PRECONDITION)
         if client_id not in self.selected:
-            raise Refused(f"client {client_id!r} is not selected for round {round}", Code.FAILED_PRECONDITION)
+            raise Refused(f"client {client_id!r} is not selected for round {version}", Code.FAILED_PRECONDITION)
         return c, 0
 
     def ready(self) -> bool:
-        assert self.current is not None
         # only selected clients commit into the round (``_admit``): counting them is enough
-        return self.short or len(self.current.metrics) >= len(self.selected)
+        return self.short or len(self.collecting().metrics) >= len(self.selected)
 
     def next_deadline(self) -> float | None:
         return self.deadline
@@ -112,7 +115,7 @@ class SyncStrategy(Strategy):
             return {}
         if self.extensions >= self.cfg.max_round_retries:
             raise RunAborted(
-                f"round {c.number}: no client uploaded within {self.extensions + 1} deadlines of "
+                f"round {c.version}: no client uploaded within {self.extensions + 1} deadlines of "
                 f"{self.cfg.round_deadline_s}s"
             )
         self.extensions += 1
@@ -120,9 +123,9 @@ class SyncStrategy(Strategy):
         return {}
 
     def close(self, now: float) -> Collection:
-        assert self.current is not None
-        self.current.closed = True
-        return self.current
+        c = self.collecting()
+        c.closed = True
+        return c
 
     def combine(self, prev: State, collection: Collection) -> dict[str, torch.Tensor]:
         acc = collection.accumulator
