@@ -21,7 +21,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
-from wafl.common.algorithms.base import Forward, LossTerm, Phase, RoundContext, StepRule, cross_entropy, parameters_of
+from wafl.common.algorithms.base import (
+    Forward,
+    LossTerm,
+    Phase,
+    RoundContext,
+    StepContext,
+    StepRule,
+    cross_entropy,
+    parameters_of,
+)
 from wafl.common.models.base import SplitModel
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -154,7 +163,7 @@ def run_phase(
             assert loss is not None, "a phase without cross-entropy needs a loss term"
             return loss
 
-        loss = rule.step(model, trained, closure, optimizer, (x, y))
+        loss = rule.step(StepContext(model, trained, closure, optimizer, (x, y)))
         stats.steps += 1
         stats.samples += len(y)
         stats.loss_sum += float(loss.detach())

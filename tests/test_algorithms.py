@@ -140,3 +140,37 @@ def test_training_on_digits_beats_chance(digits) -> None:
         t.train_gm()
     acc, n = t.evaluate_local(t.gm)
     assert n > 0 and acc > 0.5
+
+
+def test_a_step_rule_sees_each_batch_in_one_frozen_step_context(digits) -> None:
+    """The trainer hands a rule the phase's model, trained parameters and optimizer, and each batch's
+    closure and ``(x, y)``; the closure is the batch's loss (here plain cross-entropy)."""
+    import dataclasses
+
+    import torch.nn.functional as F
+    from wafl.common.algorithms.base import RoundContext, StepContext, StepRule
+    from wafl.common.models import build_model
+    from wafl.common.training import run_phase
+
+    seen: list[StepContext] = []
+
+    class Spy(StepRule):
+        def step(self, ctx: StepContext) -> torch.Tensor:
+            seen.append(ctx)
+            with pytest.raises(dataclasses.FrozenInstanceError):
+                ctx.batch = ctx.batch  # type: ignore[misc]  # the assignment is what the test checks
+            x, y = ctx.batch
+            assert torch.equal(ctx.closure(), F.cross_entropy(ctx.model(x), y))
+            return super().step(ctx)
+
+    torch.manual_seed(0)
+    model = build_model("cnn", digits.num_classes, digits.in_channels, digits.image_size)
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.1)
+    data = [(torch.stack([digits.train[i][0] for i in range(j, j + 8)]), torch.arange(j, j + 8) % 10) for j in (0, 8)]
+    rctx = RoundContext(1, model.state_dict(), model, None, torch.ones(10) / 10, {})
+    stats = run_phase(model, [], rctx, iter(data), opt, step=Spy(), params=params)
+    assert stats.steps == 2 and len(seen) == 2
+    for ctx, (x, y) in zip(seen, data):
+        assert ctx.model is model and ctx.optimizer is opt and ctx.params == params
+        assert ctx.batch[0] is x and ctx.batch[1] is y

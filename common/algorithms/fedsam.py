@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from wafl.common.algorithms.base import Algorithm, Phase, StepRule
+from wafl.common.algorithms.base import Algorithm, Phase, StepContext, StepRule
 from wafl.common.algorithms.registry import Param, register
 
 
@@ -58,19 +58,12 @@ class SamStep(StepRule):
     def __init__(self, rho: float) -> None:
         self.rho = rho
 
-    def step(
-        self,
-        model: nn.Module,
-        params: list[nn.Parameter],
-        closure: Callable[[], torch.Tensor],
-        opt: torch.optim.Optimizer,
-        batch: tuple[torch.Tensor, torch.Tensor],
-    ) -> torch.Tensor:
-        loss, _, perturbed = sharpness_gradients(closure, params, self.rho)
-        opt.zero_grad(set_to_none=True)
-        for p, g in zip(params, perturbed):
+    def step(self, ctx: StepContext) -> torch.Tensor:
+        loss, _, perturbed = sharpness_gradients(ctx.closure, ctx.params, self.rho)
+        ctx.optimizer.zero_grad(set_to_none=True)
+        for p, g in zip(ctx.params, perturbed):
             p.grad = None if g is None else g.detach()
-        opt.step()
+        ctx.optimizer.step()
         return loss
 
 

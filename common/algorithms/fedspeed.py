@@ -17,12 +17,12 @@ digits (the paper tunes per data set): ``lambda`` 10 (a proximal coefficient of 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
-from wafl.common.algorithms.base import Algorithm, Phase, RoundContext, StepRule
+from wafl.common.algorithms.base import Algorithm, Phase, RoundContext, StepContext, StepRule
 from wafl.common.algorithms.fedsam import sharpness_gradients
 from wafl.common.algorithms.registry import Param, register
 
@@ -38,23 +38,16 @@ class FedSpeedStep(StepRule):
         saved = ctx.client_state.get(STATE_KEY)
         self.dual = [d.to(p.device) for d, p in zip(saved, params)] if saved else [torch.zeros_like(p) for p in params]
 
-    def step(
-        self,
-        model: nn.Module,
-        params: list[nn.Parameter],
-        closure: Callable[[], torch.Tensor],
-        opt: torch.optim.Optimizer,
-        batch: tuple[torch.Tensor, torch.Tensor],
-    ) -> torch.Tensor:
-        loss, g1, g2 = sharpness_gradients(closure, params, self.rho)
-        opt.zero_grad(set_to_none=True)
+    def step(self, ctx: StepContext) -> torch.Tensor:
+        loss, g1, g2 = sharpness_gradients(ctx.closure, ctx.params, self.rho)
+        ctx.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
-            for p, a, b, d, x in zip(params, g1, g2, self.dual, self.start):
+            for p, a, b, d, x in zip(ctx.params, g1, g2, self.dual, self.start):
                 w = p.detach()
                 a = torch.zeros_like(p) if a is None else a
                 b = torch.zeros_like(p) if b is None else b
                 p.grad = (1 - self.alpha) * a + self.alpha * b - d + (w - x) / self.lam
-        opt.step()
+        ctx.optimizer.step()
         return loss
 
     def end(self, ctx: RoundContext, model: nn.Module, params: list[nn.Parameter]) -> None:

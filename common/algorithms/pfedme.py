@@ -19,13 +19,22 @@ the next broadcast (``pm_epochs`` under compute-and-wait). An unselected client 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from wafl.common.algorithms.base import Algorithm, Forward, LossTerm, Phase, RoundContext, ServerUpdate, StepRule
+from wafl.common.algorithms.base import (
+    Algorithm,
+    Forward,
+    LossTerm,
+    Phase,
+    RoundContext,
+    ServerUpdate,
+    StepContext,
+    StepRule,
+)
 from wafl.common.algorithms.registry import Param, register
 from wafl.common.algorithms.server_updates import is_weight
 
@@ -42,29 +51,22 @@ class MoreauStep(StepRule):
             for t, w in zip(self.theta.parameters(), params):
                 t.copy_(w)
 
-    def step(
-        self,
-        model: nn.Module,
-        params: list[nn.Parameter],
-        closure: Callable[[], torch.Tensor],
-        opt: torch.optim.Optimizer,
-        batch: tuple[torch.Tensor, torch.Tensor],
-    ) -> torch.Tensor:
+    def step(self, ctx: StepContext) -> torch.Tensor:
         assert self.theta is not None
-        x, y = batch
+        x, y = ctx.batch
         theta = list(self.theta.parameters())
         self.theta.train()
         for _ in range(self.k):
             loss = F.cross_entropy(self.theta(x), y)
             grads = torch.autograd.grad(loss, theta)
             with torch.no_grad():
-                for t, g, w in zip(theta, grads, params):
+                for t, g, w in zip(theta, grads, ctx.params):
                     t.sub_(self.personal_lr * (g + self.lam * (t - w)))
-        opt.zero_grad(set_to_none=True)
+        ctx.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
-            for w, t in zip(params, theta):
+            for w, t in zip(ctx.params, theta):
                 w.grad = self.lam * (w.detach() - t.detach())
-        opt.step()
+        ctx.optimizer.step()
         return loss.detach()
 
 
