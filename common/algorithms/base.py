@@ -54,6 +54,12 @@ if TYPE_CHECKING:
     from wafl.common.knowledge import Knowledge
 
 
+class AlgorithmStateError(RuntimeError):
+    """A part of an algorithm ran without the state it needs: a personal model the run did not build,
+    or a loss term or step rule used before its phase's ``begin``. The message names the part and
+    what was missing (a defect in how the part is wired, never a bad setting)."""
+
+
 class RoundContext:
     """What a client knows during one round: the received global model and knowledge, its own state.
 

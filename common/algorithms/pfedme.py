@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from wafl.common.algorithms.base import (
     Algorithm,
+    AlgorithmStateError,
     Forward,
     LossTerm,
     Phase,
@@ -45,14 +46,16 @@ class MoreauStep(StepRule):
         self.theta: nn.Module | None = None
 
     def begin(self, ctx: RoundContext, model: nn.Module, params: list[nn.Parameter]) -> None:
-        assert ctx.pm is not None, "pFedMe's personal model"
+        if ctx.pm is None:
+            raise AlgorithmStateError("pfedme: the Moreau step needs the personal model theta; none was built")
         self.theta = ctx.pm
         with torch.no_grad():  # theta approximates argmin f_i + (lambda/2)||theta - w||^2 from w on
             for t, w in zip(self.theta.parameters(), params):
                 t.copy_(w)
 
     def step(self, ctx: StepContext) -> torch.Tensor:
-        assert self.theta is not None
+        if self.theta is None:
+            raise AlgorithmStateError("pfedme: the Moreau step was called before its phase began (no personal model)")
         x, y = ctx.batch
         theta = list(self.theta.parameters())
         self.theta.train()
