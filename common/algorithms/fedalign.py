@@ -1,5 +1,6 @@
-"""FedAlign (Mendieta et al., CVPR 2022): local learning generality through Lipschitz alignment
-of the final block between the full network and a width-reduced sub-network.
+"""FedAlign (Mendieta, Yang, Wang, Lee, Ding and Chen, "Local Learning Matters: Rethinking Data
+Heterogeneity in Federated Learning", CVPR 2022): local learning generality through Lipschitz
+alignment of the final block between the full network and a width-reduced sub-network.
 
 On a batch, with ``x`` the input of the feature extractor's final block ``B`` and ``h = B(x)`` its
 output (the full network), and ``h_s = B_w(x_w)`` the same block at width ``w`` on ``x_w``, the first

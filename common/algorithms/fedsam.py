@@ -1,4 +1,5 @@
-"""FedSAM (Qu et al., ICML 2022): FedAvg whose local optimizer is sharpness-aware minimisation.
+"""FedSAM (Qu, Li, Duan, Liu, Tang and Lu, "Generalized Federated Learning via Sharpness Aware
+Minimization", ICML 2022): FedAvg whose local optimizer is sharpness-aware minimisation.
 
 Each local step, on one batch with loss ``f``: ``g = grad f(w)``, the ascent
 ``e = rho * g / ||g||_2`` (one norm over every trained parameter), then the descent with the

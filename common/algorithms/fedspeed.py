@@ -1,5 +1,7 @@
-"""FedSpeed (Sun et al., ICLR 2023): prox-corrected local steps with a dual variable and a merged
-gradient-perturbation (SAM-like) gradient; this file follows the paper's Algorithm 1.
+"""FedSpeed (Sun, Shen, Huang, Ding and Tao, "FedSpeed: Larger Local Interval, Less Communication
+Round, and Higher Generalization Accuracy", ICLR 2023): prox-corrected local steps with a dual
+variable and a merged gradient-perturbation (SAM-like) gradient; this file follows the paper's
+Algorithm 1.
 
 Client ``i`` with local dual ``g_hat_i`` (zero at first; client state, persists across rounds
 and restarts) starts from the global ``x`` and, for each batch, at ``x_k``:
@@ -7,8 +9,8 @@ and restarts) starts from the global ``x`` and, for each batch, at ``x_k``:
     g1 = grad f(x_k),   x~ = x_k + rho * g1 / ||g1||,   g2 = grad f(x~),   g = (1 - alpha) g1 + alpha g2
     x_{k+1} = x_k - eta * (g - g_hat_i + (x_k - x) / lambda)
 
-(the corrected gradient goes through the run's optimizer: with plain SGD this is the step
-above). After the local steps, ``g_hat_i <- g_hat_i - (x_K - x) / lambda`` and the client
+(the corrected gradient goes through the run's optimizer: with plain SGD without weight decay
+this is the step above). After the local steps, ``g_hat_i <- g_hat_i - (x_K - x) / lambda`` and the client
 uploads ``x_hat_i = x_K - lambda * g_hat_i``; the server averages the uploads (sample weights,
 as FedAvg here; the paper's mean is uniform over the round's clients). Defaults chosen on
 digits (the paper tunes per data set): ``lambda`` 10 (a proximal coefficient of 0.1), ``alpha``

@@ -1,4 +1,4 @@
-"""MOON, model-contrastive federated learning (Li, He and Song, CVPR 2021).
+"""MOON (Li, He and Song, "Model-Contrastive Federated Learning", CVPR 2021).
 
 With ``z = R(x)`` the local model's representation, ``z_glob`` the received global model's and
 ``z_prev`` the client's own model from the end of its previous round (both frozen),

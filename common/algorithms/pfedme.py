@@ -1,4 +1,5 @@
-"""pFedMe (T Dinh, Tran and Nguyen, NeurIPS 2020): personalisation with Moreau envelopes.
+"""pFedMe (T Dinh, Tran and Nguyen, "Personalized Federated Learning with Moreau Envelopes",
+NeurIPS 2020).
 
 Client ``i`` keeps a local model ``w_i`` and a personal model ``theta_i`` (the PM); both start
 each round from the received global ``w``, as in the authors' code (``set_parameters`` copies the
@@ -8,8 +9,8 @@ global model into the personal and the local model). For each batch ``D_b``:
                of size personal_lr from the current theta_i, as the authors' optimizer)
     w_i <- w_i - eta * lambda * (w_i - theta_i)
 
-(``eta`` and the second step through the run's optimizer: with plain SGD this is the paper's
-update). The client uploads ``w_i``; the server takes ``w <- (1 - beta) w + beta * mean_i w_i``
+(``eta`` and the second step through the run's optimizer: with plain SGD without weight decay
+this is the paper's update). The client uploads ``w_i``; the server takes ``w <- (1 - beta) w + beta * mean_i w_i``
 (sample weights). The personal model is ``theta_i``; its wait-free phase keeps solving the
 inner problem ``f_i(theta) + (lambda/2) ||theta - w_i||^2`` for the local model it holds until
 the next broadcast (``pm_epochs`` under compute-and-wait). An unselected client does not train

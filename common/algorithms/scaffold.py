@@ -1,9 +1,11 @@
-"""SCAFFOLD (Karimireddy et al., ICML 2020), option II control variates.
+"""SCAFFOLD (Karimireddy, Kale, Mohri, Reddi, Stich and Suresh, "SCAFFOLD: Stochastic Controlled
+Averaging for Federated Learning", ICML 2020), option II control variates.
 
 Global model ``x`` and server control variate ``c`` travel to the clients; client ``i`` keeps
 its own ``c_i`` (zero at first, client state that persists across rounds and restarts). Local
 steps from ``y = x``: ``y <- y - eta (g_i(y) - c_i + c)`` (the corrected gradient goes through
-the run's optimizer; with plain SGD this is the paper's step). After ``K`` steps, option II
+the run's optimizer; with plain SGD without weight decay this is the paper's step). After ``K``
+steps, option II
 
     c_i+ = c_i - c + (x - y) / (K eta)  =  (1/K) sum_k g_i(y_k)         (plain SGD, no weight decay)
 
