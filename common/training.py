@@ -21,7 +21,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
-from wafl.common.algorithms.base import Forward, LossTerm, Phase, RoundContext, StepRule, cross_entropy, parameters_of
+from wafl.common.algorithms.base import (
+    Forward,
+    LossTerm,
+    Phase,
+    RoundContext,
+    StepContext,
+    StepRule,
+    cross_entropy,
+    parameters_of,
+)
 from wafl.common.models.base import SplitModel
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -155,7 +164,7 @@ def run_phase(
                 raise ValueError("a phase without cross-entropy needs a loss term")
             return loss
 
-        loss = rule.step(model, trained, closure, optimizer, (x, y))
+        loss = rule.step(StepContext(model, trained, closure, optimizer, (x, y)))
         stats.steps += 1
         stats.samples += len(y)
         stats.loss_sum += float(loss.detach())

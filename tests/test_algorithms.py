@@ -140,3 +140,64 @@ def test_training_on_digits_beats_chance(digits) -> None:
         t.train_gm()
     acc, n = t.evaluate_local(t.gm)
     assert n > 0 and acc > 0.5
+
+
+def test_a_step_rule_sees_each_batch_in_one_frozen_step_context(digits) -> None:
+    """The trainer hands a rule the phase's model, trained parameters and optimizer, and each batch's
+    closure and ``(x, y)``; the closure is the batch's loss (here plain cross-entropy)."""
+    import dataclasses
+
+    import torch.nn.functional as F
+    from wafl.common.algorithms.base import RoundContext, StepContext, StepRule
+    from wafl.common.models import build_model
+    from wafl.common.training import run_phase
+
+    seen: list[StepContext] = []
+
+    class Spy(StepRule):
+        def step(self, ctx: StepContext) -> torch.Tensor:
+            seen.append(ctx)
+            with pytest.raises(dataclasses.FrozenInstanceError):
+                ctx.batch = ctx.batch  # type: ignore[misc]  # the assignment is what the test checks
+            x, y = ctx.batch
+            assert torch.equal(ctx.closure(), F.cross_entropy(ctx.model(x), y))
+            return super().step(ctx)
+
+    torch.manual_seed(0)
+    model = build_model("cnn", digits.num_classes, digits.in_channels, digits.image_size)
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.1)
+    data = [(torch.stack([digits.train[i][0] for i in range(j, j + 8)]), torch.arange(j, j + 8) % 10) for j in (0, 8)]
+    rctx = RoundContext(1, model.state_dict(), model, None, torch.ones(10) / 10, {})
+    stats = run_phase(model, [], rctx, iter(data), opt, step=Spy(), params=params)
+    assert stats.steps == 2 and len(seen) == 2
+    for ctx, (x, y) in zip(seen, data):
+        assert ctx.model is model and ctx.optimizer is opt and ctx.params == params
+        assert ctx.batch[0] is x and ctx.batch[1] is y
+
+
+def test_a_part_used_without_its_state_raises_a_named_error() -> None:
+    """pFedMe's step without a personal model, and MOON's and SCD's terms before their phase's
+    ``begin``, raise AlgorithmStateError naming the method and what is missing (not a bare assert)."""
+    from wafl.common.algorithms.base import AlgorithmStateError, RoundContext, StepContext
+    from wafl.common.algorithms.moon import ModelContrast
+    from wafl.common.algorithms.pfedme import MoreauStep
+    from wafl.common.algorithms.scd import SpectralDistillation
+    from wafl.common.models import build_model
+
+    model = build_model("cnn", 10, 1, 8)
+    rctx = RoundContext(1, model.state_dict(), model, None, torch.ones(10) / 10, {})
+    with pytest.raises(AlgorithmStateError, match="pfedme: .*personal model"):
+        MoreauStep(15.0, 0.01, 5).begin(rctx, model, list(model.parameters()))
+    batch = (torch.zeros(2, 1, 8, 8), torch.zeros(2, dtype=torch.int64))
+    step = StepContext(
+        model, list(model.parameters()), lambda: torch.zeros(()), torch.optim.SGD(model.parameters()), batch
+    )
+    with pytest.raises(AlgorithmStateError, match="pfedme: .*before its phase began"):
+        MoreauStep(15.0, 0.01, 5).step(step)
+    with pytest.raises(AlgorithmStateError, match="moon: .*before its phase began"):
+        ModelContrast(1.0, 0.5)(model, None, rctx)  # type: ignore[arg-type]  # never reaches the forward pass
+    with pytest.raises(AlgorithmStateError, match="scd: the scd_gm term's teacher, the PM, was not built"):
+        SpectralDistillation(0.3, "pm", "model", 0.4).begin(rctx, model)
+    with pytest.raises(AlgorithmStateError, match="scd: .*before its phase began"):
+        SpectralDistillation(0.3, "pm", "model", 0.4)(model, None, rctx)  # type: ignore[arg-type]  # as above

@@ -1,8 +1,10 @@
-"""FedProto as in its paper (prototypes only, uniform per-class mean over holders, MSE over all
-samples and dimensions) and the variant with a FedAvg global model (``fedproto-avg``)."""
+"""FedProto as in its paper (prototypes only, the per-class mean over holders weighted by counts or
+uniform as ``proto_weighting`` says, MSE over all samples and dimensions) and the variant with a
+FedAvg global model (``fedproto-avg``)."""
 
 import pytest
 import torch
+import wafl.server.strategies.base as strategies_base
 from algorithm_checks import client
 from wafl.cli.simulate import simulate
 from wafl.common.algorithms import registry
@@ -51,7 +53,7 @@ def test_prototypes_are_averaged_uniformly_over_the_clients_holding_the_class() 
 
 def test_paper_fedproto_shares_no_model_and_keeps_its_local_model(digits, tmp_path) -> None:
     algo = registry.resolve("fedproto")
-    assert algo.knowledge_weighting == "uniform" and not algo.evaluates_global
+    assert algo.knowledge_weighting == "count" and not algo.evaluates_global
     t = client(digits, "fedproto", state_dir=tmp_path)
     assert dict(algo.payload(t.gm)) == {}
     t.begin_round(1, {})
@@ -70,3 +72,66 @@ def test_paper_fedproto_runs_without_a_global_model() -> None:
     rows = simulate(cfg)
     assert [r["gm_accuracy"] for r in rows] == [None, None]
     assert all(r["pm_accuracy"] is not None and r["knowledge_classes"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("algorithm", ["fedproto", "fedproto-avg"])
+def test_proto_weighting_defaults_to_count_and_refuses_other_values(algorithm) -> None:
+    assert registry.resolve(algorithm).params["proto_weighting"] == "count"
+    assert registry.resolve(algorithm).knowledge_weighting == "count"
+    assert registry.resolve(algorithm, {"proto_weighting": "uniform"}).knowledge_weighting == "uniform"
+    with pytest.raises(ValueError, match=r"params\.proto_weighting='median' must be one of \['count', 'uniform'\]"):
+        registry.resolve(algorithm, {"proto_weighting": "median"})
+
+
+def slow_prototype_mean(uploads: list[dict], j: int, weighting: str) -> list[float]:
+    """Class ``j``'s global prototype, coordinate by coordinate in float64 in upload order: each holder
+    of the class weighs its count ("count", the FedProto paper's) or 1 ("uniform", the authors' code)."""
+    holders = [u[j] for u in uploads if j in u]
+    weights = [float(c.count) if weighting == "count" else 1.0 for c in holders]
+    total = sum(weights)
+    return [sum(w * float(c.rep[d]) for w, c in zip(weights, holders)) / total for d in range(holders[0].rep.numel())]
+
+
+@pytest.mark.parametrize("weighting", ["count", "uniform"])
+@pytest.mark.parametrize("algorithm", ["fedproto", "fedproto-avg"])
+def test_the_server_averages_the_clients_prototypes_as_proto_weighting_says(monkeypatch, algorithm, weighting) -> None:
+    """A real run's uploads, recorded where the server folds them, against the formula recomputed by hand:
+    equal to the last float32 bit, and different from the other formula where the counts differ."""
+    made = []
+
+    class Recording(KnowledgeAccumulator):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.uploads: list[dict] = []
+            made.append(self)
+
+        def add(self, k) -> None:
+            self.uploads.append({j: ClassKnowledge(c.class_id, c.count, c.rep.clone(), c.soft) for j, c in k.items()})
+            super().add(k)
+
+    monkeypatch.setattr(strategies_base, "KnowledgeAccumulator", Recording)
+    cfg = load_config(
+        None,
+        {
+            "algorithm": algorithm,
+            "params": {"proto_weighting": weighting},
+            "num_clients": 3,
+            "rounds": 1,
+            "local_epochs": 1,
+            "partition": "dirichlet",
+            "alpha": 0.3,
+            "checkpoint": False,
+        },
+    )
+    simulate(cfg)
+    acc = next(a for a in made if a.uploads)
+    assert len(acc.uploads) == 3
+    got = acc.result()
+    other = "uniform" if weighting == "count" else "count"
+    differs = False
+    for j, ck in got.items():
+        want = torch.tensor(slow_prototype_mean(acc.uploads, j, weighting), dtype=torch.float32)
+        assert torch.equal(ck.rep, want), f"class {j}"
+        assert ck.count == sum(u[j].count for u in acc.uploads if j in u)
+        differs |= not torch.equal(want, torch.tensor(slow_prototype_mean(acc.uploads, j, other), dtype=torch.float32))
+    assert differs  # the two formulas give other prototypes on this run: the check tells them apart

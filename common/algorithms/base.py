@@ -54,6 +54,12 @@ if TYPE_CHECKING:
     from wafl.common.knowledge import Knowledge
 
 
+class AlgorithmStateError(RuntimeError):
+    """A part of an algorithm ran without the state it needs: a personal model the run did not build,
+    or a loss term or step rule used before its phase's ``begin``. The message names the part and
+    what was missing (a defect in how the part is wired, never a bad setting)."""
+
+
 class RoundContext:
     """What a client knows during one round: the received global model and knowledge, its own state.
 
@@ -134,27 +140,37 @@ class LossTerm(ABC):
         """Updates client state once the phase has trained ``model``."""
 
 
+@dataclass(frozen=True)
+class StepContext:
+    """What a step rule sees for one batch, built by the trainer (:func:`wafl.common.training.run_phase`).
+
+    ``model``: the model the phase trains; ``params``: its trained parameters (the optimizer's,
+    in ``model.parameters()`` order); ``closure()``: recomputes the batch's forward pass and loss
+    at the current weights (SAM calls it twice); ``optimizer``: the phase's optimizer; ``batch``:
+    the ``(x, y)`` the closure reads, for rules that evaluate another model on it (pFedMe's
+    personal model).
+    """
+
+    model: nn.Module
+    params: list[nn.Parameter]
+    closure: Callable[[], torch.Tensor]
+    optimizer: torch.optim.Optimizer
+    batch: tuple[torch.Tensor, torch.Tensor]
+
+
 class StepRule:
     """How one batch turns into an update; the default is ``zero_grad, backward, step``.
 
-    ``closure()`` recomputes the batch's forward pass and loss at the current weights (SAM
-    calls it twice); ``batch`` is the ``(x, y)`` it reads, for rules that evaluate another model
-    on it (pFedMe's personal model). ``begin``/``end`` run once per phase, like a loss term's.
+    :meth:`step` reads the batch's :class:`StepContext` and returns the batch's loss;
+    ``begin``/``end`` run once per phase, like a loss term's.
     """
 
     def begin(self, ctx: RoundContext, model: nn.Module, params: list[nn.Parameter]) -> None:
         pass
 
-    def step(
-        self,
-        model: nn.Module,
-        params: list[nn.Parameter],
-        closure: Callable[[], torch.Tensor],
-        opt: torch.optim.Optimizer,
-        batch: tuple[torch.Tensor, torch.Tensor],
-    ) -> torch.Tensor:
-        loss = backward(closure, opt)
-        opt.step()
+    def step(self, ctx: StepContext) -> torch.Tensor:
+        loss = backward(ctx.closure, ctx.optimizer)
+        ctx.optimizer.step()
         return loss
 
     def end(self, ctx: RoundContext, model: nn.Module, params: list[nn.Parameter]) -> None:

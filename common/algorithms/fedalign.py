@@ -1,5 +1,6 @@
-"""FedAlign (Mendieta et al., CVPR 2022): local learning generality through Lipschitz alignment
-of the final block between the full network and a width-reduced sub-network.
+"""FedAlign (Mendieta, Yang, Wang, Lee, Ding and Chen, "Local Learning Matters: Rethinking Data
+Heterogeneity in Federated Learning", CVPR 2022): local learning generality through Lipschitz
+alignment of the final block between the full network and a width-reduced sub-network.
 
 On a batch, with ``x`` the input of the feature extractor's final block ``B`` and ``h = B(x)`` its
 output (the full network), and ``h_s = B_w(x_w)`` the same block at width ``w`` on ``x_w``, the first
@@ -24,13 +25,22 @@ inactive on a sample gives an estimate of 0 there rather than NaN. The server is
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from wafl.common.algorithms.base import Algorithm, Forward, LossTerm, Phase, RoundContext, StepRule, backward
+from wafl.common.algorithms.base import (
+    Algorithm,
+    Forward,
+    LossTerm,
+    Phase,
+    RoundContext,
+    StepContext,
+    StepRule,
+    backward,
+)
 from wafl.common.algorithms.registry import Param, register
 
 EPS = 1e-12
@@ -107,17 +117,10 @@ class ClippedStep(StepRule):
     def __init__(self, max_norm: float) -> None:
         self.max_norm = max_norm
 
-    def step(
-        self,
-        model: nn.Module,
-        params: list[nn.Parameter],
-        closure: Callable[[], torch.Tensor],
-        opt: torch.optim.Optimizer,
-        batch: tuple[torch.Tensor, torch.Tensor],
-    ) -> torch.Tensor:
-        loss = backward(closure, opt)
-        torch.nn.utils.clip_grad_norm_(params, self.max_norm)
-        opt.step()
+    def step(self, ctx: StepContext) -> torch.Tensor:
+        loss = backward(ctx.closure, ctx.optimizer)
+        torch.nn.utils.clip_grad_norm_(ctx.params, self.max_norm)
+        ctx.optimizer.step()
         return loss
 
 

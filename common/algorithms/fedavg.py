@@ -1,4 +1,6 @@
-"""FedAvg: plain cross-entropy locally, sample-weighted mean on the server."""
+"""FedAvg (McMahan, Moore, Ramage, Hampson and Agüera y Arcas, "Communication-Efficient Learning of
+Deep Networks from Decentralized Data", AISTATS 2017): plain cross-entropy locally, sample-weighted
+mean on the server."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""FedBABU (Oh et al., ICLR 2022): train and average the body only, the head frozen at its initialisation.
+"""FedBABU (Oh, Kim and Yun, "FedBABU: Toward Enhanced Representation for Federated Image
+Classification", ICLR 2022): train and average the body only, the head frozen at its initialisation.
 
 During federated training every client's head stays at the common random initialisation
 ``h_0`` (never updated, never sent: every process builds it from the seed); a client trains the

@@ -1,5 +1,6 @@
-"""FedGen (Zhu, Hong and Zhou, ICML 2021): data-free knowledge distillation with a generator
-trained on the server, in feature space.
+"""FedGen (Zhu, Hong and Zhou, "Data-Free Knowledge Distillation for Heterogeneous Federated
+Learning", ICML 2021): data-free knowledge distillation with a generator trained on the server, in
+feature space.
 
 The server keeps a conditional generator ``G_w(z, y) -> h`` (``z ~ N(0, I)`` of ``noise_dim``,
 ``y`` one-hot; two linear layers with a ReLU, no batch norm) and, between rounds, trains it so

@@ -1,4 +1,6 @@
-"""FedMD (Li and Wang, 2019): federated model distillation on a public data set.
+"""FedMD (Li and Wang, "FedMD: Heterogenous Federated Learning via Model Distillation", NeurIPS 2019
+Workshop on Federated Learning for Data Privacy and Confidentiality, arXiv:1910.03581): federated
+model distillation on a public data set.
 
 Every client keeps its own model; no weights travel. A public split of ``public_size``
 samples (drawn from the train split by the seed, stratified, removed from every client's

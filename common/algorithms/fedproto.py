@@ -1,18 +1,27 @@
-"""FedProto (Tan et al., AAAI 2022), as in its paper, and the variant FedHKD's paper reports.
+"""FedProto (Tan, Long, Liu, Zhou, Lu, Jiang and Zhang, "FedProto: Federated Prototype Learning
+across Heterogeneous Clients", AAAI 2022), as in its paper, and the variant FedHKD's paper reports.
 
 ``fedproto`` (the paper): clients exchange class prototypes only, never model weights. Client
 ``i`` trains its own model on ``CE + lambda * (1/(B d)) sum_b ||h_b - C^{y_b}||^2`` (the mean
 squared distance over every sample of the batch and every dimension; a sample whose class has
 no global prototype yet contributes 0, as in the authors' code), then sends its prototypes
-``C_i^j = mean_{x in D_i^j} f_i(x)`` (eval mode, after local training); the server averages
-each class's prototypes uniformly over the clients that hold the class,
-``C^j = (1/|N_j|) sum_{i in N_j} C_i^j``. There is no global model (``gm_accuracy`` is
-null); the personal model is the local model right after local training, tested on the local
-test set. The local model and the prototypes are the only state, both persisted by the client.
+``C_i^j = mean_{x in D_i^j} f_i(x)`` (eval mode, after local training) with their counts
+``|D_i^j|``. The server averages each class's prototypes over the clients ``N_j`` that hold the
+class, as ``proto_weighting`` says:
 
-``fedproto-avg`` (kept from before, FedProto as FedHKD's paper runs it): the same client loss
-averaged over the samples that have a prototype, count-weighted prototypes, and a FedAvg global
-model besides.
+* ``"count"`` (the default; the paper's aggregation): weighted by each client's number of
+  samples of the class, ``C^j = sum_{i in N_j} |D_i^j| C_i^j / sum_{i in N_j} |D_i^j|``;
+* ``"uniform"`` (what the authors' code does, and wafl's ``fedproto`` before the parameter
+  existed): the unweighted mean, ``C^j = (1/|N_j|) sum_{i in N_j} C_i^j``.
+
+There is no global model (``gm_accuracy`` is null); the personal model is the local model right
+after local training, tested on the local test set. The local model and the prototypes are the
+only state, both persisted by the client.
+
+``fedproto-avg`` (FedProto as FedHKD's paper runs it): the same client loss averaged over the
+samples that have a prototype, the prototypes averaged as ``proto_weighting`` says (the same
+choice and default; its count-weighted average is what it always did), and a FedAvg global model
+besides.
 """
 
 from __future__ import annotations
@@ -45,15 +54,20 @@ def _prototypes(
     return extract_prototypes(model, batches, ctx.label_freq.numel())
 
 
+PARAMS = {
+    "proto_lambda": Param(1.0, ">= 0"),
+    "proto_weighting": Param("count", "count|uniform"),  # the server's per-class average, see above
+}
+
 register(
     "fedproto",
-    {"proto_lambda": Param(1.0, ">= 0")},
+    PARAMS,
     lambda p, run: Algorithm(
         "fedproto",
         p,
         gm_terms=[PrototypeLoss(p["proto_lambda"], over_all_samples=True)],
         knowledge=_prototypes,
-        knowledge_weighting="uniform",
+        knowledge_weighting=p["proto_weighting"],
         shares=NOTHING,
         evaluates_global=False,
         local_model_is_personal=True,
@@ -62,12 +76,13 @@ register(
 
 register(
     "fedproto-avg",
-    {"proto_lambda": Param(1.0, ">= 0")},
+    PARAMS,
     lambda p, run: Algorithm(
         "fedproto-avg",
         p,
         gm_terms=[PrototypeLoss(p["proto_lambda"], over_all_samples=False)],
         knowledge=_prototypes,
+        knowledge_weighting=p["proto_weighting"],
         local_model_is_personal=True,
     ),
 )

@@ -1,4 +1,5 @@
-"""FedRep (Collins et al., ICML 2021): a shared representation, personal heads.
+"""FedRep (Collins, Hassani, Mokhtari and Shakkottai, "Exploiting Shared Representations for
+Personalized Federated Learning", ICML 2021): a shared representation, personal heads.
 
 Client ``i`` holds the global body ``phi`` and its own head ``h_i``. In a round it first trains
 the head with the body frozen, ``h_i <- argmin_h f_i(phi, h)`` by SGD for ``tau_h`` epochs, then

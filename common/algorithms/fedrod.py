@@ -1,4 +1,5 @@
-"""FedRoD (Chen and Chao, ICLR 2022): one body, a generic head and a personal head.
+"""FedRoD (Chen and Chao, "On Bridging Generic and Personalized Federated Learning for Image
+Classification", ICLR 2022): one body, a generic head and a personal head.
 
 The local model is the body ``f`` and the generic head ``g`` (both shared and averaged by sample
 count) plus a personal head ``p_i`` (zero at the start, never sent). On a batch, with

@@ -1,4 +1,5 @@
-"""FedSAM (Qu et al., ICML 2022): FedAvg whose local optimizer is sharpness-aware minimisation.
+"""FedSAM (Qu, Li, Duan, Liu, Tang and Lu, "Generalized Federated Learning via Sharpness Aware
+Minimization", ICML 2022): FedAvg whose local optimizer is sharpness-aware minimisation.
 
 Each local step, on one batch with loss ``f``: ``g = grad f(w)``, the ascent
 ``e = rho * g / ||g||_2`` (one norm over every trained parameter), then the descent with the
@@ -14,7 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from wafl.common.algorithms.base import Algorithm, Phase, StepRule
+from wafl.common.algorithms.base import Algorithm, Phase, StepContext, StepRule
 from wafl.common.algorithms.registry import Param, register
 
 
@@ -58,19 +59,12 @@ class SamStep(StepRule):
     def __init__(self, rho: float) -> None:
         self.rho = rho
 
-    def step(
-        self,
-        model: nn.Module,
-        params: list[nn.Parameter],
-        closure: Callable[[], torch.Tensor],
-        opt: torch.optim.Optimizer,
-        batch: tuple[torch.Tensor, torch.Tensor],
-    ) -> torch.Tensor:
-        loss, _, perturbed = sharpness_gradients(closure, params, self.rho)
-        opt.zero_grad(set_to_none=True)
-        for p, g in zip(params, perturbed):
+    def step(self, ctx: StepContext) -> torch.Tensor:
+        loss, _, perturbed = sharpness_gradients(ctx.closure, ctx.params, self.rho)
+        ctx.optimizer.zero_grad(set_to_none=True)
+        for p, g in zip(ctx.params, perturbed):
             p.grad = None if g is None else g.detach()
-        opt.step()
+        ctx.optimizer.step()
         return loss
 
 

@@ -1,5 +1,7 @@
-"""FedSpeed (Sun et al., ICLR 2023): prox-corrected local steps with a dual variable and a merged
-gradient-perturbation (SAM-like) gradient; this file follows the paper's Algorithm 1.
+"""FedSpeed (Sun, Shen, Huang, Ding and Tao, "FedSpeed: Larger Local Interval, Less Communication
+Round, and Higher Generalization Accuracy", ICLR 2023): prox-corrected local steps with a dual
+variable and a merged gradient-perturbation (SAM-like) gradient; this file follows the paper's
+Algorithm 1.
 
 Client ``i`` with local dual ``g_hat_i`` (zero at first; client state, persists across rounds
 and restarts) starts from the global ``x`` and, for each batch, at ``x_k``:
@@ -7,8 +9,8 @@ and restarts) starts from the global ``x`` and, for each batch, at ``x_k``:
     g1 = grad f(x_k),   x~ = x_k + rho * g1 / ||g1||,   g2 = grad f(x~),   g = (1 - alpha) g1 + alpha g2
     x_{k+1} = x_k - eta * (g - g_hat_i + (x_k - x) / lambda)
 
-(the corrected gradient goes through the run's optimizer: with plain SGD this is the step
-above). After the local steps, ``g_hat_i <- g_hat_i - (x_K - x) / lambda`` and the client
+(the corrected gradient goes through the run's optimizer: with plain SGD without weight decay
+this is the step above). After the local steps, ``g_hat_i <- g_hat_i - (x_K - x) / lambda`` and the client
 uploads ``x_hat_i = x_K - lambda * g_hat_i``; the server averages the uploads (sample weights,
 as FedAvg here; the paper's mean is uniform over the round's clients). Defaults chosen on
 digits (the paper tunes per data set): ``lambda`` 10 (a proximal coefficient of 0.1), ``alpha``
@@ -17,12 +19,12 @@ digits (the paper tunes per data set): ``lambda`` 10 (a proximal coefficient of 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
-from wafl.common.algorithms.base import Algorithm, Phase, RoundContext, StepRule
+from wafl.common.algorithms.base import Algorithm, Phase, RoundContext, StepContext, StepRule
 from wafl.common.algorithms.fedsam import sharpness_gradients
 from wafl.common.algorithms.registry import Param, register
 
@@ -38,23 +40,16 @@ class FedSpeedStep(StepRule):
         saved = ctx.client_state.get(STATE_KEY)
         self.dual = [d.to(p.device) for d, p in zip(saved, params)] if saved else [torch.zeros_like(p) for p in params]
 
-    def step(
-        self,
-        model: nn.Module,
-        params: list[nn.Parameter],
-        closure: Callable[[], torch.Tensor],
-        opt: torch.optim.Optimizer,
-        batch: tuple[torch.Tensor, torch.Tensor],
-    ) -> torch.Tensor:
-        loss, g1, g2 = sharpness_gradients(closure, params, self.rho)
-        opt.zero_grad(set_to_none=True)
+    def step(self, ctx: StepContext) -> torch.Tensor:
+        loss, g1, g2 = sharpness_gradients(ctx.closure, ctx.params, self.rho)
+        ctx.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
-            for p, a, b, d, x in zip(params, g1, g2, self.dual, self.start):
+            for p, a, b, d, x in zip(ctx.params, g1, g2, self.dual, self.start):
                 w = p.detach()
                 a = torch.zeros_like(p) if a is None else a
                 b = torch.zeros_like(p) if b is None else b
                 p.grad = (1 - self.alpha) * a + self.alpha * b - d + (w - x) / self.lam
-        opt.step()
+        ctx.optimizer.step()
         return loss
 
     def end(self, ctx: RoundContext, model: nn.Module, params: list[nn.Parameter]) -> None:

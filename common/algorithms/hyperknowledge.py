@@ -1,4 +1,6 @@
-"""FedHKD hyper-knowledge: per-class mean representations and soft predictions.
+"""FedHKD hyper-knowledge: per-class mean representations and soft predictions (Chen, Wang and
+Vikalo, "The Best of Both Worlds: Accurate Global and Personalized Models through Federated Learning
+with Data-Free Hyper-Knowledge Distillation", ICLR 2023; the method is :mod:`~wafl.common.algorithms.fedhkd`).
 
 A client summarises its local train set, class by class, as ``(h_tilde^j, q_bar^j, N^j)``:
 the mean of the clipped representations plus Gaussian noise, the mean softmax of the logits

@@ -1,4 +1,4 @@
-"""MOON, model-contrastive federated learning (Li, He and Song, CVPR 2021).
+"""MOON (Li, He and Song, "Model-Contrastive Federated Learning", CVPR 2021).
 
 With ``z = R(x)`` the local model's representation, ``z_glob`` the received global model's and
 ``z_prev`` the client's own model from the end of its previous round (both frozen),
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from wafl.common.algorithms.base import Algorithm, Forward, LossTerm, RoundContext
+from wafl.common.algorithms.base import Algorithm, AlgorithmStateError, Forward, LossTerm, RoundContext
 from wafl.common.algorithms.registry import Param, register
 from wafl.common.models.base import SplitModel
 
@@ -53,7 +53,8 @@ class ModelContrast(LossTerm):
         self.previous = prev
 
     def __call__(self, model: nn.Module, out: Forward, ctx: RoundContext) -> torch.Tensor:
-        assert self.previous is not None
+        if self.previous is None:
+            raise AlgorithmStateError("moon: the contrastive term ran before its phase began (no previous model)")
         with torch.no_grad():
             z_glob = ctx.teacher.features(out.x)
             z_prev = self.previous.features(out.x)

@@ -1,4 +1,5 @@
-"""pFedMe (T Dinh, Tran and Nguyen, NeurIPS 2020): personalisation with Moreau envelopes.
+"""pFedMe (T Dinh, Tran and Nguyen, "Personalized Federated Learning with Moreau Envelopes",
+NeurIPS 2020).
 
 Client ``i`` keeps a local model ``w_i`` and a personal model ``theta_i`` (the PM); both start
 each round from the received global ``w``, as in the authors' code (``set_parameters`` copies the
@@ -8,8 +9,8 @@ global model into the personal and the local model). For each batch ``D_b``:
                of size personal_lr from the current theta_i, as the authors' optimizer)
     w_i <- w_i - eta * lambda * (w_i - theta_i)
 
-(``eta`` and the second step through the run's optimizer: with plain SGD this is the paper's
-update). The client uploads ``w_i``; the server takes ``w <- (1 - beta) w + beta * mean_i w_i``
+(``eta`` and the second step through the run's optimizer: with plain SGD without weight decay
+this is the paper's update). The client uploads ``w_i``; the server takes ``w <- (1 - beta) w + beta * mean_i w_i``
 (sample weights). The personal model is ``theta_i``; its wait-free phase keeps solving the
 inner problem ``f_i(theta) + (lambda/2) ||theta - w_i||^2`` for the local model it holds until
 the next broadcast (``pm_epochs`` under compute-and-wait). An unselected client does not train
@@ -19,13 +20,23 @@ the next broadcast (``pm_epochs`` under compute-and-wait). An unselected client 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from wafl.common.algorithms.base import Algorithm, Forward, LossTerm, Phase, RoundContext, ServerUpdate, StepRule
+from wafl.common.algorithms.base import (
+    Algorithm,
+    AlgorithmStateError,
+    Forward,
+    LossTerm,
+    Phase,
+    RoundContext,
+    ServerUpdate,
+    StepContext,
+    StepRule,
+)
 from wafl.common.algorithms.registry import Param, register
 from wafl.common.algorithms.server_updates import is_weight
 
@@ -36,35 +47,30 @@ class MoreauStep(StepRule):
         self.theta: nn.Module | None = None
 
     def begin(self, ctx: RoundContext, model: nn.Module, params: list[nn.Parameter]) -> None:
-        assert ctx.pm is not None, "pFedMe's personal model"
+        if ctx.pm is None:
+            raise AlgorithmStateError("pfedme: the Moreau step needs the personal model theta; none was built")
         self.theta = ctx.pm
         with torch.no_grad():  # theta approximates argmin f_i + (lambda/2)||theta - w||^2 from w on
             for t, w in zip(self.theta.parameters(), params):
                 t.copy_(w)
 
-    def step(
-        self,
-        model: nn.Module,
-        params: list[nn.Parameter],
-        closure: Callable[[], torch.Tensor],
-        opt: torch.optim.Optimizer,
-        batch: tuple[torch.Tensor, torch.Tensor],
-    ) -> torch.Tensor:
-        assert self.theta is not None
-        x, y = batch
+    def step(self, ctx: StepContext) -> torch.Tensor:
+        if self.theta is None:
+            raise AlgorithmStateError("pfedme: the Moreau step was called before its phase began (no personal model)")
+        x, y = ctx.batch
         theta = list(self.theta.parameters())
         self.theta.train()
         for _ in range(self.k):
             loss = F.cross_entropy(self.theta(x), y)
             grads = torch.autograd.grad(loss, theta)
             with torch.no_grad():
-                for t, g, w in zip(theta, grads, params):
+                for t, g, w in zip(theta, grads, ctx.params):
                     t.sub_(self.personal_lr * (g + self.lam * (t - w)))
-        opt.zero_grad(set_to_none=True)
+        ctx.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
-            for w, t in zip(params, theta):
+            for w, t in zip(ctx.params, theta):
                 w.grad = self.lam * (w.detach() - t.detach())
-        opt.step()
+        ctx.optimizer.step()
         return loss.detach()
 
 

@@ -1,4 +1,6 @@
-"""FedProto: class prototypes (mean representations) and the ``MSE(h, proto_y)`` regulariser.
+"""FedProto: class prototypes (mean representations) and the ``MSE(h, proto_y)`` regulariser (Tan,
+Long, Liu, Zhou, Lu, Jiang and Zhang, "FedProto: Federated Prototype Learning across Heterogeneous
+Clients", AAAI 2022; the method is :mod:`~wafl.common.algorithms.fedproto`).
 
 Prototypes travel in the same :data:`Knowledge` message as FedHKD's hyper-knowledge (``soft``
 holds the mean softmax at ``T = 1``) and the server averages them with

@@ -1,18 +1,17 @@
-"""Loss terms added to cross-entropy, and the server-side state updates of the baselines.
+"""Loss terms shared by several methods, and the server-side momentum step.
 
 Client terms (each returns a scalar tensor with a gradient):
 
 * :func:`proximal_term`: FedProx, and Ditto's personal objective, ``(mu/2) ||w - w_g||^2``.
-* :func:`feddyn_term`: FedDyn, ``-<w, g_k> + (alpha/2) ||w - w_g||^2``.
 * :func:`asd_term`: adaptive self-distillation, ``sum_i alpha_i KL(global || local)_i``.
 * :func:`ntd_term`: FedNTD not-true distillation.
 
-Parameter lists (``anchor``, ``grad_state``) are aligned with the model's trainable parameters
-(``requires_grad``) in ``model.parameters()`` order; :func:`trainable_params` and
-:func:`params_snapshot` produce such lists.
+Parameter lists (an ``anchor``, a client's per-parameter state) are aligned with the model's
+trainable parameters (``requires_grad``) in ``model.parameters()`` order; :func:`trainable_params`
+and :func:`params_snapshot` produce such lists and :func:`aligned` pairs and checks them.
 
-Server updates (:func:`fedavgm_update`, :func:`feddyn_server_update`) work on one tensor at a
-time and return new tensors; apply them to every floating-point tensor of the model.
+The server update :func:`fedavgm_update` works on one tensor at a time and returns new tensors;
+apply it to every floating-point tensor of the model.
 """
 
 from __future__ import annotations
@@ -35,7 +34,9 @@ def params_snapshot(model: nn.Module) -> list[Tensor]:
     return [p.detach().clone() for p in trainable_params(model)]
 
 
-def _aligned(model: nn.Module, other: Sequence[Tensor], name: str) -> list[tuple[Tensor, Tensor]]:
+def aligned(model: nn.Module, other: Sequence[Tensor], name: str) -> list[tuple[Tensor, Tensor]]:
+    """``(parameter, tensor)`` pairs of the trainable parameters and ``other`` (detached, on the
+    parameter's device and dtype); ``ValueError`` naming ``name`` when the counts or shapes differ."""
     params = trainable_params(model)
     if not params:
         raise ValueError("model has no trainable parameters")
@@ -51,32 +52,9 @@ def _aligned(model: nn.Module, other: Sequence[Tensor], name: str) -> list[tuple
 
 def proximal_term(model: nn.Module, anchor: Sequence[Tensor], mu: float) -> Tensor:
     """``(mu/2) * sum ||w - w_anchor||^2`` over the trainable parameters (anchor is a constant)."""
-    # A tensor, not the start value 0: _aligned raises when the model has no trainable parameters.
-    total = cast(Tensor, sum(((p - a) ** 2).sum() for p, a in _aligned(model, anchor, "anchor")))
+    # A tensor, not the start value 0: aligned raises when the model has no trainable parameters.
+    total = cast(Tensor, sum(((p - a) ** 2).sum() for p, a in aligned(model, anchor, "anchor")))
     return 0.5 * mu * total
-
-
-def feddyn_term(model: nn.Module, anchor: Sequence[Tensor], grad_state: Sequence[Tensor], alpha: float) -> Tensor:
-    """FedDyn's client term ``-<w, g_k> + (alpha/2) ||w - w_g||^2``.
-
-    ``anchor`` is the received global model ``w_g``, ``grad_state`` the client's state ``g_k``.
-    """
-    pairs = _aligned(model, anchor, "anchor")
-    states = _aligned(model, grad_state, "grad_state")
-    # Tensors, not the start value 0: _aligned raises when the model has no trainable parameters.
-    linear = cast(Tensor, sum((p * g).sum() for p, g in states))
-    quad = cast(Tensor, sum(((p - a) ** 2).sum() for p, a in pairs))
-    return -linear + 0.5 * alpha * quad
-
-
-@torch.no_grad()
-def feddyn_client_state_update(
-    grad_state: Sequence[Tensor], local: Sequence[Tensor], anchor: Sequence[Tensor], alpha: float
-) -> list[Tensor]:
-    """The client state after local training: ``g_k <- g_k - alpha (w_k - w_g)`` (new tensors)."""
-    if not (len(grad_state) == len(local) == len(anchor)):
-        raise ValueError(f"length mismatch: grad_state {len(grad_state)}, local {len(local)}, anchor {len(anchor)}")
-    return [g - alpha * (w.detach() - a.detach()) for g, w, a in zip(grad_state, local, anchor)]
 
 
 def _check_logits(student_logits: Tensor, teacher_logits: Tensor, targets: Tensor) -> None:
@@ -181,25 +159,3 @@ def fedavgm_update(
     delta = global_w - averaged_w
     new_velocity = beta * velocity + delta
     return global_w - eta * new_velocity, new_velocity
-
-
-@torch.no_grad()
-def feddyn_server_update(
-    global_w: Tensor, sum_local_w: Tensor, num_participants: int, h: Tensor, alpha: float, num_clients: int
-) -> tuple[Tensor, Tensor]:
-    """FedDyn server step on one tensor.
-
-    ``h <- h - alpha (1/m) sum_S (w_k - w_g)`` with ``m = num_clients`` (all clients), then
-    ``w_g <- mean_S(w_k) - h / alpha`` with the updated ``h``. ``sum_local_w`` is ``sum_S w_k``
-    over the ``num_participants`` clients of this round. Returns ``(new_global, new_h)``.
-    """
-    if num_participants < 1:
-        raise ValueError(f"num_participants must be >= 1, got {num_participants}")
-    if num_clients < num_participants:
-        raise ValueError(f"num_clients ({num_clients}) < num_participants ({num_participants})")
-    if not alpha > 0:
-        raise ValueError(f"alpha must be > 0, got {alpha!r}")
-    drift = sum_local_w - num_participants * global_w
-    new_h = h - (alpha / num_clients) * drift
-    new_global = sum_local_w / num_participants - new_h / alpha
-    return new_global, new_h

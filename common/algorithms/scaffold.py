@@ -1,9 +1,11 @@
-"""SCAFFOLD (Karimireddy et al., ICML 2020), option II control variates.
+"""SCAFFOLD (Karimireddy, Kale, Mohri, Reddi, Stich and Suresh, "SCAFFOLD: Stochastic Controlled
+Averaging for Federated Learning", ICML 2020), option II control variates.
 
 Global model ``x`` and server control variate ``c`` travel to the clients; client ``i`` keeps
 its own ``c_i`` (zero at first, client state that persists across rounds and restarts). Local
 steps from ``y = x``: ``y <- y - eta (g_i(y) - c_i + c)`` (the corrected gradient goes through
-the run's optimizer; with plain SGD this is the paper's step). After ``K`` steps, option II
+the run's optimizer; with plain SGD without weight decay this is the paper's step). After ``K``
+steps, option II
 
     c_i+ = c_i - c + (x - y) / (K eta)  =  (1/K) sum_k g_i(y_k)         (plain SGD, no weight decay)
 
@@ -22,7 +24,7 @@ variates; buffers (none in the digits CNN) are averaged.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -33,6 +35,7 @@ from wafl.common.algorithms.base import (
     Phase,
     RoundContext,
     ServerUpdate,
+    StepContext,
     StepRule,
     backward,
     extra_name,
@@ -66,21 +69,14 @@ class CorrectedStep(StepRule):
         saved = ctx.client_state.get(STATE_KEY)
         return [saved[n] for n in names] if saved is not None else [torch.zeros_like(t) for t in like]
 
-    def step(
-        self,
-        model: nn.Module,
-        params: list[nn.Parameter],
-        closure: Callable[[], torch.Tensor],
-        opt: torch.optim.Optimizer,
-        batch: tuple[torch.Tensor, torch.Tensor],
-    ) -> torch.Tensor:
-        loss = backward(closure, opt)
+    def step(self, ctx: StepContext) -> torch.Tensor:
+        loss = backward(ctx.closure, ctx.optimizer)
         with torch.no_grad():
-            for p, corr, total in zip(params, self.correction, self.grad_sum):
+            for p, corr, total in zip(ctx.params, self.correction, self.grad_sum):
                 if p.grad is not None:
                     total.add_(p.grad)  # g_i(y_k), before the correction
                     p.grad.add_(corr)
-        opt.step()
+        ctx.optimizer.step()
         self.steps += 1
         return loss
 

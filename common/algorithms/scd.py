@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from wafl.common.algorithms.base import Algorithm, Forward, LossTerm, RoundContext
+from wafl.common.algorithms.base import Algorithm, AlgorithmStateError, Forward, LossTerm, RoundContext
 from wafl.common.algorithms.registry import Param, register
 from wafl.common.algorithms.spectral import (
     SpectralTarget,
@@ -38,11 +38,13 @@ class SpectralDistillation(LossTerm):
 
     def begin(self, ctx: RoundContext, model: nn.Module) -> None:
         source = ctx.pm if self.teacher == "pm" else ctx.gm
-        assert source is not None, "SCD needs both models"
+        if source is None:
+            raise AlgorithmStateError(f"scd: the {self.name} term's teacher, the {self.teacher.upper()}, was not built")
         self.target = prepare_target(teacher_spectrum(source, self.mode), self.mode, self.tau)
 
     def __call__(self, model: nn.Module, out: Forward, ctx: RoundContext) -> torch.Tensor:
-        assert self.target is not None
+        if self.target is None:
+            raise AlgorithmStateError(f"scd: the {self.name} term ran before its phase began (no teacher spectrum)")
         return self.weight * spectral_divergence(model, self.target)
 
 

@@ -1,4 +1,5 @@
-"""Server updates with state across rounds (FedAvgM momentum, FedDyn's ``h``), checkpointed."""
+"""Server-update machinery shared by several methods: which tensors are weights (:func:`is_weight`),
+and FedAvgM's momentum (state across rounds, checkpointed)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 
 import torch
 from wafl.common.algorithms.base import ServerUpdate
-from wafl.common.algorithms.regularizers import fedavgm_update, feddyn_server_update
+from wafl.common.algorithms.regularizers import fedavgm_update
 
 _BUFFER_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
 
@@ -41,34 +42,3 @@ class MomentumUpdate(ServerUpdate):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.velocity = dict(state.get("velocity", {}))
-
-
-class FedDynUpdate(ServerUpdate):
-    """FedDyn: uniform mean over participants, ``h <- h - alpha/m sum(w_k - w)``, ``w <- mean - h/alpha``."""
-
-    buffered_ok = False
-
-    def __init__(self, alpha: float, num_clients: int) -> None:
-        self.alpha, self.num_clients = alpha, num_clients
-        self.h: dict[str, torch.Tensor] = {}
-
-    def weight(self, num_samples: int, metrics: Mapping[str, float] | None = None) -> float:
-        return 1.0
-
-    def finalize(
-        self, prev: Mapping[str, torch.Tensor], mean: dict[str, torch.Tensor], participants: int
-    ) -> dict[str, torch.Tensor]:
-        out = dict(mean)
-        for k, w in prev.items():
-            if is_weight(k, w):
-                h = self.h.get(k, torch.zeros_like(w))
-                out[k], self.h[k] = feddyn_server_update(
-                    w, mean[k].to(w.dtype) * participants, participants, h, self.alpha, self.num_clients
-                )
-        return out
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"h": self.h}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.h = dict(state.get("h", {}))

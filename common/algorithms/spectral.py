@@ -1,4 +1,6 @@
-"""Spectral co-distillation (SCD): differentiable weight spectra and the divergence between them.
+"""Spectral co-distillation (SCD): differentiable weight spectra and the divergence between them
+(Chen, Yang, Quek and Chong, "Spectral Co-Distillation for Personalized Federated Learning",
+NeurIPS 2023; the method is :mod:`~wafl.common.algorithms.scd`).
 
 The spectrum of a model is ``s(w) = |DFT(w)|`` computed with ``torch.fft`` on the live
 parameters, so a loss built from it has a gradient. Two ways to build it exist:
