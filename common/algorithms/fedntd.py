@@ -1,4 +1,4 @@
-"""FedNTD (Lee, Jeong, Kim, Shin and Yun, "Preservation of the Global Knowledge by Not-True
+"""FedNTD (Lee, Jeong, Shin, Bae and Yun, "Preservation of the Global Knowledge by Not-True
 Distillation in Federated Learning", NeurIPS 2022): cross-entropy plus ``beta * KL`` on the not-true
 classes, teacher = received global model."""
 

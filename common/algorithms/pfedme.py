@@ -1,4 +1,4 @@
-"""pFedMe (T Dinh, Tran and Nguyen, "Personalized Federated Learning with Moreau Envelopes",
+"""pFedMe (Dinh, Tran and Nguyen, "Personalized Federated Learning with Moreau Envelopes",
 NeurIPS 2020).
 
 Client ``i`` keeps a local model ``w_i`` and a personal model ``theta_i`` (the PM); both start
