@@ -51,9 +51,9 @@ def _shown(path: Path) -> str:
 def table_args(sweep_file: Path) -> list[str]:
     """The ``wafl table`` options after the folder on the sweep file's ``#   wafl table DIR ...`` line."""
     for line in sweep_file.read_text().splitlines():
-        words = shlex.split(line.lstrip("#").strip()) if line.startswith("#") else []
-        if words[:2] == ["wafl", "table"]:
-            return words[3:]
+        text = line.lstrip("#").strip()
+        if line.startswith("#") and text.startswith("wafl table "):
+            return shlex.split(text)[3:]
     return []
 
 
