@@ -114,7 +114,12 @@ def plot_curves(doc: Mapping[str, Any], metrics: Sequence[str], path: Path, titl
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    fig, axes = plt.subplots(1, len(metrics), figsize=(5.5 * len(metrics), 4), squeeze=False)
+    # one legend for all panels, below them: a row's label can be long (an algorithm and its parameters)
+    names = [n for n, e in doc.items() if any(e[m]["round"] for m in metrics)]
+    ncol = 1 if max((len(n) for n in names), default=0) > 60 or len(metrics) == 1 else 2
+    legend_in = 0.2 * (-(-len(names) // ncol)) + 0.3  # inches: a line per row of the legend
+    height = 4 + legend_in
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5.5 * len(metrics), height), squeeze=False)
     for ax, m in zip(axes[0], metrics):
         for name, entry in doc.items():
             c = entry[m]
@@ -127,10 +132,15 @@ def plot_curves(doc: Mapping[str, Any], metrics: Sequence[str], path: Path, titl
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel(m)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+    handles: dict[str, Any] = {}
+    for ax in axes[0]:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(lab, h)
+    if handles:
+        fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=ncol, fontsize=7, frameon=False)
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, legend_in / height, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
