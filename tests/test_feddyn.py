@@ -6,22 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from torch import nn
+from support.tensors import flat_np, random_like_params, tiny_model
 from wafl.common.algorithms.feddyn import feddyn_client_state_update, feddyn_server_update, feddyn_term
-
-
-def tiny_model(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double()
-
-
-def random_like_params(model: nn.Module, seed: int) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in model.parameters()]
-
-
-def flat_np(tensors) -> np.ndarray:
-    return np.concatenate([t.detach().numpy().reshape(-1) for t in tensors])
 
 
 def test_feddyn_term_value_and_gradient():

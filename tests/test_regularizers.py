@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
+from support.tensors import flat_np, random_like_params, tiny_model
 from wafl.common.algorithms.regularizers import (
     asd_kl,
     asd_term,
@@ -19,21 +19,6 @@ from wafl.common.algorithms.regularizers import (
     params_snapshot,
     proximal_term,
 )
-
-
-def tiny_model(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double()
-
-
-def random_like_params(model: nn.Module, seed: int) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in model.parameters()]
-
-
-def flat_np(tensors) -> np.ndarray:
-    return np.concatenate([t.detach().numpy().reshape(-1) for t in tensors])
-
 
 # ----------------------------------------------------------------------------- FedProx / Ditto
 
