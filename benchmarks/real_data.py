@@ -64,11 +64,16 @@ def points(sweep_file: Path) -> list[str]:
 
 
 def restore(kept: Path, out: Path) -> int:
-    """Copies the kept records into ``out`` (points already there are left as they are)."""
+    """Copies the kept records into ``out`` (points already there are left as they are). A kept point that
+    lacks one of its files is named on stderr and not restored, so the sweep runs it again."""
     n = 0
     for src in sorted(kept.glob("*/point.json")) if kept.is_dir() else []:
         dst = out / src.parent.name
         if (dst / "point.json").exists():
+            continue
+        missing = [f for f in RECORD if not (src.parent / f).is_file()]
+        if missing:
+            print(f"real_data: {_shown(src.parent)} lacks {', '.join(missing)}: not restored, it runs again", file=sys.stderr)
             continue
         dst.mkdir(parents=True, exist_ok=True)
         for f in RECORD:

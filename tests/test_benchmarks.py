@@ -125,3 +125,16 @@ def test_benchmark_smoke_run(name: str, tmp_path: Path) -> None:
     doc = json.loads((tmp_path / saved).read_text())
     _commit(doc)
     check(doc)
+
+
+def test_kept_real_data_records_are_complete_and_tracked() -> None:
+    """Every kept point of the Fashion-MNIST sweeps holds its three record files, and git tracks them (an
+    ignore rule that drops one would lose it on the next fresh clone, and with it the tables' source)."""
+    kept = sorted((REPO / "benchmarks" / "results" / "real-data").glob("*/runs/*/point.json"))
+    files = [p.parent / n for p in kept for n in ("config.json", "point.json", "results.jsonl")]
+    assert all(f.is_file() for f in files), [str(f) for f in files if not f.is_file()]
+    probe = [str(p.parent.relative_to(REPO) / "results.jsonl") for p in kept] or [
+        "benchmarks/results/real-data/any/runs/any/results.jsonl"  # the rule itself, also while none is kept
+    ]
+    ignored = subprocess.run(["git", "check-ignore", "--no-index", *probe], cwd=REPO, capture_output=True, text=True)
+    assert ignored.returncode == 1 and not ignored.stdout, ignored.stdout
