@@ -73,7 +73,8 @@ def restore(kept: Path, out: Path) -> int:
             continue
         missing = [f for f in RECORD if not (src.parent / f).is_file()]
         if missing:
-            print(f"real_data: {_shown(src.parent)} lacks {', '.join(missing)}: not restored, it runs again", file=sys.stderr)
+            lacks = ", ".join(missing)
+            print(f"real_data: {_shown(src.parent)} lacks {lacks}: not restored, it runs again", file=sys.stderr)
             continue
         dst.mkdir(parents=True, exist_ok=True)
         for f in RECORD:

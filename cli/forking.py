@@ -33,11 +33,15 @@ def can_fork() -> bool:
 
 
 def preload() -> None:
-    """Imports what the run's processes import (:data:`PRELOAD`), so that forked children share it."""
+    """Imports what the run's processes import (:data:`PRELOAD`) and pays torch's lazy imports (its first
+    optimizer step imports ``torch._dynamo``: seconds of CPU), so that forked children share all of it."""
     import importlib
 
     for name in PRELOAD:
         importlib.import_module(name)
+    from wafl.client.startup import warm_up_torch
+
+    warm_up_torch()
 
 
 class ForkedProcess:

@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ class RunSummary:
     server_code: int | None = None
     client_codes: list[int | None] = field(default_factory=list)
     host_cpus: dict[str, Any] | None = None  # shares, quotas read back and CPU used (``host_cpus.json``)
+    forked: bool = False  # the run's processes were forked from the launcher (wafl.cli.forking), not started afresh
 
     @property
     def final(self) -> dict[str, Any]:
@@ -83,6 +85,12 @@ def launch(
     importing what they import (:mod:`wafl.cli.forking`), instead of starting each afresh; ignored
     (processes started afresh) where :func:`wafl.cli.forking.can_fork` says this process may not fork.
     """
+    from wafl.cli import forking
+
+    # decided first: what follows imports gRPC (wafl.server.app), after which can_fork says no, while this
+    # process has not used gRPC and may still fork (preload imports gRPC too)
+    may_fork = fork and forking.can_fork()
+    from wafl.client.worker import format_indices
     from wafl.server.app import check_networked
 
     check_networked(cfg)  # before any process starts
@@ -125,12 +133,9 @@ def launch(
         raise
     proc_cfg = plan.pop("_proc_cfg", cfg)
     forker = None
-    if fork:
-        from wafl.cli import forking
-
-        if forking.can_fork():
-            forking.preload()
-            forker = forking.fork_main
+    if may_fork:
+        forking.preload()
+        forker = forking.fork_main
     cfg_file = out / "run-config.json"
     cfg_file.write_text(json.dumps(json.loads(proc_cfg.to_json()), indent=2))
     procs: list[Any] = []  # subprocess.Popen or wafl.cli.forking.ForkedProcess
@@ -166,7 +171,7 @@ def launch(
         hosts.append("server")
         bound = _wait_ready(ready, server, logs / "server.log")
         address = f"{host}:{bound}"
-        for w, indices in enumerate(split_clients(cfg.num_clients, workers) if workers else []):
+        for w, indices in enumerate(split_clients(cfg.num_clients, workers, client_sizes(cfg)) if workers else []):
             cmd = [
                 sys.executable,
                 "-m",
@@ -175,7 +180,7 @@ def launch(
                 "--server",
                 address,
                 "--clients",
-                f"{indices[0]}-{indices[-1]}",
+                format_indices(indices),
                 "--slots",
                 str(slots or worker_slots(workers or 1)),
                 "--state-dir",
@@ -216,6 +221,7 @@ def launch(
                 cmd += ["--data-dir", cfg.data_dir]
             procs.append(_spawn(cmd, logs / f"client-{i}.log", token, forker))
             hosts.append(f"client{i}")
+        summary.forked = any(isinstance(p, forking.ForkedProcess) for p in procs)
         progress = Progress(cfg.rounds, enabled=show_progress)
         results = out / "results.jsonl"
         deadline = t0 + timeout_s if timeout_s else float("inf")
@@ -273,6 +279,7 @@ def finish_run(summary: RunSummary, cfg: RunConfig, out: Path, show_progress: bo
                 "final": summary.final,
                 "server_code": summary.server_code,
                 "client_codes": summary.client_codes,
+                "forked": summary.forked,
             },
             indent=2,
         )
@@ -284,8 +291,31 @@ def finish_run(summary: RunSummary, cfg: RunConfig, out: Path, show_progress: bo
     return summary
 
 
-def split_clients(num_clients: int, workers: int) -> list[list[int]]:
-    """Client indices 0..N-1 in ``workers`` contiguous ranges whose sizes differ by at most one."""
+def client_sizes(cfg: RunConfig) -> list[int]:
+    """Each client's training samples in the run ``cfg`` describes (the server's partition, from the seed)."""
+    from wafl.common.algorithms import registry
+    from wafl.common.datasets import load_dataset
+    from wafl.common.partition import run_shards
+
+    public_size = registry.resolve(cfg.algorithm, cfg.params, vars(cfg)).public_size
+    return [len(s) for s in run_shards(cfg, load_dataset(cfg.dataset, cfg.data_dir).train_labels, public_size)]
+
+
+def split_clients(num_clients: int, workers: int, sizes: Sequence[int] | None = None) -> list[list[int]]:
+    """Client indices 0..N-1 in ``workers`` groups. Without ``sizes``: contiguous ranges whose lengths differ
+    by at most one. With ``sizes`` (each client's training samples): groups of nearly equal total samples,
+    so that no worker trains much longer than the others each round (the largest client goes to the group
+    with the fewest samples so far, ties to the lower group; indices ascending within each group)."""
+    if sizes is not None:
+        if len(sizes) != num_clients:
+            raise ValueError(f"split_clients: {len(sizes)} sizes for {num_clients} clients")
+        groups: list[list[int]] = [[] for _ in range(workers)]
+        load = [0] * workers
+        for i in sorted(range(num_clients), key=lambda i: (-sizes[i], i)):
+            g = min(range(workers), key=lambda g: (load[g], len(groups[g]), g))
+            groups[g].append(i)
+            load[g] += sizes[i]
+        return [sorted(g) for g in groups]
     base, extra = divmod(num_clients, workers)
     out, start = [], 0
     for w in range(workers):

@@ -441,3 +441,23 @@ def test_partially_missing_cifar_names_the_missing_batches(tmp_path):
     (tmp_path / "cifar-10-batches-py" / "test_batch").unlink()
     with pytest.raises(DatasetNotFoundError, match="missing data_batch_5, test_batch in "):
         load_dataset("cifar10", str(tmp_path))
+
+
+def test_digits_are_scikit_learns_read_without_importing_it() -> None:
+    import subprocess
+    import sys
+
+    from sklearn.datasets import load_digits
+    from wafl.common.datasets.digits import read_digits
+
+    images, target = read_digits()
+    ref = load_digits()
+    assert images.dtype == ref.images.dtype and np.array_equal(images, ref.images)
+    assert target.dtype == ref.target.dtype and np.array_equal(target, ref.target)
+    probe = (
+        "import sys; "
+        "from wafl.common.datasets import load_dataset; load_dataset('digits'); "
+        "print('sklearn' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]

@@ -21,12 +21,18 @@ def _run(repo: Path, out: Path, *extra: str) -> list[dict]:
     return [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
 
 
+def _was_forked(out: Path) -> bool:
+    """What the run's summary says: its processes were forked from the launcher."""
+    return json.loads((out / "summary.json").read_text())["forked"]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_default_run_forks_workers_and_learns_what_one_process_per_client_learns(repo: Path, tmp_path: Path) -> None:
     forked = _run(repo, tmp_path / "default")
     alone = _run(repo, tmp_path / "alone", "--workers", "0")
     assert [r["gm_accuracy"] for r in forked] == [r["gm_accuracy"] for r in alone]
+    assert _was_forked(tmp_path / "default") and _was_forked(tmp_path / "alone")  # neither started afresh
     assert forked[-1]["gm_accuracy"] > 0.3  # chance is 0.1
     assert [r["clients"] for r in forked] == [3, 3]
     assert sorted(p.name for p in (tmp_path / "default" / "logs").glob("worker-*.jsonl"))  # hosted in workers

@@ -6,6 +6,7 @@ import json
 import math
 import threading
 
+import numpy as np
 import pytest
 from wafl.cli.launcher import launch, split_clients
 from wafl.cli.main import main
@@ -24,6 +25,22 @@ def test_indices_round_trip_and_refusals() -> None:
             parse_indices(bad)
     assert split_clients(7, 3) == [[0, 1, 2], [3, 4], [5, 6]]
     assert sorted(i for part in split_clients(1000, 7) for i in part) == list(range(1000))
+
+
+def test_workers_get_clients_of_nearly_equal_total_samples() -> None:
+    sizes = [92, 164, 103, 125, 141, 158, 249, 174, 122, 110]  # the default run's shards (digits, seed 0)
+    groups = split_clients(10, 2, sizes)
+    assert groups == [[0, 3, 5, 6, 9], [1, 2, 4, 7, 8]]  # 734 and 704 samples; contiguous halves: 625 and 813
+    assert split_clients(4, 2, [5, 5, 5, 5]) == [[0, 2], [1, 3]]  # equal loads: the smaller group, then the lower
+    rng = np.random.default_rng(0)
+    for n, w in ((1000, 7), (13, 13), (5, 3)):
+        s = rng.integers(1, 500, n).tolist()
+        parts = split_clients(n, w, s)
+        assert sorted(i for p in parts for i in p) == list(range(n)) and all(p == sorted(p) and p for p in parts)
+        loads = [sum(s[i] for i in p) for p in parts]
+        assert max(loads) - min(loads) <= max(s)  # greedy largest-first: within one client of balanced
+    with pytest.raises(ValueError, match="3 sizes for 4 clients"):
+        split_clients(4, 2, [1, 2, 3])
 
 
 def test_run_refuses_bad_worker_counts(capsys) -> None:

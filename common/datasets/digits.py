@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import gzip
+import importlib.util
+from pathlib import Path
+
 import numpy as np
 import torch
 from torch.utils.data import TensorDataset
-from wafl.common.datasets.base import FederatedDataset
+from wafl.common.datasets.base import DatasetNotFoundError, FederatedDataset
 
 TEST_FRACTION = 0.2
 SPLIT_SEED = 0
@@ -15,13 +19,30 @@ class LabeledTensorDataset(TensorDataset):
     """A ``TensorDataset`` of ``(x, y)`` whose tensors the trainer can slice directly (no collate)."""
 
 
+def digits_file() -> Path:
+    """scikit-learn's ``digits.csv.gz`` (64 pixels and the label a row), found without importing scikit-learn."""
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or spec.origin is None:
+        raise DatasetNotFoundError("dataset=digits needs scikit-learn's bundled digits: pip install scikit-learn")
+    path = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz"
+    if not path.is_file():
+        raise DatasetNotFoundError(f"dataset=digits: {path} is missing; reinstall it: pip install scikit-learn")
+    return path
+
+
+def read_digits() -> tuple[np.ndarray, np.ndarray]:
+    """The images (1797, 8, 8) and labels as ``sklearn.datasets.load_digits`` gives them (the same file, read
+    the same way), in milliseconds instead of the seconds that importing scikit-learn costs."""
+    with gzip.open(digits_file(), "rt", encoding="utf-8") as f:
+        data = np.loadtxt(f, delimiter=",")
+    return data[:, :-1].reshape(-1, 8, 8), data[:, -1].astype(int, copy=False)
+
+
 def load_digits_dataset(data_dir: str | None = None) -> FederatedDataset:
     """1797 images, a fixed stratified 80/20 split (seed 0): 1437 train, 360 test; pixels scaled to [0, 1]."""
-    from sklearn.datasets import load_digits
-
-    bunch = load_digits()
-    x = (bunch.images.astype(np.float32) / 16.0)[:, None, :, :]
-    y = bunch.target.astype(np.int64)
+    images, target = read_digits()
+    x = (images.astype(np.float32) / 16.0)[:, None, :, :]
+    y = target.astype(np.int64)
     rng = np.random.default_rng(SPLIT_SEED)
     test_idx: list[int] = []
     for c in range(10):
