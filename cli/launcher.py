@@ -88,8 +88,12 @@ def launch(
     from wafl.cli import forking
 
     # decided first: what follows imports gRPC (wafl.server.app), after which can_fork says no, while this
-    # process has not used gRPC and may still fork (preload imports gRPC too)
-    may_fork = fork and forking.can_fork()
+    # process has not used gRPC and may still fork (preload imports gRPC too). Only processes without a
+    # namespace or control group fork, so with --link-rate or --host-cpus nothing does. The preload's
+    # seconds come before any group or namespace exists: a signal during them leaves nothing behind.
+    may_fork = fork and not link_rate and (host_cpus or "none") == "none" and forking.can_fork()
+    if may_fork:
+        forking.preload()
     from wafl.client.worker import format_indices
     from wafl.server.app import check_networked
 
@@ -132,10 +136,7 @@ def launch(
             star.close()
         raise
     proc_cfg = plan.pop("_proc_cfg", cfg)
-    forker = None
-    if may_fork:
-        forking.preload()
-        forker = forking.fork_main
+    forker = forking.fork_main if may_fork else None
     cfg_file = out / "run-config.json"
     cfg_file.write_text(json.dumps(json.loads(proc_cfg.to_json()), indent=2))
     procs: list[Any] = []  # subprocess.Popen or wafl.cli.forking.ForkedProcess
