@@ -2,22 +2,24 @@
 the record of every finished point in the repository, and make the table and the curves from those
 records.
 
-A table's sweep takes hours, longer than a machine may stay up. Each finished point's record (its
-``config.json``, ``results.jsonl``: one row of metrics a round, and ``point.json``: the commit and the
-point's wall-clock) is small, a few kB, and is all that ``wafl table`` and ``wafl analyze curves``
-read; the per-process logs and reports are not kept. ``save`` copies the records of the finished
-points into ``benchmarks/results/real-data/<sweep>/runs/``; ``run`` first copies the kept records into
-the sweep's output folder, so ``wafl sweep`` skips those points and runs only the rest, then saves.
+A table's sweep takes hours, longer than a machine may stay up. What ``wafl table`` and ``wafl analyze
+curves`` read of a finished point is small: its configuration (``config.json``), one row of metrics a
+round (``results.jsonl``) and ``point.json`` (the commit and the point's wall-clock); the per-process
+logs and reports are not kept. ``save`` packs those of every finished point into one file a sweep,
+``benchmarks/results/real-data/<sweep>/records.json`` (a point a line, merged with the points it
+already holds); ``restore`` unpacks them into a sweep's output folder, byte for byte as the run wrote
+them, so ``wafl sweep`` skips those points; ``run`` restores, runs the rest, then saves.
 
     python benchmarks/real_data.py run configs/sweeps/scd_fmnist.toml --out /tmp/sweeps/scd_fmnist --jobs 2
     python benchmarks/real_data.py save configs/sweeps/scd_fmnist.toml --out /tmp/sweeps/scd_fmnist
     python benchmarks/real_data.py summary configs/sweeps/scd_fmnist.toml
 
-``summary`` writes ``table.md`` (the command, the commits, the points done and missing, then
-``wafl table``'s markdown), ``table.json`` and ``curves.png`` / ``curves.json`` (accuracy against
-rounds, mean and min-max over the seeds) next to the records. The table's ``--by`` and
-``--baseline`` are the ones the sweep file's header gives (its ``#   wafl table ...`` line); while
-the baseline's points are not all done the paired differences are left out and the text says so.
+``summary`` unpacks the records into ``runs/real-data/<sweep>`` (a scratch folder, rewritten each time)
+and writes ``table.md`` (the commands, the commits, the points done and missing, then ``wafl table``'s
+markdown), ``table.json`` and ``curves.png`` / ``curves.json`` (accuracy against rounds, mean and
+min-max over the seeds) beside ``records.json``. The table's ``--by`` and ``--baseline`` are the ones
+the sweep file's header gives (its ``#   wafl table ...`` line); while the baseline's points are not
+all done the paired differences are left out and the text says so.
 """
 
 from __future__ import annotations
@@ -29,15 +31,19 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+
+from wafl.common.jsonsafe import dumps
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "real-data"
-RECORD = ("config.json", "results.jsonl", "point.json")
+RECORD = ("config.json", "results.jsonl", "point.json")  # a point's files that a record holds
+FIELDS = ("config", "rows", "point")  # the same, as a record's fields
 
 
-def records_dir(sweep_file: Path) -> Path:
-    """Where a sweep's kept records live by default: benchmarks/results/real-data/<sweep>/runs."""
-    return RESULTS / sweep_file.stem / "runs"
+def records_file(sweep_file: Path) -> Path:
+    """Where a sweep's kept records live by default: benchmarks/results/real-data/<sweep>/records.json."""
+    return RESULTS / sweep_file.stem / "records.json"
 
 
 def _shown(path: Path) -> str:
@@ -63,28 +69,73 @@ def points(sweep_file: Path) -> list[str]:
     return [name for name, _ in load_sweep(sweep_file)[1]]
 
 
+def pack(folder: Path) -> dict[str, Any]:
+    """A finished point's record: the contents of its three files."""
+    rows = [json.loads(line) for line in (folder / "results.jsonl").read_text().splitlines() if line.strip()]
+    return {
+        "config": json.loads((folder / "config.json").read_text()),
+        "rows": rows,
+        "point": json.loads((folder / "point.json").read_text()),
+    }
+
+
+def unpack(record: dict[str, Any], folder: Path) -> None:
+    """Writes a record's three files into ``folder`` as the run wrote them (the engine's ``config.json``,
+    the results log's rows, the sweep's ``point.json``), so a pack/unpack round trip gives the same bytes."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(dumps(record["config"], indent=2))
+    (folder / "results.jsonl").write_text("".join(dumps(r) + "\n" for r in record["rows"]))
+    (folder / "point.json").write_text(json.dumps(record["point"]) + "\n")
+
+
+def read_records(path: Path) -> dict[str, dict[str, Any]]:
+    """The kept records, point name -> record ({} when the file does not exist yet)."""
+    if not path.is_file():
+        return {}
+    doc = json.loads(path.read_text())
+    recs = doc.get("points") if isinstance(doc, dict) else None
+    if not isinstance(recs, dict):
+        raise SystemExit(f"real_data: {_shown(path)} has no 'points' object: not a records file")
+    return recs
+
+
+def write_records(path: Path, records: dict[str, dict[str, Any]]) -> None:
+    """One point a line (sorted), so a new point is a one-line change; written whole, then renamed."""
+    body = ",\n".join(f"  {json.dumps(n)}: {dumps(records[n], sort_keys=False)}" for n in sorted(records))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text('{"points": {\n' + body + "\n}}\n")
+    tmp.replace(path)
+
+
+def incomplete(record: dict[str, Any]) -> list[str]:
+    """The fields a record lacks or holds empty (a point has at least one row and a finished point.json)."""
+    return [f for f in FIELDS if not record.get(f)]
+
+
 def restore(kept: Path, out: Path) -> int:
-    """Copies the kept records into ``out`` (points already there are left as they are). A kept point that
-    lacks one of its files is named on stderr and not restored, so the sweep runs it again."""
+    """Unpacks the kept records into ``out`` (points already finished there are left as they are). A kept
+    point that lacks a field is named on stderr and not restored, so the sweep runs it again."""
     n = 0
-    for src in sorted(kept.glob("*/point.json")) if kept.is_dir() else []:
-        dst = out / src.parent.name
+    for name, record in sorted(read_records(kept).items()):
+        dst = out / name
         if (dst / "point.json").exists():
             continue
-        missing = [f for f in RECORD if not (src.parent / f).is_file()]
-        if missing:
-            lacks = ", ".join(missing)
-            print(f"real_data: {_shown(src.parent)} lacks {lacks}: not restored, it runs again", file=sys.stderr)
+        lacks = incomplete(record)
+        if lacks:
+            print(f"real_data: {name} in {_shown(kept)} lacks {', '.join(lacks)}: not restored, it runs again",
+                  file=sys.stderr)  # fmt: skip
             continue
-        dst.mkdir(parents=True, exist_ok=True)
-        for f in RECORD:
-            shutil.copy2(src.parent / f, dst / f)
+        if dst.exists():
+            shutil.rmtree(dst)  # an unfinished attempt: its files are replaced by the finished record
+        unpack(record, dst)
         n += 1
     return n
 
 
 def save(sweep_file: Path, out: Path, kept: Path) -> int:
-    """Copies the record of every finished point of ``out`` into ``kept``."""
+    """Packs the record of every finished point of ``out`` into ``kept`` (merged with what it holds)."""
+    records = read_records(kept)
     n = 0
     for name in points(sweep_file):
         src = out / name
@@ -93,11 +144,9 @@ def save(sweep_file: Path, out: Path, kept: Path) -> int:
         missing = [f for f in RECORD if not (src / f).is_file()]
         if missing:
             raise SystemExit(f"real_data: {src} is marked finished but lacks {', '.join(missing)}")
-        dst = kept / name
-        dst.mkdir(parents=True, exist_ok=True)
-        for f in RECORD:
-            shutil.copy2(src / f, dst / f)
+        records[name] = pack(src)
         n += 1
+    write_records(kept, records)
     return n
 
 
@@ -108,41 +157,50 @@ def _wafl(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([WAFL, *args], capture_output=True, text=True, cwd=ROOT)
 
 
-def summary(sweep_file: Path, kept: Path) -> Path:
-    """table.md, table.json, curves.png and curves.json beside the kept records (in ``kept``'s parent)."""
+def summary(sweep_file: Path, kept: Path, work: Path | None = None) -> Path:
+    """table.md, table.json, curves.png and curves.json beside ``kept``, from its records unpacked into
+    ``work`` (default ``runs/real-data/<sweep>``, emptied first)."""
     names = points(sweep_file)
-    done = [n for n in names if (kept / n / "point.json").exists()]
+    records = read_records(kept)
+    done = [n for n in names if n in records and not incomplete(records[n])]
     if not done:
-        raise SystemExit(f"real_data: no finished points of {sweep_file} in {kept}")
+        raise SystemExit(f"real_data: no finished points of {_shown(sweep_file)} in {_shown(kept)}")
+    work = work or ROOT / "runs" / "real-data" / sweep_file.stem
+    if work.exists():
+        shutil.rmtree(work)
+    for n in done:
+        unpack(records[n], work / n)
     here = kept.parent
-    rel = _shown(kept)
+    rel = _shown(work)
     args = table_args(sweep_file)
     note = ""
-    if "--baseline" in args:
+    res = _wafl("table", rel, *args, "--json", _shown(here / "table.json"))
+    if res.returncode != 0 and "--baseline" in args and "is not a row" in res.stderr:
         i = args.index("--baseline")
-        trial = _wafl("table", str(rel), *args)
-        if trial.returncode != 0 and "is not a row" in trial.stderr:
-            note = f"The baseline {args[i + 1]!r} has no finished point yet: no paired differences.\n\n"
-            args = args[:i] + args[i + 2 :]
-    res = _wafl("table", str(rel), *args, "--json", _shown(here / "table.json"))
+        note = f"The baseline {args[i + 1]!r} has no finished point yet: no paired differences.\n\n"
+        args = args[:i] + args[i + 2 :]
+        res = _wafl("table", rel, *args, "--json", _shown(here / "table.json"))
     if res.returncode != 0:
         raise SystemExit(f"real_data: wafl table failed: {res.stderr.strip()}")
     commits = json.loads((here / "table.json").read_text())["commits"]
     missing = [n for n in names if n not in done]
     by = args[args.index("--by") + 1] if "--by" in args else "algorithm,params"
-    rows = [json.loads(line) for d in done for line in (kept / d / "results.jsonl").read_text().splitlines() if line]
+    rows = [r for n in done for r in records[n]["rows"]]
     fields = ("gm_accuracy", "pm_accuracy", "local_accuracy", "new_client_accuracy")
     metrics = ",".join(f for f in fields if any(r.get(f) is not None for r in rows))
     curves = _wafl(
-        "analyze", "curves", str(rel), "--by", by, "--metrics", metrics,
+        "analyze", "curves", rel, "--by", by, "--metrics", metrics,
         "--title", f"{sweep_file.stem}: accuracy against rounds (mean, min-max over seeds)",
         "--out", _shown(here / "curves.png"), "--json", _shown(here / "curves.json"),
     )  # fmt: skip
     if curves.returncode != 0:
         raise SystemExit(f"real_data: wafl analyze curves failed: {curves.stderr.strip()}")
+    sweep = _shown(sweep_file)
     text = [
-        f"`wafl table {rel} {shlex.join(args)}` (the runs: `wafl sweep {_shown(sweep_file)} --jobs 2`, "
-        f"in process, at commit{'s' if len(commits) > 1 else ''} {', '.join(c[:7] for c in commits)}).",
+        f"`wafl table {rel} {shlex.join(args)}` over the points of `{_shown(kept)}` "
+        f"(`python benchmarks/real_data.py restore {sweep} --out {rel}` unpacks them; the runs: "
+        f"`wafl sweep {sweep} --jobs 2`, in process, "
+        f"at commit{'s' if len(commits) > 1 else ''} {', '.join(c[:7] for c in commits)}).",
         "",
         f"Points done: {len(done)} of {len(names)}."
         + (f" Not yet run: {', '.join(f'`{m}`' for m in missing)}." if missing else ""),
@@ -177,12 +235,23 @@ def smoke(out: Path) -> dict[str, object]:
     out.mkdir(parents=True, exist_ok=True)
     sweep_file = out / "smoke.toml"
     sweep_file.write_text(SMOKE_SWEEP)
-    kept = out / "kept" / "runs"
+    kept = out / "kept" / "records.json"
     first = subprocess.run([WAFL, "sweep", str(sweep_file), "--out", str(out / "a")], capture_output=True, text=True)
     saved = save(sweep_file, out / "a", kept)
     restored = restore(kept, out / "b")
     again = subprocess.run([WAFL, "sweep", str(sweep_file), "--out", str(out / "b")], capture_output=True, text=True)
-    here = summary(sweep_file, kept)
+    same = {
+        f"{n}/{f}": (out / "a" / n / f).read_bytes() == (out / "b" / n / f).read_bytes()
+        for n in points(sweep_file)
+        for f in RECORD
+    }
+    broken = out / "kept" / "broken.json"  # one record without its rows: named, not restored
+    recs = read_records(kept)
+    first_point = sorted(recs)[0]
+    recs[first_point] = {**recs[first_point], "rows": []}
+    write_records(broken, recs)
+    partly = restore(broken, out / "c")
+    here = summary(sweep_file, kept, out / "work")
     doc: dict[str, object] = {
         "commit": git_commit(),
         "first_rc": first.returncode,
@@ -190,7 +259,10 @@ def smoke(out: Path) -> dict[str, object]:
         "restored": restored,
         "second_run": again.stderr.strip().splitlines()[0] if again.stderr.strip() else "",
         "second_rc": again.returncode,
-        "kept_files": sorted(str(f.relative_to(kept)) for f in kept.rglob("*") if f.is_file()),
+        "kept_points": {n: sorted(r) for n, r in read_records(kept).items()},
+        "round_trip_same_bytes": same,
+        "broken_restored": partly,
+        "broken_point_left_out": not (out / "c" / first_point).exists(),
         "table_md": (here / "table.md").read_text(),
         "table": json.loads((here / "table.json").read_text()),
         "curves_png_bytes": (here / "curves.png").stat().st_size,
@@ -207,7 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="the sweep's output folder (run, restore, save)")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument(
-        "--records", type=Path, help="where the kept records are (default: benchmarks/results/real-data/<sweep>/runs)"
+        "--records",
+        type=Path,
+        help="the kept records' file (default: benchmarks/results/real-data/<sweep>/records.json)",
     )
     a = p.parse_args(argv)
     if a.smoke:
@@ -218,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.action is None or a.sweep_file is None:
         p.error("give an action (run, restore, save, summary) and a sweep file, or --smoke")
     sweep_file = a.sweep_file.resolve()
-    kept = (a.records or records_dir(sweep_file)).resolve()
+    kept = (a.records or records_file(sweep_file)).resolve()
     if not sweep_file.is_file():
         p.error(f"sweep file {a.sweep_file} does not exist")
     if a.action != "summary" and a.out is None:

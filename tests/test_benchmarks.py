@@ -79,8 +79,10 @@ def _scale(d: dict[str, Any]) -> None:
 def _real_data(d: dict[str, Any]) -> None:
     assert d["first_rc"] == 0 and d["kept"] == 2 and d["restored"] == 2, d
     assert d["second_rc"] == 0 and "0 to run, 2 already done" in d["second_run"], d["second_run"]  # nothing re-run
-    names = ("config.json", "point.json", "results.jsonl")  # the records only: no logs, no reports
-    assert d["kept_files"] == sorted(f"algorithm={a}/{n}" for a in ("fedavg", "fedprox") for n in names)
+    fields = ["config", "point", "rows"]  # the records only: no logs, no reports
+    assert d["kept_points"] == {f"algorithm={a}": fields for a in ("fedavg", "fedprox")}
+    assert len(d["round_trip_same_bytes"]) == 6 and all(d["round_trip_same_bytes"].values()), d["round_trip_same_bytes"]
+    assert d["broken_restored"] == 1 and d["broken_point_left_out"]  # a record without rows runs again
     assert set(d["table"]["rows"]) == {"fedavg", "fedprox mu=0.01"} and set(d["table"]["differences"]) == {
         "fedprox mu=0.01"
     }
@@ -128,13 +130,22 @@ def test_benchmark_smoke_run(name: str, tmp_path: Path) -> None:
 
 
 def test_kept_real_data_records_are_complete_and_tracked() -> None:
-    """Every kept point of the Fashion-MNIST sweeps holds its three record files, and git tracks them (an
-    ignore rule that drops one would lose it on the next fresh clone, and with it the tables' source)."""
-    kept = sorted((REPO / "benchmarks" / "results" / "real-data").glob("*/runs/*/point.json"))
-    files = [p.parent / n for p in kept for n in ("config.json", "point.json", "results.jsonl")]
-    assert all(f.is_file() for f in files), [str(f) for f in files if not f.is_file()]
-    probe = [str(p.parent.relative_to(REPO) / "results.jsonl") for p in kept] or [
-        "benchmarks/results/real-data/any/runs/any/results.jsonl"  # the rule itself, also while none is kept
-    ]
+    """Every kept point of the Fashion-MNIST sweeps (one records.json a sweep) holds its configuration, its
+    rows and a finished point.json, and git tracks the file (an ignore rule that drops it would lose it on
+    the next fresh clone, and with it the tables' source); no per-point run files are committed."""
+    from benchmarks.real_data import incomplete, read_records
+
+    real_data_dir = REPO / "benchmarks" / "results" / "real-data"
+    files = sorted(real_data_dir.glob("*/records.json"))
+    for f in files:
+        recs = read_records(f)
+        bad = {n: incomplete(r) for n, r in recs.items() if incomplete(r) or not r["point"].get("ok")}
+        assert recs and not bad, (str(f), bad)
+        assert all(len(r["rows"]) == r["config"]["rounds"] for r in recs.values()), str(f)  # every round's row
+    probe = [str(f.relative_to(REPO)) for f in files] or ["benchmarks/results/real-data/any/records.json"]
     ignored = subprocess.run(["git", "check-ignore", "--no-index", *probe], cwd=REPO, capture_output=True, text=True)
     assert ignored.returncode == 1 and not ignored.stdout, ignored.stdout
+    listed = subprocess.run(["git", "ls-files", str(real_data_dir)], cwd=REPO, capture_output=True, text=True)
+    run_files = ("results.jsonl", "config.json", "point.json")
+    per_point = [t for t in listed.stdout.splitlines() if Path(t).name in run_files]
+    assert not per_point, per_point[:5]
