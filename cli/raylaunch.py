@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from wafl.cli.launcher import Progress, RunSummary, check_workers, default_out, finish_run, split_clients
+from wafl.cli.launcher import Progress, RunSummary, check_workers, client_sizes, default_out, finish_run, split_clients
 from wafl.common.config import RunConfig
 from wafl.common.errors import UsageError
 
@@ -346,9 +346,11 @@ def launch_ray(
         info = ray.get(server.start.remote())
         record["server"] = {**info, "pids": [info["pid"]], "restarts": 0}
         listen = f"{info['host']}:{info['port']}"
+        from wafl.client.worker import format_indices
+
         Worker = ray.remote(WorkerActor)
         pending: dict[Any, tuple[str, int]] = {}
-        for w, indices in enumerate(split_clients(cfg.num_clients, n_workers)):
+        for w, indices in enumerate(split_clients(cfg.num_clients, n_workers, client_sizes(cfg))):  # by samples
             h = Worker.options(
                 name=f"worker-{w}",
                 namespace=namespace,
@@ -360,7 +362,7 @@ def launch_ray(
             ).remote(run, w, listen, indices, per_worker, token, cfg.data_dir)
             handles.append(h)
             record["workers"].append(
-                {"clients": [indices[0], indices[-1]], "nodes": [], "ips": [], "pids": [], "restarts": 0, "code": None}
+                {"clients": format_indices(indices), "nodes": [], "ips": [], "pids": [], "restarts": 0, "code": None}
             )
             pending[h.where.remote()] = ("where", w)
             pending[h.run.remote()] = ("run", w)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from wafl.cli.main import main
+from wafl.client.worker import parse_indices
 
 
 def test_ray_without_ray_installed_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys, tmp_path: Path) -> None:
@@ -160,9 +161,10 @@ def test_two_rounds_on_a_two_node_ray_cluster_with_a_worker_restarted(two_nodes,
     and both workers' logs."""
     ray, head, other, address = two_nodes
     out = tmp_path / "run"
-    # worker 1's clients train 12 x longer, so the run is still going when its actor is killed
-    # (at 4 x an idle machine finished both rounds in the 4 s the driver is given to fetch credentials)
-    run = RayRun(address, out, rounds=2, slowdown="1,1,12,12")
+    # the clients train 12 x longer (a slowdown sleeps: no more CPU), so the run is still going when worker
+    # 1's actor is killed (at 4 x an idle machine finished both rounds in the 4 s the driver is given to
+    # fetch credentials)
+    run = RayRun(address, out, rounds=2, slowdown="12,12,12,12")
     namespace = run.namespace
     killed_before_round = None
     deadline = time.monotonic() + 240
@@ -208,7 +210,9 @@ def test_two_rounds_on_a_two_node_ray_cluster_with_a_worker_restarted(two_nodes,
     uploads = {(e["client"], e["round"]) for e in events if e["event"] == "upload.accepted"}
     assert uploads == {(f"client-{i}", r) for i in range(4) for r in (1, 2)}
     rejoined = {e["client"] for e in events if e["event"] == "client.join" and e.get("rejoin")}
-    assert rejoined == {"client-2", "client-3"}, rejoined  # worker 1's clients, with their credentials
+    # worker 1's clients (balanced by training samples, as wafl run splits them), with their credentials
+    worker_1 = {f"client-{i}" for i in parse_indices(record["workers"][1]["clients"])}
+    assert len(worker_1) == 2 and rejoined == worker_1, (rejoined, record["workers"])
     for w in (0, 1):
         lines = [json.loads(x) for x in (out / "logs" / f"worker-{w}.jsonl").read_text().splitlines()]
         assert [x["failed"] for x in lines if x["event"] == "worker.done"] == [0]
