@@ -1,20 +1,20 @@
 """``wafl run --ray``: the server and the workers of a run as Ray actors on a Ray cluster.
 
 Ray places and supervises; the federation's traffic is wafl's gRPC protocol, as with ``wafl run``.
-The server actor runs :func:`wafl.server.app.serve` (what ``wafl server`` runs) on a node-local
-folder, listening on its node's address (``ray.util.get_node_ip_address()``: 127.0.0.1 on a
-cluster that ``--ray`` starts on this machine alone) with a fresh run
-token; by default it is placed on the driver's node (softly: elsewhere when that node has no room).
-Each worker actor runs :func:`wafl.client.worker.run_worker` (what ``wafl worker`` runs) for a
-contiguous range of client indices, with ``worker_cpus`` CPUs and ``worker_gpus`` GPUs (fractions
-allowed: Ray then shares a GPU between workers) reserved for it, spread over the nodes. A worker
-actor whose process dies is restarted by Ray (up to ``max_restarts`` times, possibly on another
-node); its clients re-join with the session credentials and models kept in the worker's state
-folder on its node, as a restarted ``wafl worker`` does. A server actor whose process dies is restarted
-as well and resumes the run from its checkpoint on the same port (:class:`ServerActor`). When the
-server ends, the driver copies the server's run folder (results, reports, timelines, configuration,
-checkpoint, server log) and every worker's log into the output folder, writes ``ray.json`` (where
-each actor ran, restarts) and the usual ``summary.json`` and ``accuracy.png``.
+The server actor runs :func:`wafl.server.app.serve` (what ``wafl server`` runs) on a node-local folder,
+listening on its node's address (``ray.util.get_node_ip_address()``: 127.0.0.1 on a cluster that
+``--ray`` starts on this machine alone) with a fresh run token; by default it is placed on the driver's
+node (softly: elsewhere when that node has no room). Each worker actor runs
+:func:`wafl.client.worker.run_worker` (what ``wafl worker`` runs) for a group of clients (balanced by
+training samples, as ``wafl run`` groups them), with ``worker_cpus`` CPUs and ``worker_gpus`` GPUs
+(fractions allowed: Ray then shares a GPU between workers) reserved for it, spread over the nodes. A
+worker actor whose process dies is restarted by Ray (up to ``max_restarts`` times, possibly on another
+node); its clients re-join with the session credentials and models kept in the worker's state folder on
+its node, as a restarted ``wafl worker`` does. A server actor whose process dies is restarted as well
+and resumes the run from its checkpoint on the same port (:class:`ServerActor`). When the server ends,
+the driver copies the server's run folder (results, reports, timelines, configuration, checkpoint,
+server log) and every worker's log into the output folder, writes ``ray.json`` (where each actor ran,
+restarts) and the usual ``summary.json`` and ``accuracy.png``.
 
 Ray is optional (``pip install 'wafl[ray]'``): it is imported only here, when ``--ray`` is used.
 """
@@ -278,6 +278,24 @@ def ray_workers(ray: Any, num_clients: int, worker_cpus: float, worker_gpus: flo
     return max(1, min(num_clients, n))
 
 
+def warn_unplaceable(
+    total: dict[str, float], workers: int, worker_cpus: float, worker_gpus: float, server_cpus: float
+) -> str:
+    """The warning (on stderr, and returned; "" when none) for ``--workers`` that the cluster's resources
+    cannot all hold at once: the actors beyond wait for resources (an autoscaling cluster may add them),
+    and their clients' joins may run out ``join_timeout_s``."""
+    need = {"CPU": server_cpus + workers * worker_cpus, "GPU": workers * worker_gpus}
+    short = [f"{need[k]:g} {k}s, it has {total.get(k, 0.0):g}" for k in need if need[k] > total.get(k, 0.0) + 1e-9]
+    if not short:
+        return ""
+    text = (
+        f"wafl: --workers {workers} needs {'; '.join(short)} (the server's and every worker's reservation): "
+        "the workers beyond wait until the cluster has room, and the run may end at join_timeout_s"
+    )
+    print(text, file=sys.stderr)
+    return text
+
+
 def launch_ray(
     cfg: RunConfig,
     out_dir: Path | None = None,
@@ -324,6 +342,8 @@ def launch_ray(
     token = secrets.token_urlsafe(24)
     n_workers = workers or ray_workers(ray, cfg.num_clients, worker_cpus, worker_gpus, server_cpus)
     check_workers(n_workers, cfg)
+    if workers:
+        warn_unplaceable(ray.cluster_resources(), n_workers, worker_cpus, worker_gpus, server_cpus)
     per_worker = slots or max(1, int(worker_cpus))
     summary = RunSummary(out, ok=False)
     t0 = time.monotonic()

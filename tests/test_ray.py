@@ -285,3 +285,16 @@ def test_a_cluster_that_ray_run_starts_is_on_loopback_only(monkeypatch: pytest.M
     assert {ip for w in record["workers"] for ip in w["ips"]} == {"127.0.0.1"}
     rows = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [1] and rows[0]["clients"] == 4
+
+
+def test_workers_the_cluster_cannot_hold_are_named_before_the_run(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--workers`` beyond the cluster's CPUs (or GPUs) is warned about at once, with what is needed and
+    what the cluster has, instead of only surfacing as a join timeout."""
+    from wafl.cli.raylaunch import warn_unplaceable
+
+    assert warn_unplaceable({"CPU": 8.0}, 3, 1.0, 0.0, 1.0) == ""  # 1 + 3 x 1 CPUs fit
+    text = warn_unplaceable({"CPU": 2.0}, 3, 1.0, 0.0, 1.0)
+    assert "--workers 3 needs 4 CPUs, it has 2" in text and "join_timeout_s" in text
+    assert text in capsys.readouterr().err
+    gpus = warn_unplaceable({"CPU": 16.0, "GPU": 1.0}, 4, 1.0, 0.5, 1.0)
+    assert "2 GPUs, it has 1" in gpus and "CPUs" not in gpus
