@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 import structlog
-from wafl.common.contract import CREDENTIAL_KEY, PROTOCOL_VERSION
+from wafl.common.contract import CREDENTIAL_KEY, DELTA_UPLOADS_VERSION, SUPPORTED_VERSIONS
 from wafl.common.errors import AlreadyAccepted, Code, Refused
 from wafl.common.proto import federation_pb2 as pb
 from wafl.common.wire import MALFORMED, decode_upload, encode_broadcast, lenient
@@ -95,9 +95,18 @@ class FederationService:
     async def join(self, req: pb.JoinRequest, ctx: grpc.aio.ServicerContext) -> pb.JoinReply:
         try:
             _well_formed(req)
-            if req.protocol_version != PROTOCOL_VERSION:
+            if req.protocol_version not in SUPPORTED_VERSIONS:
+                speaks = " and ".join(str(v) for v in SUPPORTED_VERSIONS)
                 raise Refused(
-                    f"protocol_version {req.protocol_version} is not supported (server speaks {PROTOCOL_VERSION})",
+                    f"protocol_version {req.protocol_version} is not supported (server speaks {speaks})",
+                    Code.FAILED_PRECONDITION,
+                )
+            if req.protocol_version < DELTA_UPLOADS_VERSION and self.engine.strategy.uploads_are_deltas:
+                raise Refused(
+                    f"protocol_version {req.protocol_version}: this run's aggregation "
+                    f"({self.engine.cfg.aggregation}) takes uploads as differences to the model sent, which a "
+                    f"version {req.protocol_version} client does not upload; use a client of version "
+                    f"{DELTA_UPLOADS_VERSION}",
                     Code.FAILED_PRECONDITION,
                 )
             self._certificate_bound(ctx, req.client_index)

@@ -244,11 +244,11 @@ def test_broadcast_is_well_formed_and_valid_round_completes(fed: Federation) -> 
 
 def test_join_unsupported_protocol_version(fed: Federation) -> None:
     r, base = fed.open_round()
-    stranger = IndependentClient(fed.pb, fed.pb_grpc, fed.server.address, "stranger-v2", 0, 10)
+    stranger = IndependentClient(fed.pb, fed.pb_grpc, fed.server.address, "stranger-v3", 0, 10)
     try:
         for client in (fed.a, stranger):
-            err = call_error(lambda client=client: client.join(protocol_version=2))
-            expect_status(err, Code.FAILED_PRECONDITION, "protocol_version 2")
+            err = call_error(lambda client=client: client.join(protocol_version=3))
+            expect_status(err, Code.FAILED_PRECONDITION, "protocol_version 3")
     finally:
         stranger.close()
     fed.complete_round(r, base)
@@ -539,3 +539,23 @@ def test_server_logged_no_abort(fed: Federation) -> None:
     rejected = fed.server.events("upload.rejected")
     assert rejected, "the refused uploads should be logged"
     assert all(rec.get("code") for rec in rejected)
+
+
+def test_a_version_1_client_cannot_join_a_run_whose_uploads_are_differences(stubs, tmp_path) -> None:
+    """Version 1 clients ignore ``BroadcastHeader.upload_delta`` and upload whole models: a buffered run,
+    which takes differences, refuses them at the join (instead of folding models as if they were
+    differences); a version 2 client joins it."""
+    pb, pb_grpc = stubs
+    config = {**CONFIG, "aggregation": "buffered", "buffer_size": 2}
+    server = ServerProcess(config, tmp_path / "server")
+    old = IndependentClient(pb, pb_grpc, server.address, "old-client", 0, 10)
+    new = IndependentClient(pb, pb_grpc, server.address, "new-client", 1, 10)
+    try:
+        err = call_error(lambda: old.join())
+        expect_status(err, Code.FAILED_PRECONDITION, "protocol_version 1: this run's aggregation (buffered)")
+        assert new.join(protocol_version=2).run_id == server.run_id
+        assert server.alive(), server.log_tail()
+    finally:
+        old.close()
+        new.close()
+        server.stop()
