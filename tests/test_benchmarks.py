@@ -90,6 +90,21 @@ def _real_data(d: dict[str, Any]) -> None:
     assert d["table"]["rows"]["fedavg"]["final_gm"]["mean"] > 0.2  # above chance on 10 classes
 
 
+def _waitfree_crossover(d: dict[str, Any]) -> None:
+    import math
+
+    assert not d["failed"] and len(d["points"]) == 2 and d["figure_bytes"] > 0, d["failed"]
+    assert {pt["rate"] for pt in d["points"]} == {"50mbit", "200mbit"}
+    for pt in d["points"]:
+        assert pt["ok"] and pt["x"] > 0 and pt["p"] > 0, pt
+        assert pt["x"] == round(pt["t_comm_s"] / pt["t_gm_s"], 4)
+        assert set(pt["pm_share"]["wait-free"]) == {"client-0", "client-1"}
+        assert all(0 <= v <= 1 for proto in pt["pm_share"].values() for v in proto.values())
+    s = d["summary"]["ditto"]
+    p = s["p_median"]
+    assert s["points"] == 2 and s["predicted_crossover_x"] == round((math.sqrt(1 + 4 * p) - 1) / 2, 4)
+
+
 # script path -> (arguments after --smoke given the test's folder, the JSON it writes there, its checks)
 SMOKE: dict[str, tuple[Callable[[Path], list[str]], str, Callable[[dict[str, Any]], None]]] = {
     "benchmarks/main_job.py": (lambda t: ["--out", str(t / "r.json")], "r.json", _main_job),
@@ -100,6 +115,7 @@ SMOKE: dict[str, tuple[Callable[[Path], list[str]], str, Callable[[dict[str, Any
     "benchmarks/scale.py": (lambda t: ["--results", str(t)], "scale.json", _scale),
     "benchmarks/norm_bound_honest.py": (lambda t: ["--out", str(t / "r.json")], "r.json", _norm_bound_honest),
     "benchmarks/real_data.py": (lambda t: ["--out", str(t)], "smoke.json", _real_data),
+    "benchmarks/waitfree_crossover.py": (lambda t: ["--out", str(t)], "crossover.json", _waitfree_crossover),
 }
 
 

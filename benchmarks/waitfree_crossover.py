@@ -1,0 +1,225 @@
+"""When wait-free pays: ``wafl bench protocols`` over a series of link rates, from communication-bound to
+compute-bound, for SCD and Ditto, each host on a CPU share of its own (``--host-cpus auto``).
+
+Under wait-free a client trains its PM from its upload until the next broadcast, so the last client
+to upload (the largest shard) gets ``T_comm / (T_GM + T_comm)`` of the wall-clock for its PM;
+under compute-and-wait every client gets ``T_PM / (T_GM + T_PM + T_comm)``. With ``x = T_comm /
+T_GM`` and ``p = T_PM / T_GM`` the wait-free share is the larger one where ``x (1 + x) > p``: the
+predicted crossover is ``x* = (sqrt(1 + 4 p) - 1) / 2``. For every point (algorithm, link rate,
+repetition) this records, from the bench's ``protocols.json``: ``x`` and ``p`` (medians of the
+compute-and-wait run), the round speedup against the ideal, the time to the PM target under both
+protocols and their ratio (wait-free over compute-and-wait: below 1, wait-free reaches it sooner),
+and each client's PM share of its wall-clock under both; then ``crossover.json`` and one figure,
+``crossover.png``: the time-to-target ratio against ``x``, with the predicted crossover drawn
+beside the measured points.
+
+    python benchmarks/waitfree_crossover.py                     # 2 algorithms x 4 rates x 2 repetitions
+    python benchmarks/waitfree_crossover.py --rates 2mbit,5mbit,10mbit,20mbit,100mbit --reps 3
+
+A point whose ``protocols.json`` exists is not run again (``--out`` keeps them), so a stopped series
+resumes. It needs root (network namespaces, ``tc``, control groups) and a machine whose cores do
+nothing else while it runs: each point's figures are wall-clock times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from _machine import provenance
+
+RESULTS = Path(__file__).resolve().parent / "results" / "protocols" / "crossover"
+WAFL = str(Path(sys.executable).parent / "wafl")
+PROTOCOLS = ("compute-and-wait", "wait-free")
+
+
+def predicted_crossover(p: float) -> float:
+    """The ``x = T_comm / T_GM`` above which wait-free gives the last client the larger PM share."""
+    return (math.sqrt(1.0 + 4.0 * p) - 1.0) / 2.0
+
+
+def share_ratio(x: float, p: float) -> float:
+    """The model's wait-free PM share of the last client over its compute-and-wait share."""
+    return (x / (1.0 + x)) / (p / (1.0 + p + x))
+
+
+def pm_shares(timelines: dict[str, Any]) -> dict[str, float]:
+    """Each client's PM training seconds over its wall-clock from its first GM phase to its last event."""
+    out = {}
+    for client, t in sorted(timelines.items()):
+        events = t.get("events", [])
+        gm = [e["start_s"] for e in events if e["phase"] == "gm_train"]
+        if not gm:
+            continue
+        span = max(e["end_s"] for e in events) - min(gm)
+        pm = sum(e["end_s"] - e["start_s"] for e in events if e["phase"] == "pm_train")
+        out[client] = round(pm / span, 4) if span > 0 else 0.0
+    return out
+
+
+def point(folder: Path) -> dict[str, Any]:
+    """What one bench run (``folder/protocols.json``) says about the crossover."""
+    doc = json.loads((folder / "protocols.json").read_text())
+    cw, wf = (doc["protocols"][p] for p in PROTOCOLS)
+    x = cw["t_comm_s"] / cw["t_gm_s"] if cw.get("t_gm_s") else None
+    p = cw["t_pm_s"] / cw["t_gm_s"] if cw.get("t_gm_s") and cw.get("t_pm_s") is not None else None
+    zeta = {proto: doc["protocols"][proto].get("zeta_total_s") for proto in PROTOCOLS}
+    shares = {}
+    for proto in PROTOCOLS:
+        tl = folder / proto / "timelines.json"
+        shares[proto] = pm_shares(json.loads(tl.read_text())) if tl.is_file() else {}
+    return {
+        "commit": doc["commit"],
+        "ok": bool(cw.get("ok") and wf.get("ok")),
+        "t_gm_s": cw.get("t_gm_s"),
+        "t_pm_s": cw.get("t_pm_s"),
+        "t_comm_s": cw.get("t_comm_s"),
+        "x": round(x, 4) if x is not None else None,
+        "p": round(p, 4) if p is not None else None,
+        "round_speedup": doc.get("round_speedup"),
+        "ideal_speedup": doc.get("ideal_speedup"),
+        "speedup_vs_ideal": doc.get("speedup_vs_ideal"),
+        "zeta_s": zeta,
+        "zeta_ratio": round(zeta["wait-free"] / zeta["compute-and-wait"], 4)
+        if zeta["wait-free"] and zeta["compute-and-wait"]
+        else None,
+        "pm_share": shares,
+        "final_pm_accuracy": {proto: doc["protocols"][proto].get("final_pm_accuracy") for proto in PROTOCOLS},
+    }
+
+
+def run_point(folder: Path, algorithm: str, rate: str, clients: int, target: float, extra: list[str]) -> int:
+    if (folder / "protocols.json").is_file():
+        return 0
+    cmd = [WAFL, "bench", "protocols", "--algorithm", algorithm, "--clients", str(clients), "--link-rate", rate]
+    cmd += ["--target", str(target), "--out", str(folder), "--quiet", *extra]
+    print(f"== {algorithm} {rate} -> {folder}", file=sys.stderr, flush=True)
+    return subprocess.call(cmd)
+
+
+def summarize(points: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per algorithm: the median ``p`` of its points, the predicted crossover and the measured points."""
+    out: dict[str, Any] = {}
+    for alg in sorted({pt["algorithm"] for pt in points}):
+        mine = [pt for pt in points if pt["algorithm"] == alg]
+        ps = [pt["p"] for pt in mine if pt["p"] is not None]
+        p = statistics.median(ps) if ps else None
+        out[alg] = {
+            "p_median": round(p, 4) if p is not None else None,
+            "predicted_crossover_x": round(predicted_crossover(p), 4) if p is not None else None,
+            "points": len(mine),
+            "wait_free_sooner": sum(1 for pt in mine if pt["zeta_ratio"] is not None and pt["zeta_ratio"] < 1),
+            "no_time_to_target": sum(1 for pt in mine if pt["zeta_ratio"] is None),
+        }
+    return out
+
+
+def plot(points: list[dict[str, Any]], summary: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    algs = sorted(summary)
+    fig, axes = plt.subplots(1, len(algs), figsize=(5.5 * len(algs), 4.2), squeeze=False)
+    for ax, alg in zip(axes[0], algs):
+        mine = [pt for pt in points if pt["algorithm"] == alg and pt["x"] and pt["zeta_ratio"] is not None]
+        for rate in sorted({pt["rate"] for pt in mine}):
+            xs = [pt["x"] for pt in mine if pt["rate"] == rate]
+            ys = [pt["zeta_ratio"] for pt in mine if pt["rate"] == rate]
+            ax.scatter(xs, ys, label=rate, zorder=3)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        s = summary[alg]
+        if s["predicted_crossover_x"] is not None:
+            ax.axvline(
+                s["predicted_crossover_x"],
+                color="C3",
+                ls="--",
+                label=f"predicted x* = {s['predicted_crossover_x']:.2f}",
+            )
+            xs_all = [pt["x"] for pt in points if pt["algorithm"] == alg and pt["x"]]
+            if xs_all:
+                lo, hi = min(xs_all) / 2, max(xs_all) * 2
+                grid = [lo * (hi / lo) ** (i / 60) for i in range(61)]
+                ax.plot(grid, [1 / share_ratio(g, s["p_median"]) for g in grid], color="C3", lw=0.8,
+                        label="model: C&W / WF PM share")  # fmt: skip
+        ax.set_xscale("log")
+        ax.set_xlabel("T_comm / T_GM (compute-and-wait medians)")
+        ax.set_ylabel("time to PM target, wait-free / compute-and-wait")
+        ax.set_title(f"{alg}: below 1, wait-free reaches the target sooner")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="benchmarks/waitfree_crossover.py")
+    ap.add_argument("--algorithms", default="scd,ditto")
+    ap.add_argument("--rates", default="2mbit,5mbit,20mbit,100mbit", help="per-client link rates (tc syntax)")
+    ap.add_argument("--reps", type=int, default=2, help="repetitions of every point")
+    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--target", type=float, default=0.9, help="PM accuracy for the time to target")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="passed to the bench")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--smoke", action="store_true", help="ditto, 2 clients, 2 rates, 1 repetition, 2 rounds")
+    a = ap.parse_args(argv)
+    extra = [x for s in a.set for x in ("--set", s)]
+    if a.smoke:
+        a.algorithms, a.rates, a.reps, a.target, a.clients = "ditto", "50mbit,200mbit", 1, 0.3, 2
+        extra += ["--rounds", "2"]
+    if a.reps < 1:
+        ap.error("--reps must be at least 1")
+    rates = [r.strip() for r in a.rates.split(",") if r.strip()]
+    algs = [x.strip() for x in a.algorithms.split(",") if x.strip()]
+    points: list[dict[str, Any]] = []
+    failed = []
+    for rep in range(1, a.reps + 1):
+        for rate in rates:
+            for alg in algs:
+                folder = a.out / alg / rate / f"rep{rep}"
+                if (
+                    run_point(folder, alg, rate, a.clients, a.target, extra) != 0
+                    or not (folder / "protocols.json").is_file()
+                ):
+                    failed.append(str(folder))
+                    continue
+                points.append({"algorithm": alg, "rate": rate, "rep": rep, **point(folder)})
+    summary = summarize(points)
+    a.out.mkdir(parents=True, exist_ok=True)
+    if points:
+        plot(points, summary, a.out / "crossover.png")
+    doc = {
+        "benchmark": "waitfree_crossover",
+        **provenance(),
+        "smoke": a.smoke,
+        "rates": rates,
+        "reps": a.reps,
+        "clients": a.clients,
+        "target": a.target,
+        "model": "wait-free PM share T_comm/(T_GM+T_comm) against compute-and-wait T_PM/(T_GM+T_PM+T_comm): "
+        "x* = (sqrt(1+4p)-1)/2 with x = T_comm/T_GM, p = T_PM/T_GM",
+        "summary": summary,
+        "points": points,
+        "failed": failed,
+        "figure_bytes": (a.out / "crossover.png").stat().st_size if points else 0,
+    }
+    (a.out / "crossover.json").write_text(json.dumps(doc, indent=1) + "\n")
+    for alg, s in summary.items():
+        print(f"{alg}: p {s['p_median']}, predicted crossover x* {s['predicted_crossover_x']}, "
+              f"wait-free sooner in {s['wait_free_sooner']} of {s['points']} points", flush=True)  # fmt: skip
+    for pt in points:
+        print(f"  {pt['algorithm']} {pt['rate']} rep{pt['rep']}: x {pt['x']}, zeta WF/C&W {pt['zeta_ratio']}, "
+              f"round speedup {pt['round_speedup']} (ideal {pt['ideal_speedup']})", flush=True)  # fmt: skip
+    print(f"wrote {a.out / 'crossover.json'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
