@@ -77,6 +77,25 @@ _scratch = threading.local()  # each folding thread's float64 buffer (UploadFold
 # are kept and averaged in (a client or server summing squares in float32 would get Inf).
 MAX_UPDATE_NORM = math.sqrt(float(np.finfo(np.float32).max))  # about 1.8e19
 
+# NumPy's OpenBLAS computes a dot product of more than 10,000 values on its worker threads (as many as the
+# cores), which spin while they wait for work: under load they take the cores from the training, and
+# the sum's order, so its last bits, depends on how many cores the machine has. ``sq_norm`` takes the
+# dot product block by block, each block under that threshold: one thread, the same bits everywhere.
+SQ_NORM_BLOCK = 10_000
+
+
+def sq_norm(d: np.ndarray) -> float:
+    """``d . d`` of a 1-D float64 array, summed in blocks of :data:`SQ_NORM_BLOCK` values (each a single-
+    threaded BLAS dot): the same bits on every machine for one BLAS build, and no BLAS threads woken."""
+    n = d.size
+    if n <= SQ_NORM_BLOCK:
+        return float(np.dot(d, d))
+    total = 0.0
+    for i in range(0, n, SQ_NORM_BLOCK):
+        b = d[i : i + SQ_NORM_BLOCK]
+        total += float(np.dot(b, b))
+    return total
+
 
 @dataclass(frozen=True)
 class Rule:
@@ -461,7 +480,7 @@ class UploadFold:
         beyond = False  # this chunk takes the update beyond the adaptive bound
         if self.acc.rule.measures and spec.dtype in FLOAT_WIRE_DTYPES:
             d = self._update(spec.name, start, values)
-            sq = float(np.dot(d, d))
+            sq = sq_norm(d)
             self.sq_all += sq
             if bounded(spec.name):
                 self.sq_norm += sq

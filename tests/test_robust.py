@@ -268,3 +268,38 @@ def test_the_default_bound_leaves_extra_tensors_alone() -> None:
     bounded, unbounded = final(10.0), final(0.0)
     assert bounded["gm_accuracy"] == unbounded["gm_accuracy"]
     assert bounded["gm_accuracy"] > 0.5  # chance is 0.1
+
+
+NORM_SCRIPT = """
+import numpy as np
+from wafl.server.aggregator import sq_norm
+d = np.random.default_rng(7).standard_normal({n})
+print(sq_norm(d).hex())
+"""
+
+
+@pytest.mark.parametrize("n", [5_000, 10_000, 48_120, 262_144])
+def test_the_update_norm_has_the_same_bits_whatever_the_blas_threads(n: int) -> None:
+    """The clip norm's squared sum is the same float with one BLAS thread or four (NumPy's OpenBLAS
+    splits a dot product of more than 10,000 values over its threads, in an order set by their
+    count), and it is the sum of squares to float64 rounding; up to 10,000 values it is ``np.dot``."""
+    import os
+    import subprocess
+    import sys
+
+    from wafl.server.aggregator import sq_norm
+
+    got = set()
+    for threads in ("1", "4"):
+        env = {**os.environ, "OPENBLAS_NUM_THREADS": threads, "OMP_NUM_THREADS": threads}
+        out = subprocess.run(
+            [sys.executable, "-c", NORM_SCRIPT.format(n=n)], env=env, capture_output=True, text=True, check=True
+        )
+        got.add(out.stdout.strip())
+    assert len(got) == 1, got
+    d = np.random.default_rng(7).standard_normal(n)
+    value = float.fromhex(got.pop())
+    assert value == sq_norm(d)
+    assert math.isclose(value, math.fsum(d * d), rel_tol=1e-13)
+    if n <= 10_000:
+        assert value == float(np.dot(d, d))
