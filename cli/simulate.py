@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -58,10 +58,11 @@ async def _simulate(
         clients.append(client_protocol(session, trainer, shared.view(trainer) if shared else None))
     if cfg.grad_dissimilarity_every:
         engine.round_probe = dissimilarity_probe(cfg, engine, {c.session.client_id: c.trainer for c in clients})
-    tasks = [asyncio.create_task(c.run()) for c in clients]
+    tasks = [asyncio.create_task(_client_run(c.run(), c.session.client_id)) for c in clients]
     try:
-        await engine.run_to_end()
-        await asyncio.gather(*tasks)
+        # a client that fails ends the simulation with its error at once: the server would otherwise
+        # wait for its upload until the round deadline (far off in a sweep), with nothing on the cores
+        await asyncio.gather(engine.run_to_end(), *tasks)
     finally:
         for t in tasks:
             t.cancel()
@@ -69,6 +70,14 @@ async def _simulate(
         if shared is not None:
             shared.shutdown()
     return engine.results.rows
+
+
+async def _client_run(run: Awaitable[None], client_id: str) -> None:
+    try:
+        await run
+    except Exception as e:
+        e.add_note(f"in the simulation's client {client_id}")
+        raise
 
 
 def dissimilarity_probe(

@@ -280,3 +280,22 @@ def test_table_new_client_columns_only_for_runs_with_new_clients() -> None:
     assert "| final new-client acc. (%) | best new-client acc. (%) |" in markdown(doc).splitlines()[0]
     plain = build([Run(Path("p"), {"algorithm": "fedavg", "seed": 0, "rounds": 1}, [{"round": 1, "wall_s": 1.0}])])
     assert "final_new" not in plain["rows"]["fedavg"]  # tables of runs without new clients keep their shape
+
+
+def test_a_client_that_fails_ends_the_simulation_with_its_error(tmp_path, monkeypatch) -> None:
+    """In process, a client whose training raises stops the run at once with that error and the client's
+    name, instead of the server waiting for its upload until the round deadline (here an hour)."""
+    from wafl.client.trainer import Trainer
+
+    real = Trainer.train_gm
+
+    def train_gm(self):
+        if self.index == 1:
+            raise RuntimeError("training broke")
+        return real(self)
+
+    monkeypatch.setattr(Trainer, "train_gm", train_gm)
+    cfg = load_config(None, {"num_clients": 3, "rounds": 2, "round_deadline_s": 3600.0})
+    with pytest.raises(RuntimeError, match="training broke") as err:
+        simulate(cfg, tmp_path / "run")
+    assert "in the simulation's client client-1" in err.value.__notes__

@@ -84,3 +84,43 @@ def test_inactive_sub_network_gives_a_finite_term() -> None:
     assert math.isfinite(gap.item())
     want = float(((x.norm(dim=1) * h.norm(dim=1)) ** 2).mean())
     assert gap.item() == pytest.approx(want, rel=1e-4)
+
+
+def test_lenet5_block_ends_in_its_relu_and_matches_a_slow_recomputation() -> None:
+    """LeNet-5's features end in Linear(256, 120) - ReLU - Linear(120, 84) - ReLU: the block is those four
+    layers, and the sub-network's block at width 0.25 ends in the ReLU too."""
+    from wafl.common.algorithms.fedalign import final_block
+    from wafl.common.models.lenet5 import lenet5
+
+    torch.manual_seed(0)
+    model = lenet5()
+    pre, first, last, relu_out = final_block(model)
+    f = model.features
+    assert relu_out and first is f[-4] and last is f[-2] and len(pre) == len(f) - 4
+    x = torch.randn(6, 1, 28, 28)
+    y = torch.randint(0, 10, (6,))
+    h, logits = model.forward_split(x)
+    value = LipschitzAlignment(0.45, 0.25)(model, Forward(x, y, h, logits, None), None)
+    with torch.no_grad():
+        xin = pre(x)
+        i, k, o = math.ceil(256 / 4), math.ceil(120 / 4), math.ceil(84 / 4)
+        w1, b1, w2, b2 = first.weight[:k, :i], first.bias[:k], last.weight[:o, :k], last.bias[:o]
+        gap = 0.0
+        for b in range(6):
+            hs = torch.relu(w2 @ torch.relu(w1 @ xin[b, :i] + b1) + b2)
+            assert torch.equal(sub_block(first, last, xin[b : b + 1], 0.25, True)[1][0], hs)
+            full = float(xin[b].norm() * h[b].norm())
+            sub = float(xin[b, :i].norm() * hs.norm())
+            gap += (sub - full) ** 2 / 6
+        got = lipschitz_gap(xin, h, *sub_block(first, last, xin, 0.25, relu_out))
+    assert got.item() == pytest.approx(gap, rel=1e-4) and gap > 0
+    assert value.item() == pytest.approx(0.45 * float(F.cross_entropy(logits, y)), rel=1e-4)
+
+
+def test_a_model_without_the_block_is_refused_by_name() -> None:
+    from wafl.common.algorithms.fedalign import final_block
+
+    model = torch.nn.Module()
+    model.features = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 4), torch.nn.ReLU())
+    with pytest.raises(ValueError, match="Linear - ReLU - Linear"):
+        final_block(model)

@@ -17,7 +17,9 @@ its hidden and output units),
 (the authors' code: the Lipschitz term is rescaled to ``mu`` times the cross-entropy's value and
 only trains the sub-network's slice; gradients are clipped to norm 10 before the step). ``mu``
 0.45 and ``w`` 0.25, the paper's. The final block here is the last ``Linear - ReLU - Linear`` of
-the feature extractor (the digits CNN's; other models are refused with a message saying so).
+the feature extractor, with the ``ReLU`` after it when the extractor ends in one (the digits CNN's
+block ends in its ``Linear``, LeNet-5's in a ``ReLU``, as the residual blocks of the authors' ResNets
+do; the sub-network's block then ends in it too); other models are refused with a message saying so.
 The power iteration divides by norms clamped to 1e-12, so a sub-network whose units are all
 inactive on a sample gives an estimate of 0 there rather than NaN. The server is FedAvg.
 """
@@ -46,16 +48,23 @@ from wafl.common.algorithms.registry import Param, register
 EPS = 1e-12
 
 
-def final_block(model: nn.Module) -> tuple[nn.Module, nn.Linear, nn.Linear]:
-    """``(everything before the block, its first Linear, its last Linear)``."""
-    message = "fedalign needs a feature extractor ending in Linear - ReLU - Linear (the digits cnn)"
+def final_block(model: nn.Module) -> tuple[nn.Module, nn.Linear, nn.Linear, bool]:
+    """``(everything before the block, its first Linear, its last Linear, whether a ReLU ends it)``."""
+    message = (
+        "fedalign needs a feature extractor ending in Linear - ReLU - Linear, optionally with a ReLU after it "
+        "(the cnn, lenet5)"
+    )
     f = model.features
-    if not (isinstance(f, nn.Sequential) and len(f) >= 3):
+    if not isinstance(f, nn.Sequential):
         raise ValueError(message)
-    a, act, b = f[-3], f[-2], f[-1]
+    relu_out = len(f) >= 4 and isinstance(f[-1], nn.ReLU)
+    end = len(f) - 1 if relu_out else len(f)
+    if end < 3:
+        raise ValueError(message)
+    a, act, b = f[end - 3], f[end - 2], f[end - 1]
     if not (isinstance(a, nn.Linear) and isinstance(act, nn.ReLU) and isinstance(b, nn.Linear)):
         raise ValueError(message)
-    return f[:-3], a, b
+    return f[: end - 3], a, b, relu_out
 
 
 def transmitting_matrix(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -83,12 +92,16 @@ def width_slice(n: int, width: float) -> int:
     return max(1, math.ceil(width * n))
 
 
-def sub_block(first: nn.Linear, last: nn.Linear, x: torch.Tensor, width: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x_w, h_s)``: the input's first ``ceil(w * C)`` features and the block at width ``w`` on them."""
+def sub_block(
+    first: nn.Linear, last: nn.Linear, x: torch.Tensor, width: float, relu_out: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x_w, h_s)``: the input's first ``ceil(w * C)`` features and the block at width ``w`` on them
+    (ending in a ReLU with ``relu_out``, as the full block does)."""
     i, k, o = (width_slice(n, width) for n in (first.in_features, first.out_features, last.out_features))
     xs = x[:, :i]
     hidden = F.relu(F.linear(xs, first.weight[:k, :i], first.bias[:k] if first.bias is not None else None))
-    return xs, F.linear(hidden, last.weight[:o, :k], last.bias[:o] if last.bias is not None else None)
+    out = F.linear(hidden, last.weight[:o, :k], last.bias[:o] if last.bias is not None else None)
+    return xs, F.relu(out) if relu_out else out
 
 
 def lipschitz_gap(x: torch.Tensor, h: torch.Tensor, x_sub: torch.Tensor, h_sub: torch.Tensor) -> torch.Tensor:
@@ -105,10 +118,10 @@ class LipschitzAlignment(LossTerm):
         self.mu, self.width = mu, width
 
     def __call__(self, model: nn.Module, out: Forward, ctx: RoundContext) -> torch.Tensor:
-        pre, first, last = final_block(model)
+        pre, first, last, relu_out = final_block(model)
         with torch.no_grad():
             x = pre(out.x)
-        gap = lipschitz_gap(x, out.h.detach(), *sub_block(first, last, x, self.width))
+        gap = lipschitz_gap(x, out.h.detach(), *sub_block(first, last, x, self.width, relu_out))
         ce = F.cross_entropy(out.logits, out.y).detach()
         return self.mu * (ce / gap.detach().clamp_min(EPS)) * gap
 
