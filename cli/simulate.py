@@ -67,6 +67,7 @@ async def _simulate(
         for t in tasks:
             t.cancel()
         engine.executor.shutdown(wait=False, cancel_futures=True)
+        engine.fold_workers.shutdown()  # its threads end (a sweep process runs point after point)
         if shared is not None:
             shared.shutdown()
     return engine.results.rows

@@ -299,3 +299,19 @@ def test_a_client_that_fails_ends_the_simulation_with_its_error(tmp_path, monkey
     with pytest.raises(RuntimeError, match="training broke") as err:
         simulate(cfg, tmp_path / "run")
     assert "in the simulation's client client-1" in err.value.__notes__
+
+
+def test_simulations_in_one_process_leave_no_fold_threads(tmp_path) -> None:
+    """A sweep process runs point after point: each simulation's fold workers end with it."""
+    import threading
+
+    def folds() -> int:
+        return sum(t.name.startswith("wafl-fold") for t in threading.enumerate())
+
+    before = folds()
+    for name in ("a", "b"):
+        simulate(load_config(None, {"num_clients": 2, "rounds": 1}), tmp_path / name)
+    deadline = time.monotonic() + 10
+    while folds() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert folds() == before
