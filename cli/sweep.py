@@ -22,12 +22,16 @@ and is skipped when the sweep runs again, so an interrupted sweep resumes where 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
+import os
+import platform
 import shutil
 import sys
 import time
 import tomllib
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from multiprocessing import get_context
 from pathlib import Path
@@ -36,6 +40,28 @@ from typing import Any
 from wafl.common.config import ConfigError, RunConfig, load_config
 
 DONE = "point.json"
+
+# The kernels the points compute with. torch chooses its vector instruction set (and oneDNN its own) from
+# the CPU, and its AVX-512 kernels add in another order than its AVX2 ones: the same point run on a machine
+# with AVX-512 and on one without differs in its last bits at the first step, and by tenths of a point of
+# accuracy after a few rounds. Sweep points on x86-64 use AVX2, which every such machine of the last
+# decade has, unless the environment already names a set: a point's numbers are then the same on each.
+KERNEL_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+@contextlib.contextmanager
+def point_kernels() -> Iterator[dict[str, str]]:
+    """:data:`KERNEL_ENV` in the environment (for the point processes started meanwhile) where the machine
+    is x86-64 and the variable is not set already; yields what it set, and restores the environment."""
+    added = {}
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        added = {k: v for k, v in KERNEL_ENV.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield added
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
 
 
 def load_sweep(path: Path) -> tuple[Path, list[tuple[str, RunConfig]]]:
@@ -113,7 +139,13 @@ def run_point(cfg_json: str, folder: str, network: bool) -> dict[str, Any]:
         ok = len(simulate(cfg, out)) == cfg.rounds
     from wafl.cli.provenance import git_commit
 
-    result = {"ok": ok, "wall_s": round(time.monotonic() - t0, 3), "network": network, "commit": git_commit()}
+    result = {
+        "ok": ok,
+        "wall_s": round(time.monotonic() - t0, 3),
+        "network": network,
+        "commit": git_commit(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the kernels it ran (see KERNEL_ENV)
+    }
     if ok:
         (out / DONE).write_text(json.dumps(result) + "\n")
     return result
@@ -141,7 +173,7 @@ def sweep(path: Path, network: bool = False, jobs: int = 1, out: Path | None = N
 
     progress(f"{out}: {len(todo)} to run" + (f", {done} already done" if done else ""))
     ctx = get_context("spawn")  # fresh interpreters: no torch state shared between points
-    with ProcessPoolExecutor(max_workers=max(1, jobs), mp_context=ctx) as pool:
+    with point_kernels(), ProcessPoolExecutor(max_workers=max(1, jobs), mp_context=ctx) as pool:
         futures = {}
         for name, cfg in todo:
             (out / name).mkdir(parents=True, exist_ok=True)

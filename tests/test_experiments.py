@@ -315,3 +315,28 @@ def test_simulations_in_one_process_leave_no_fold_threads(tmp_path) -> None:
     while folds() > before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert folds() == before
+
+
+def test_sweep_points_compute_with_avx2_kernels_unless_told(tmp_path: Path, monkeypatch) -> None:
+    """On x86-64 a sweep's points run torch's AVX2 kernels (their bits the same on machines with and without
+    AVX-512), as their point.json records; a kernel set named in the environment is kept; the sweep leaves
+    the caller's environment as it found it."""
+    import platform
+
+    import torch
+    from wafl.cli.sweep import sweep
+
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    own = torch.backends.cpu.get_cpu_capability()
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    want = "AVX2" if x86 and own in ("AVX2", "AVX512") else own
+    spec = tmp_path / "s.toml"
+    spec.write_text("[base]\nnum_clients = 2\nrounds = 1\nround_deadline_s = 3600.0\ncheckpoint = false\n")
+    assert sweep(spec, jobs=1, out=tmp_path / "a", show_progress=False) == 0
+    assert json.loads((tmp_path / "a" / "point" / "point.json").read_text())["cpu_capability"] == want
+    assert "ATEN_CPU_CAPABILITY" not in os.environ and "ONEDNN_MAX_CPU_ISA" not in os.environ
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+    assert sweep(spec, jobs=1, out=tmp_path / "b", show_progress=False) == 0
+    assert json.loads((tmp_path / "b" / "point" / "point.json").read_text())["cpu_capability"] == "DEFAULT"
+    assert os.environ["ATEN_CPU_CAPABILITY"] == "default"
