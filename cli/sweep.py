@@ -50,15 +50,15 @@ KERNEL_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
 @contextlib.contextmanager
-def point_kernels() -> Iterator[dict[str, str]]:
+def point_kernels() -> Iterator[None]:
     """:data:`KERNEL_ENV` in the environment (for the point processes started meanwhile) where the machine
-    is x86-64 and the variable is not set already; yields what it set, and restores the environment."""
+    is x86-64 and the variable is not set already; restores the environment afterwards."""
     added = {}
     if platform.machine().lower() in ("x86_64", "amd64"):
         added = {k: v for k, v in KERNEL_ENV.items() if k not in os.environ}
     os.environ.update(added)
     try:
-        yield added
+        yield
     finally:
         for k in added:
             os.environ.pop(k, None)

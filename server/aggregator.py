@@ -87,11 +87,8 @@ SQ_NORM_BLOCK = 10_000
 def sq_norm(d: np.ndarray) -> float:
     """``d . d`` of a 1-D float64 array, summed in blocks of :data:`SQ_NORM_BLOCK` values (each a single-
     threaded BLAS dot): the same bits on every machine for one BLAS build, and no BLAS threads woken."""
-    n = d.size
-    if n <= SQ_NORM_BLOCK:
-        return float(np.dot(d, d))
-    total = 0.0
-    for i in range(0, n, SQ_NORM_BLOCK):
+    total = 0.0  # one block (up to SQ_NORM_BLOCK values): 0.0 + np.dot(d, d), exactly np.dot's value
+    for i in range(0, d.size, SQ_NORM_BLOCK):
         b = d[i : i + SQ_NORM_BLOCK]
         total += float(np.dot(b, b))
     return total
