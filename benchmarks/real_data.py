@@ -188,8 +188,9 @@ def summary(sweep_file: Path, kept: Path, work: Path | None = None) -> Path:
     rows = [r for n in done for r in records[n]["rows"]]
     fields = ("gm_accuracy", "pm_accuracy", "local_accuracy", "new_client_accuracy")
     metrics = ",".join(f for f in fields if any(r.get(f) is not None for r in rows))
+    panels = ["--panels", "num_clients"] if "num_clients" in by.split(",") else []  # a row per client count
     curves = _wafl(
-        "analyze", "curves", rel, "--by", by, "--metrics", metrics,
+        "analyze", "curves", rel, "--by", by, "--metrics", metrics, *panels,
         "--title", f"{sweep_file.stem}: accuracy against rounds (mean, min-max over seeds)",
         "--out", _shown(here / "curves.png"), "--json", _shown(here / "curves.json"),
     )  # fmt: skip

@@ -8,8 +8,10 @@ group (their seeds) at every round where the field has a value, with the min-max
 panel per ``--metrics`` field (``gm_accuracy``, ``pm_accuracy``, ``grad_dissimilarity``, any
 numeric column of ``results.jsonl``). ``--against FIELD`` draws instead each group's value of the
 metric (each run's mean over its rounds, or with ``--reduce last`` its last value, averaged over
-the group) against that (numeric) setting, e.g. G_d against ASD's lambda. ``--json``
-writes the numbers drawn, so a figure can be checked against its runs.
+the group) against that (numeric) setting, e.g. G_d against ASD's lambda. ``--panels FIELD`` draws
+one row of panels per value of that field (e.g. ``num_clients``), the curves named without it, so
+that a table over several settings stays readable; a curve keeps its colour and line style in every
+row. ``--json`` writes the numbers drawn, so a figure can be checked against its runs.
 """
 
 from __future__ import annotations
@@ -71,19 +73,29 @@ def _number(v: Any) -> TypeGuard[float]:
 
 
 def curves(
-    runs: Sequence[Run], by: Sequence[str], metrics: Sequence[str], settings: Sequence[str] = ()
+    runs: Sequence[Run],
+    by: Sequence[str],
+    metrics: Sequence[str],
+    settings: Sequence[str] = (),
+    panels: str | None = None,
 ) -> dict[str, Any]:
     """label -> seeds, runs, the ``by`` and ``settings`` fields' values and, per metric, the rounds with the
-    mean, min and max over the runs."""
+    mean, min and max over the runs. With ``panels``, the groups are also split by that field: each entry
+    has its ``panel`` value and its ``name``, the label without the panel field."""
+    keys = (*by, panels) if panels and panels not in by else tuple(by)
+    named = [b for b in keys if b != panels]
     groups: dict[str, list[Run]] = {}
     for r in runs:
-        groups.setdefault(group_label(r.config, by), []).append(r)
+        groups.setdefault(group_label(r.config, keys), []).append(r)
     out: dict[str, Any] = {}
     for name, members in groups.items():
+        first = members[0].config
         entry: dict[str, Any] = {
+            "name": (group_label(first, named) if named else "all") if panels else name,
+            "panel": field(first, panels) if panels else None,
             "seeds": sorted(int(r.config.get("seed", 0)) for r in members),
             "runs": [str(r.path) for r in members],
-            "settings": {b: field(members[0].config, b) for b in (*by, *settings) if b != "params"},
+            "settings": {b: field(first, b) for b in (*keys, *settings) if b != "params"},
         }
         for m in metrics:
             per_round: dict[int, list[float]] = {}
@@ -107,37 +119,61 @@ def curves(
     return out
 
 
-def plot_curves(doc: Mapping[str, Any], metrics: Sequence[str], path: Path, title: str = "") -> None:
+LINE_STYLES = (("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"))  # line style and marker, ten colours each
+
+
+def _order(value: Any) -> tuple[str, Any]:
+    """A sort key for panel values of any one type (numbers by value, the rest as text)."""
+    return ("0", float(value)) if _number(value) else ("1", str(value))
+
+
+def plot_curves(
+    doc: Mapping[str, Any], metrics: Sequence[str], path: Path, title: str = "", panels: str | None = None
+) -> None:
+    """One panel per metric; with ``panels``, one row of them per value of that field. A curve's colour and
+    line style follow its name (ten colours, then the next line style and marker), the same in every row."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
+    drawn = {k: e for k, e in doc.items() if any(e[m]["round"] for m in metrics)}
+    names = list(dict.fromkeys(e.get("name", k) for k, e in drawn.items()))
+    style = {n: (f"C{i % 10}", *LINE_STYLES[(i // 10) % len(LINE_STYLES)]) for i, n in enumerate(names)}
+    seeds: dict[str, set[int]] = {}
+    for k, e in drawn.items():
+        seeds.setdefault(e.get("name", k), set()).add(len(e["seeds"]))
+    rows = sorted({e.get("panel") for e in drawn.values()}, key=_order) if panels else [None]
     # one legend for all panels, below them: a row's label can be long (an algorithm and its parameters)
-    names = [n for n, e in doc.items() if any(e[m]["round"] for m in metrics)]
     ncol = 1 if max((len(n) for n in names), default=0) > 60 or len(metrics) == 1 else 2
-    legend_in = 0.2 * (-(-len(names) // ncol)) + 0.3  # inches: a line per row of the legend
-    height = 4 + legend_in
-    fig, axes = plt.subplots(1, len(metrics), figsize=(5.5 * len(metrics), height), squeeze=False)
-    for ax, m in zip(axes[0], metrics):
-        for name, entry in doc.items():
-            c = entry[m]
-            if not c["round"]:
-                continue
-            (line,) = ax.plot(c["round"], c["mean"], marker="o", ms=2.5, label=f"{name} ({len(entry['seeds'])})")
-            if any(n > 1 for n in c["runs_per_round"]):
-                ax.fill_between(c["round"], c["min"], c["max"], color=line.get_color(), alpha=0.15)
-        ax.set_xlabel("round")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_ylabel(m)
-        ax.grid(alpha=0.3)
+    legend_in = 0.15 * (-(-len(names) // ncol)) + 0.3  # inches: a line per row of the legend (7 pt)
+    panel_in = 4 if len(rows) == 1 else 3.4
+    height = panel_in * len(rows) + legend_in
+    fig, axes = plt.subplots(len(rows), len(metrics), figsize=(5.5 * len(metrics), height), squeeze=False)
     handles: dict[str, Any] = {}
-    for ax in axes[0]:
-        for h, lab in zip(*ax.get_legend_handles_labels()):
-            handles.setdefault(lab, h)
+    for axrow, value in zip(axes, rows):
+        for ax, m in zip(axrow, metrics):
+            for k, entry in drawn.items():
+                c = entry[m]
+                if not c["round"] or (panels and entry.get("panel") != value):
+                    continue
+                name = entry.get("name", k)
+                color, ls, mk = style[name]
+                (line,) = ax.plot(c["round"], c["mean"], color=color, ls=ls, marker=mk, ms=3)
+                handles.setdefault(name, line)
+                if any(n > 1 for n in c["runs_per_round"]):
+                    ax.fill_between(c["round"], c["min"], c["max"], color=color, alpha=0.12)
+            ax.set_xlabel("round")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.set_ylabel(m)
+            ax.grid(alpha=0.3)
+            if panels:
+                ax.set_title(f"{panels}={value}", fontsize=9)
     if handles:
-        fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=ncol, fontsize=7, frameon=False)
+        shown = [n for n in names if n in handles]  # in the order of the styles
+        labels = [f"{n} ({'/'.join(str(s) for s in sorted(seeds[n]))})" for n in shown]
+        fig.legend([handles[n] for n in shown], labels, loc="lower center", ncol=ncol, fontsize=7, frameon=False)
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout(rect=(0, legend_in / height, 1, 1))
@@ -198,11 +234,14 @@ def cmd_curves(a: argparse.Namespace) -> int:
         raise UsageError(f"no run matches --where {' '.join(a.where)}")
     by = tuple(f.strip() for f in a.by.split(",")) if a.by else DEFAULT_BY
     metrics = [m.strip() for m in a.metrics.split(",")]
-    doc = curves(runs, by, metrics, (a.against,) if a.against else ())
+    if a.panels and a.against:
+        raise UsageError("--panels draws curves against rounds: leave it out with --against")
+    doc = curves(runs, by, metrics, (a.against,) if a.against else (), a.panels)
     missing = [m for m in metrics if not any(e[m]["round"] for e in doc.values())]
     if missing:
         raise UsageError(f"no run has values of {', '.join(missing)} in its results.jsonl")
-    result: dict[str, Any] = {"by": list(by), "where": list(a.where), "metrics": metrics, "groups": doc}
+    result: dict[str, Any] = {"by": list(by), "panels": a.panels, "where": list(a.where), "metrics": metrics}
+    result["groups"] = doc
     if a.against:
         if len(metrics) != 1:
             raise UsageError("--against draws one metric: give one in --metrics")
@@ -210,7 +249,7 @@ def cmd_curves(a: argparse.Namespace) -> int:
         result["reduce"] = a.reduce
         result["points"] = plot_against(doc, metrics[0], a.against, Path(a.out), a.title, a.reduce)
     else:
-        plot_curves(doc, metrics, Path(a.out), a.title)
+        plot_curves(doc, metrics, Path(a.out), a.title, a.panels)
     for name, entry in doc.items():
         last = {m: (f"{entry[m]['mean'][-1]:.4g}" if entry[m]["round"] else "-") for m in metrics}
         print(f"{name} ({len(entry['seeds'])} runs): last " + ", ".join(f"{m} {v}" for m, v in last.items()))
@@ -233,6 +272,7 @@ def add_parser(asub: Any) -> None:
         default="mean",
         help="--against: each run's mean over its rounds or its last value (default mean)",
     )
+    c.add_argument("--panels", metavar="FIELD", help="one row of panels per value of this field (e.g. num_clients)")
     c.add_argument("--title", default="")
     c.add_argument("--out", required=True, help="the PNG")
     c.add_argument("--json", help="also write the numbers drawn here")

@@ -68,3 +68,20 @@ def test_mistakes_are_one_line(sweep: Path, tmp_path: Path, capsys) -> None:
     assert main(["analyze", "curves", str(sweep), "--metrics", "nothing", "--out", png]) == 2
     assert "no run has values of nothing" in capsys.readouterr().err
     assert main(["analyze", "curves", str(tmp_path / "none"), "--out", png]) == 2
+
+
+def test_panels_split_the_curves_by_a_field_and_name_them_without_it(sweep: Path, tmp_path: Path, capsys) -> None:
+    out, png = tmp_path / "p.json", tmp_path / "p.png"
+    args = ["analyze", "curves", str(sweep), "--where", "params.lambda_p=0.4", "--by", "algorithm", "--panels"]
+    assert main([*args, "params.tau", "--metrics", "gm_accuracy", "--out", str(png), "--json", str(out)]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    doc = json.loads(out.read_text())
+    assert doc["panels"] == "params.tau"
+    assert sorted(doc["groups"]) == ["scd tau=0.2", "scd tau=0.4"]  # one group per panel value
+    assert {g["name"] for g in doc["groups"].values()} == {"scd"}  # drawn in one colour in both rows
+    g = doc["groups"]["scd tau=0.2"]
+    assert g["panel"] == 0.2 and g["seeds"] == [0, 1]
+    assert g["gm_accuracy"]["mean"] == pytest.approx([0.25, 0.35, 0.45])
+    again = ["analyze", "curves", str(sweep), "--panels", "params.tau", "--against", "params.tau"]
+    assert main([*again, "--out", str(png)]) == 2
+    assert "--panels draws curves against rounds" in capsys.readouterr().err
