@@ -36,32 +36,39 @@ def dirichlet_partition(
     draw of the ``max_tries`` whose smallest shard is largest, if that holds at least one sample.
     """
     labels = np.asarray(labels)
-    classes = np.unique(labels)
+    by_class = [np.flatnonzero(labels == c) for c in np.unique(labels)]
     rng = np.random.default_rng([seed, 2])
     min_size = min(min_size, len(labels) // num_clients)
-    best: list[list[int]] | None = None
+    # A draw is each class's shuffled indices with the bounds of its clients' slices; only its shard sizes
+    # are counted per try, and the shards are cut from the draw kept.
+    best: tuple[int, list[tuple[np.ndarray, np.ndarray]]] | None = None
     for _ in range(max_tries):
-        shards: list[list[int]] = [[] for _ in range(num_clients)]
-        for c in classes:
-            idx = np.flatnonzero(labels == c)
+        sizes = np.zeros(num_clients, dtype=np.int64)
+        draw = []
+        for members in by_class:
+            idx = members.copy()
             rng.shuffle(idx)
             p = rng.dirichlet(np.full(num_clients, alpha))
-            cuts = (np.cumsum(p) * len(idx)).astype(int)[:-1]
-            for k, part in enumerate(np.split(idx, cuts)):
-                shards[k].extend(part.tolist())
-        smallest = min(len(s) for s in shards)
-        if best is None or smallest > min(len(s) for s in best):
-            best = shards
+            cuts = np.minimum((np.cumsum(p) * len(idx)).astype(int)[:-1], len(idx))
+            bounds = np.concatenate(([0], cuts, [len(idx)]))
+            sizes += np.diff(bounds)
+            draw.append((idx, bounds))
+        smallest = int(sizes.min())
+        if best is None or smallest > best[0]:
+            best = (smallest, draw)
         if smallest >= min_size:
             break
     if best is None:
         raise ValueError(f"max_tries={max_tries} must be at least 1")
-    if min(len(s) for s in best) < 1:
+    if best[0] < 1:
         raise ValueError(
             f"alpha={alpha}: no Dirichlet split of {len(labels)} samples gave every one of {num_clients} clients a "
             f"sample in {max_tries} tries; use fewer clients, a larger alpha, or partition iid or dirichlet-equal"
         )
-    return [np.sort(np.asarray(s, dtype=np.int64)) for s in best]
+    return [
+        np.sort(np.concatenate([idx[b[k] : b[k + 1]] for idx, b in best[1]]).astype(np.int64))
+        for k in range(num_clients)
+    ]
 
 
 def dirichlet_equal_partition(

@@ -140,3 +140,36 @@ def test_client_size_needs_the_equal_split():
 def test_dirichlet_partition_refuses_no_tries(digits) -> None:
     with pytest.raises(ValueError, match="max_tries=0 must be at least 1"):
         dirichlet_partition(digits.train_labels, 4, 0.5, seed=0, max_tries=0)
+
+
+def _dirichlet_by_lists(labels: np.ndarray, num_clients: int, alpha: float, seed: int, max_tries: int) -> list:
+    """The split as first written (every try builds its shards as lists): the slow recomputation."""
+    classes = np.unique(labels)
+    rng = np.random.default_rng([seed, 2])
+    min_size = min(10, len(labels) // num_clients)
+    best = None
+    for _ in range(max_tries):
+        shards: list[list[int]] = [[] for _ in range(num_clients)]
+        for c in classes:
+            idx = np.flatnonzero(labels == c)
+            rng.shuffle(idx)
+            p = rng.dirichlet(np.full(num_clients, alpha))
+            for k, part in enumerate(np.split(idx, (np.cumsum(p) * len(idx)).astype(int)[:-1])):
+                shards[k].extend(part.tolist())
+        if best is None or min(map(len, shards)) > min(map(len, best)):
+            best = shards
+        if min(map(len, shards)) >= min_size:
+            break
+    return [np.sort(np.asarray(s, dtype=np.int64)) for s in best]
+
+
+@pytest.mark.parametrize(
+    ("clients", "alpha", "seed", "tries"),
+    [(10, 0.5, 0, 1000), (20, 0.1, 1, 1000), (100, 0.5, 0, 40), (100, 0.1, 3, 40), (7, 0.01, 2, 1000)],
+)
+def test_dirichlet_split_equals_the_list_building_one(digits, clients, alpha, seed, tries) -> None:
+    y = digits.train_labels
+    fast = dirichlet_partition(y, clients, alpha, seed=seed, max_tries=tries)
+    slow = _dirichlet_by_lists(y, clients, alpha, seed, tries)
+    assert len(fast) == len(slow) == clients
+    assert all(a.dtype == np.int64 and np.array_equal(a, b) for a, b in zip(fast, slow))
