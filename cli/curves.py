@@ -139,12 +139,12 @@ def plot_curves(
     from matplotlib.ticker import MaxNLocator
 
     drawn = {k: e for k, e in doc.items() if any(e[m]["round"] for m in metrics)}
-    names = list(dict.fromkeys(e.get("name", k) for k, e in drawn.items()))
+    names = list(dict.fromkeys(e["name"] for e in drawn.values()))
     style = {n: (f"C{i % 10}", *LINE_STYLES[(i // 10) % len(LINE_STYLES)]) for i, n in enumerate(names)}
     seeds: dict[str, set[int]] = {}
-    for k, e in drawn.items():
-        seeds.setdefault(e.get("name", k), set()).add(len(e["seeds"]))
-    rows = sorted({e.get("panel") for e in drawn.values()}, key=_order) if panels else [None]
+    for e in drawn.values():
+        seeds.setdefault(e["name"], set()).add(len(e["seeds"]))
+    rows = sorted({e["panel"] for e in drawn.values()}, key=_order)  # [None] without panels
     # one legend for all panels, below them: a row's label can be long (an algorithm and its parameters)
     ncol = 1 if max((len(n) for n in names), default=0) > 60 or len(metrics) == 1 else 2
     legend_in = 0.15 * (-(-len(names) // ncol)) + 0.3  # inches: a line per row of the legend (7 pt)
@@ -154,11 +154,11 @@ def plot_curves(
     handles: dict[str, Any] = {}
     for axrow, value in zip(axes, rows):
         for ax, m in zip(axrow, metrics):
-            for k, entry in drawn.items():
+            for entry in drawn.values():
                 c = entry[m]
-                if not c["round"] or (panels and entry.get("panel") != value):
+                if not c["round"] or entry["panel"] != value:
                     continue
-                name = entry.get("name", k)
+                name = entry["name"]
                 color, ls, mk = style[name]
                 (line,) = ax.plot(c["round"], c["mean"], color=color, ls=ls, marker=mk, ms=3)
                 handles.setdefault(name, line)

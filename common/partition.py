@@ -66,7 +66,7 @@ def dirichlet_partition(
             f"sample in {max_tries} tries; use fewer clients, a larger alpha, or partition iid or dirichlet-equal"
         )
     return [
-        np.sort(np.concatenate([idx[b[k] : b[k + 1]] for idx, b in best[1]]).astype(np.int64))
+        np.sort(np.concatenate([idx[b[k] : b[k + 1]] for idx, b in best[1]]).astype(np.int64, copy=False))
         for k in range(num_clients)
     ]
 
