@@ -203,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         "reps": a.reps,
         "clients": a.clients,
         "target": a.target,
+        "settings": a.set + (["rounds=2"] if a.smoke else []),
         "model": "wait-free PM share T_comm/(T_GM+T_comm) against compute-and-wait T_PM/(T_GM+T_PM+T_comm): "
         "x* = (sqrt(1+4p)-1)/2 with x = T_comm/T_GM, p = T_PM/T_GM",
         "summary": summary,

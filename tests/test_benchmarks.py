@@ -94,7 +94,7 @@ def _waitfree_crossover(d: dict[str, Any]) -> None:
     import math
 
     assert not d["failed"] and len(d["points"]) == 2 and d["figure_bytes"] > 0, d["failed"]
-    assert {pt["rate"] for pt in d["points"]} == {"50mbit", "200mbit"}
+    assert {pt["rate"] for pt in d["points"]} == {"50mbit", "200mbit"} and d["settings"] == ["rounds=2"]
     for pt in d["points"]:
         assert pt["ok"] and pt["x"] > 0 and pt["p"] > 0, pt
         assert pt["x"] == round(pt["t_comm_s"] / pt["t_gm_s"], 4)
