@@ -10,6 +10,7 @@ import sys
 import time
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 from wafl.cli.simulate import simulate
@@ -217,6 +218,42 @@ def test_fashion_mnist_sweep_files_hold_the_papers_settings(repo: Path) -> None:
         }
         rows = {(c.algorithm, c.params.get("asd_uniform")) for c in points}
         assert rows == {(b, None) for b in bases} | {(f"{b}+asd", u) for b in bases for u in (False, True)}
+
+
+def test_fashion_mnist_analysis_sweeps_run_the_comparison_tables_settings(repo: Path) -> None:
+    """The flatness, G_d and sensitivity sweeps run on their paper's comparison table's setting: their
+    points are that table's points (flatness, the G_d sweep's lambda 2, SCD at its default weights)
+    but for what they measure, so their accuracies are the table's and the runs check each other."""
+    import dataclasses
+
+    from wafl.cli.sweep import load_sweep
+
+    def load(name: str) -> dict[str, Any]:
+        return dict(load_sweep(repo / "configs" / "sweeps" / f"{name}.toml")[1])
+
+    asd, scd = load("asd_fmnist"), load("scd_fmnist")
+    flat = load("asd_fmnist_flatness")
+    assert {c.algorithm for c in flat.values()} == {
+        f"{b}{a}" for b in ("fedavg", "feddyn", "fedspeed") for a in ("", "+asd")
+    }
+    for name, c in flat.items():
+        assert c.checkpoint and dataclasses.replace(c, checkpoint=False) == asd[name], name
+    gd = load("asd_fmnist_dissimilarity")
+    assert sorted({c.params["asd_lambda"] for c in gd.values()}) == [0.0, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0]
+    for c in gd.values():
+        assert c.grad_dissimilarity_every == 1
+        same = dataclasses.replace(c, grad_dissimilarity_every=0, params={**c.params, "asd_lambda": 2.0})
+        assert same == asd[f"algorithm=fedavg+asd,params.asd_lambda=2.0,params.asd_temperature=2.0,seed={c.seed}"]
+    sens = load("scd_fmnist_sensitivity")
+    default = {"tau": 0.4, "lambda_p": 0.4, "lambda_g": 0.3}
+    scd_point = "algorithm=scd,params.lambda_g=0.3,params.lambda_p=0.4,params.spectrum=model,params.tau=0.4,seed=0"
+    for c in sens.values():
+        moved = [k for k in default if c.params[k] != default[k]]
+        assert len(moved) <= 1  # one knob at a time
+        assert dataclasses.replace(c, params={**c.params, **default}) == scd[scd_point]
+    assert sorted(
+        c.params["tau"] for c in sens.values() if c.params["lambda_p"] == 0.4 and c.params["lambda_g"] == 0.3
+    ) == [0.1, 0.2, 0.4, 0.6, 0.8, 1.0]
 
 
 def test_sweep_point_params_table_and_dotted_keys_merge(tmp_path: Path) -> None:
