@@ -19,7 +19,10 @@ and writes ``table.md`` (the commands, the commits, the points done and missing,
 markdown), ``table.json`` and ``curves.png`` / ``curves.json`` (accuracy against rounds, mean and
 min-max over the seeds) beside ``records.json``. The table's ``--by`` and ``--baseline`` are the ones
 the sweep file's header gives (its ``#   wafl table ...`` line); while the baseline's points are not
-all done the paired differences are left out and the text says so.
+all done the paired differences are left out and the text says so. Each ``#   wafl analyze curves ...``
+command of the header (a figure the sweep exists for: new-client accuracy, G_d against rounds or
+lambda, a sensitivity curve) is run too, on the unpacked records, its ``--out`` and ``--json`` files
+written beside ``records.json`` under their own names.
 """
 
 from __future__ import annotations
@@ -63,10 +66,51 @@ def table_args(sweep_file: Path) -> list[str]:
     return []
 
 
+def header_commands(sweep_file: Path, command: str = "wafl analyze curves") -> list[list[str]]:
+    """The header's ``#   <command> ...`` lines (a trailing backslash continues one on the next comment
+    line), each split into its arguments after ``command``."""
+    found: list[str] = []
+    current: str | None = None
+    for line in sweep_file.read_text().splitlines():
+        if not line.startswith("#"):
+            break  # the header ends at the first line that is not a comment
+        text = line.lstrip("#").strip()
+        if current is None and not text.startswith(command + " "):
+            continue
+        part = text.removesuffix("\\").strip()
+        current = part if current is None else f"{current} {part}"
+        if not text.endswith("\\"):
+            found.append(current)
+            current = None
+    n = len(shlex.split(command))
+    return [shlex.split(c)[n:] for c in found]
+
+
+def figure_args(args: list[str], sweep_out: str, work: str, here: Path) -> list[str]:
+    """A header's curves command for the records unpacked in ``work``: the sweep's folder becomes
+    ``work``, ``--out`` and ``--json`` files go into ``here`` under their own names."""
+    out: list[str] = []
+    for i, arg in enumerate(args):
+        if i > 0 and args[i - 1] in ("--out", "--json"):
+            out.append(_shown(here / Path(arg).name))
+        elif arg.rstrip("/") == sweep_out.rstrip("/"):
+            out.append(work)
+        else:
+            out.append(arg)
+    return out
+
+
 def points(sweep_file: Path) -> list[str]:
     from wafl.cli.sweep import load_sweep
 
     return [name for name, _ in load_sweep(sweep_file)[1]]
+
+
+def load_out(sweep_file: Path) -> Path:
+    """The sweep file's ``out`` folder (as it names it)."""
+    from wafl.cli.sweep import load_sweep
+
+    return load_sweep(sweep_file)[0]
 
 
 def pack(folder: Path) -> dict[str, Any]:
@@ -196,6 +240,14 @@ def summary(sweep_file: Path, kept: Path, work: Path | None = None) -> Path:
     )  # fmt: skip
     if curves.returncode != 0:
         raise SystemExit(f"real_data: wafl analyze curves failed: {curves.stderr.strip()}")
+    figures = []
+    sweep_out = str(load_out(sweep_file))
+    for header_args in header_commands(sweep_file):
+        fig_args = figure_args(header_args, sweep_out, rel, here)
+        res_fig = _wafl("analyze", "curves", *fig_args)
+        if res_fig.returncode != 0:
+            raise SystemExit(f"real_data: wafl analyze curves {shlex.join(fig_args)} failed: {res_fig.stderr.strip()}")
+        figures.append(f"`wafl analyze curves {shlex.join(fig_args)}`")
     sweep = _shown(sweep_file)
     text = [
         f"`wafl table {rel} {shlex.join(args)}` over the points of `{_shown(kept)}` "
@@ -209,6 +261,9 @@ def summary(sweep_file: Path, kept: Path, work: Path | None = None) -> Path:
         note + res.stdout.strip(),
         "",
     ]
+    if figures:
+        text += ["Figures (the sweep file's header commands, on the same records):", ""]
+        text += [f"* {f}" for f in figures] + [""]
     (here / "table.md").write_text("\n".join(text))
     return here
 
@@ -216,6 +271,8 @@ def summary(sweep_file: Path, kept: Path, work: Path | None = None) -> Path:
 SMOKE_SWEEP = """\
 # a two-point digits sweep for the smoke run
 #   wafl table runs/sweep-smoke --baseline fedavg
+#   wafl analyze curves runs/sweep-smoke --metrics train_loss \\
+#       --out runs/sweep-smoke/loss.png --json runs/sweep-smoke/loss.json
 out = "runs/sweep-smoke"
 [base]
 num_clients = 3
@@ -267,6 +324,7 @@ def smoke(out: Path) -> dict[str, object]:
         "table_md": (here / "table.md").read_text(),
         "table": json.loads((here / "table.json").read_text()),
         "curves_png_bytes": (here / "curves.png").stat().st_size,
+        "figure": json.loads((here / "loss.json").read_text()),
     }
     (out / "smoke.json").write_text(json.dumps(doc, indent=1) + "\n")
     return doc

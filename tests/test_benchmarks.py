@@ -88,6 +88,11 @@ def _real_data(d: dict[str, Any]) -> None:
     }
     assert "Points done: 2 of 2." in d["table_md"] and d["curves_png_bytes"] > 0
     assert d["table"]["rows"]["fedavg"]["final_gm"]["mean"] > 0.2  # above chance on 10 classes
+    # the header's curves command (two comment lines) ran on the unpacked records, its files beside them
+    groups = d["figure"]["groups"]
+    assert set(groups) == {"fedavg", "fedprox mu=0.01"} and d["figure"]["metrics"] == ["train_loss"]
+    assert all(g["train_loss"]["round"] == [1, 2] and "/work/algorithm=" in g["runs"][0] for g in groups.values())
+    assert "--json" in d["table_md"] and "/kept/loss.json" in d["table_md"]
 
 
 def _waitfree_crossover(d: dict[str, Any]) -> None:
@@ -166,3 +171,33 @@ def test_kept_real_data_records_are_complete_and_tracked() -> None:
     run_files = ("results.jsonl", "config.json", "point.json")
     per_point = [t for t in listed.stdout.splitlines() if Path(t).name in run_files]
     assert not per_point, per_point[:5]
+
+
+def test_sweep_file_figure_commands_run_on_their_sweeps_records() -> None:
+    """Every ``#   wafl analyze curves`` command in a sweep file's header reads that sweep's folder and
+    writes files that ``real_data.py summary`` can put beside the records under their own names; the
+    Fashion-MNIST analysis sweeps have theirs (the new-client, G_d and sensitivity figures)."""
+    from wafl.common.config import ConfigError
+
+    from benchmarks.real_data import figure_args, header_commands, load_out
+
+    found = {}
+    for f in sorted((REPO / "configs" / "sweeps").glob("*.toml")):
+        try:
+            out = str(load_out(f))
+        except ConfigError:  # a sweep of a dataset this checkout lacks: its file is tested elsewhere
+            continue
+        for args in header_commands(f):
+            positional = [
+                a for i, a in enumerate(args) if not a.startswith("--") and (i == 0 or not args[i - 1].startswith("--"))
+            ]
+            assert positional == [out], (f.name, args)
+            assert "--out" in args, (f.name, args)
+            moved = figure_args(args, out, "W", REPO / "H")
+            assert moved[0] == "W" and all(
+                Path(moved[i + 1]).parent == Path("H") for i, a in enumerate(moved[:-1]) if a in ("--out", "--json")
+            ), moved
+            found.setdefault(f.stem, []).append(args[args.index("--out") + 1])
+    assert found["scd_fmnist_new_clients"] == ["new_clients.png"]
+    assert found["asd_fmnist_dissimilarity"] == ["gd_rounds.png", "gd_lambda.png"]
+    assert found["scd_fmnist_sensitivity"] == ["tau.png", "lambda_p.png", "lambda_g.png"]
