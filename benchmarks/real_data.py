@@ -232,7 +232,11 @@ def summary(sweep_file: Path, kept: Path, work: Path | None = None) -> Path:
     rows = [r for n in done for r in records[n]["rows"]]
     fields = ("gm_accuracy", "pm_accuracy", "local_accuracy", "new_client_accuracy")
     metrics = ",".join(f for f in fields if any(r.get(f) is not None for r in rows))
-    panels = ["--panels", "num_clients"] if "num_clients" in by.split(",") else []  # a row per client count
+    panels = []
+    if "num_clients" in by.split(","):
+        panels = ["--panels", "num_clients"]  # a row per client count
+    elif any("+" in str(records[n]["config"].get("algorithm", "")) for n in done):
+        panels = ["--panels", "base_algorithm"]  # a row per base method, with its +ASD variants
     curves = _wafl(
         "analyze", "curves", rel, "--by", by, "--metrics", metrics, *panels,
         "--title", f"{sweep_file.stem}: accuracy against rounds (mean, min-max over seeds)",

@@ -9,7 +9,8 @@ panel per ``--metrics`` field (``gm_accuracy``, ``pm_accuracy``, ``grad_dissimil
 numeric column of ``results.jsonl``). ``--against FIELD`` draws instead each group's value of the
 metric (each run's mean over its rounds, or with ``--reduce last`` its last value, averaged over
 the group) against that (numeric) setting, e.g. G_d against ASD's lambda. ``--panels FIELD`` draws
-one row of panels per value of that field (e.g. ``num_clients``), the curves named without it, so
+one row of panels per value of that field (e.g. ``num_clients``, or ``base_algorithm``: a row for
+FedAvg, FedAvg+ASD and its variants, the next for FedProx and its), the curves named without it, so
 that a table over several settings stays readable; a curve keeps its colour and line style in every
 row. ``--json`` writes the numbers drawn, so a figure can be checked against its runs.
 """
@@ -27,11 +28,22 @@ from typing import Any, TypeGuard
 from wafl.cli.table import DEFAULT_BY, Run, TableError, find_runs, label
 from wafl.common.errors import UsageError
 
+# fields computed from a run's configuration, usable wherever a configuration field is
+DERIVED = {"base_algorithm": "the algorithm without its regularizer (fedavg for fedavg and fedavg+asd)"}
+
+
+def with_derived(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The configuration with the :data:`DERIVED` fields added."""
+    return {**config, "base_algorithm": str(config.get("algorithm", "")).split("+")[0]}
+
 
 def field(config: Mapping[str, Any], name: str) -> Any:
-    """A configuration field, or ``params.NAME`` for an algorithm parameter (None when absent)."""
+    """A configuration field, ``params.NAME`` for an algorithm parameter, or a :data:`DERIVED` field
+    (None when absent)."""
     if name.startswith("params."):
         return (config.get("params") or {}).get(name[len("params.") :])
+    if name in DERIVED:
+        return with_derived(config)[name]
     return config.get(name)
 
 
@@ -63,7 +75,7 @@ def select(runs: Sequence[Run], where: Sequence[str]) -> list[Run]:
 def group_label(config: Mapping[str, Any], by: Sequence[str]) -> str:
     """``wafl table``'s label for its fields; ``params.NAME`` fields as ``NAME=VALUE``."""
     plain = [b for b in by if not b.startswith("params.")]
-    parts = [label(config, plain)] if plain else []
+    parts = [label(with_derived(config), plain)] if plain else []
     parts += [f"{b[len('params.') :]}={field(config, b)}" for b in by if b.startswith("params.")]
     return " ".join(parts)
 
@@ -176,7 +188,8 @@ def plot_curves(
         fig.legend([handles[n] for n in shown], labels, loc="lower center", ncol=ncol, fontsize=7, frameon=False)
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.tight_layout(rect=(0, legend_in / height, 1, 1))
+    top = 1 - 0.3 / height if title else 1  # room for the title above the first row's panel titles
+    fig.tight_layout(rect=(0, legend_in / height, 1, top))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -272,7 +285,9 @@ def add_parser(asub: Any) -> None:
         default="mean",
         help="--against: each run's mean over its rounds or its last value (default mean)",
     )
-    c.add_argument("--panels", metavar="FIELD", help="one row of panels per value of this field (e.g. num_clients)")
+    c.add_argument(
+        "--panels", metavar="FIELD", help="one row of panels per value of this field (e.g. num_clients, base_algorithm)"
+    )
     c.add_argument("--title", default="")
     c.add_argument("--out", required=True, help="the PNG")
     c.add_argument("--json", help="also write the numbers drawn here")

@@ -85,3 +85,54 @@ def test_panels_split_the_curves_by_a_field_and_name_them_without_it(sweep: Path
     again = ["analyze", "curves", str(sweep), "--panels", "params.tau", "--against", "params.tau"]
     assert main([*again, "--out", str(png)]) == 2
     assert "--panels draws curves against rounds" in capsys.readouterr().err
+
+
+def test_base_algorithm_panels_put_a_method_and_its_regularized_variants_together(tmp_path: Path) -> None:
+    root = tmp_path / "asd"
+    for algorithm, acc in (("fedavg", 0.5), ("fedavg+asd", 0.6), ("fedprox", 0.4), ("fedprox+asd", 0.45)):
+        folder = root / algorithm
+        folder.mkdir(parents=True)
+        cfg = json.loads(RunConfig(algorithm=algorithm, rounds=2).to_json())
+        (folder / "config.json").write_text(json.dumps(cfg))
+        (folder / "results.jsonl").write_text(
+            "".join(json.dumps({"round": r, "gm_accuracy": acc}) + "\n" for r in (1, 2))
+        )
+    out = tmp_path / "b.json"
+    args = [
+        "analyze",
+        "curves",
+        str(root),
+        "--by",
+        "algorithm",
+        "--panels",
+        "base_algorithm",
+        "--metrics",
+        "gm_accuracy",
+    ]
+    assert main([*args, "--out", str(tmp_path / "b.png"), "--json", str(out)]) == 0
+    groups = json.loads(out.read_text())["groups"]
+    assert {g["name"]: g["panel"] for g in groups.values()} == {
+        "fedavg": "fedavg",
+        "fedavg+asd": "fedavg",
+        "fedprox": "fedprox",
+        "fedprox+asd": "fedprox",
+    }
+    assert groups["fedavg+asd base_algorithm=fedavg"]["gm_accuracy"]["mean"] == [0.6, 0.6]
+    only = tmp_path / "w.json"
+    assert (
+        main(
+            [
+                *args[:5],
+                "--metrics",
+                "gm_accuracy",
+                "--where",
+                "base_algorithm=fedprox",
+                "--out",
+                str(tmp_path / "w.png"),
+                "--json",
+                str(only),
+            ]
+        )
+        == 0
+    )
+    assert sorted(json.loads(only.read_text())["groups"]) == ["fedprox", "fedprox+asd"]
