@@ -62,7 +62,7 @@ def table_args(sweep_file: Path) -> list[str]:
     for line in sweep_file.read_text().splitlines():
         text = line.lstrip("#").strip()
         if line.startswith("#") and text.startswith("wafl table "):
-            return shlex.split(text)[3:]
+            return shlex.split(text, comments=True)[3:]
     return []
 
 
@@ -83,7 +83,7 @@ def header_commands(sweep_file: Path, command: str = "wafl analyze curves") -> l
             found.append(current)
             current = None
     n = len(shlex.split(command))
-    return [shlex.split(c)[n:] for c in found]
+    return [shlex.split(c, comments=True)[n:] for c in found]
 
 
 def figure_args(args: list[str], sweep_out: str, work: str, here: Path) -> list[str]:
@@ -274,7 +274,7 @@ def summary(sweep_file: Path, kept: Path, work: Path | None = None) -> Path:
 
 SMOKE_SWEEP = """\
 # a two-point digits sweep for the smoke run
-#   wafl table runs/sweep-smoke --baseline fedavg
+#   wafl table runs/sweep-smoke --baseline fedavg   # a trailing comment is not an argument
 #   wafl analyze curves runs/sweep-smoke --metrics train_loss \\
 #       --out runs/sweep-smoke/loss.png --json runs/sweep-smoke/loss.json
 out = "runs/sweep-smoke"
