@@ -59,11 +59,8 @@ def _shown(path: Path) -> str:
 
 def table_args(sweep_file: Path) -> list[str]:
     """The ``wafl table`` options after the folder on the sweep file's ``#   wafl table DIR ...`` line."""
-    for line in sweep_file.read_text().splitlines():
-        text = line.lstrip("#").strip()
-        if line.startswith("#") and text.startswith("wafl table "):
-            return shlex.split(text, comments=True)[3:]
-    return []
+    found = header_commands(sweep_file, "wafl table")
+    return found[0][1:] if found else []
 
 
 def header_commands(sweep_file: Path, command: str = "wafl analyze curves") -> list[list[str]]:

@@ -21,20 +21,23 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeGuard
 
 from wafl.cli.table import DEFAULT_BY, Run, TableError, find_runs, label
 from wafl.common.errors import UsageError
 
-# fields computed from a run's configuration, usable wherever a configuration field is
-DERIVED = {"base_algorithm": "the algorithm without its regularizer (fedavg for fedavg and fedavg+asd)"}
+# fields computed from a run's configuration, usable wherever a configuration field is;
+# base_algorithm: the algorithm without its regularizer (fedavg for fedavg and fedavg+asd)
+DERIVED: dict[str, Callable[[Mapping[str, Any]], Any]] = {
+    "base_algorithm": lambda config: str(config.get("algorithm", "")).split("+")[0],
+}
 
 
 def with_derived(config: Mapping[str, Any]) -> dict[str, Any]:
     """The configuration with the :data:`DERIVED` fields added."""
-    return {**config, "base_algorithm": str(config.get("algorithm", "")).split("+")[0]}
+    return {**config, **{name: derive(config) for name, derive in DERIVED.items()}}
 
 
 def field(config: Mapping[str, Any], name: str) -> Any:
@@ -43,7 +46,7 @@ def field(config: Mapping[str, Any], name: str) -> Any:
     if name.startswith("params."):
         return (config.get("params") or {}).get(name[len("params.") :])
     if name in DERIVED:
-        return with_derived(config)[name]
+        return DERIVED[name](config)
     return config.get(name)
 
 
