@@ -103,6 +103,18 @@ def run_point(folder: Path, algorithm: str, rate: str, clients: int, target: flo
     return subprocess.call(cmd)
 
 
+def wait_free_missed(points: list[dict[str, Any]], algorithm: str) -> list[dict[str, Any]]:
+    """The points where compute-and-wait reached the PM target within the run's rounds and wait-free did not."""
+    return [
+        pt
+        for pt in points
+        if pt["algorithm"] == algorithm
+        and pt["x"]
+        and pt["zeta_s"]["compute-and-wait"] is not None
+        and pt["zeta_s"]["wait-free"] is None
+    ]
+
+
 def summarize(points: list[dict[str, Any]]) -> dict[str, Any]:
     """Per algorithm: the median ``p`` of its points, the predicted crossover and the measured points."""
     out: dict[str, Any] = {}
@@ -116,6 +128,7 @@ def summarize(points: list[dict[str, Any]]) -> dict[str, Any]:
             "points": len(mine),
             "wait_free_sooner": sum(1 for pt in mine if pt["zeta_ratio"] is not None and pt["zeta_ratio"] < 1),
             "no_time_to_target": sum(1 for pt in mine if pt["zeta_ratio"] is None),
+            "wait_free_missed_target": len(wait_free_missed(points, alg)),
         }
     return out
 
@@ -135,6 +148,11 @@ def plot(points: list[dict[str, Any]], summary: dict[str, Any], path: Path) -> N
             ys = [pt["zeta_ratio"] for pt in mine if pt["rate"] == rate]
             ax.scatter(xs, ys, label=rate, zorder=3)
         ax.axhline(1.0, color="grey", lw=0.8)
+        missed = wait_free_missed(points, alg)  # drawn above the measured ratios
+        if missed:
+            top = 1.25 * max([pt["zeta_ratio"] for pt in mine] + [1.0])
+            ax.scatter([pt["x"] for pt in missed], [top] * len(missed), marker="^", color="k", zorder=3,
+                       label="wait-free did not reach the target")  # fmt: skip
         s = summary[alg]
         if s["predicted_crossover_x"] is not None:
             ax.axvline(
