@@ -143,7 +143,7 @@ def plot(points: list[dict[str, Any]], summary: dict[str, Any], path: Path) -> N
     fig, axes = plt.subplots(1, len(algs), figsize=(5.5 * len(algs), 4.2), squeeze=False)
     for ax, alg in zip(axes[0], algs):
         mine = [pt for pt in points if pt["algorithm"] == alg and pt["x"] and pt["zeta_ratio"] is not None]
-        for rate in sorted({pt["rate"] for pt in mine}):
+        for rate in dict.fromkeys(pt["rate"] for pt in mine):  # in the order of --rates
             xs = [pt["x"] for pt in mine if pt["rate"] == rate]
             ys = [pt["zeta_ratio"] for pt in mine if pt["rate"] == rate]
             ax.scatter(xs, ys, label=rate, zorder=3)
