@@ -32,8 +32,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from _machine import provenance
-
 RESULTS = Path(__file__).resolve().parent / "results" / "protocols" / "crossover"
 WAFL = str(Path(sys.executable).parent / "wafl")
 PROTOCOLS = ("compute-and-wait", "wait-free")
@@ -178,6 +176,8 @@ def plot(points: list[dict[str, Any]], summary: dict[str, Any], path: Path) -> N
 
 
 def main(argv: list[str] | None = None) -> int:
+    from _machine import provenance  # run as a script: benchmarks/ is on the path (its functions import without it)
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="benchmarks/waitfree_crossover.py")
     ap.add_argument("--algorithms", default="scd,ditto")
     ap.add_argument("--rates", default="2mbit,5mbit,20mbit,100mbit", help="per-client link rates (tc syntax)")

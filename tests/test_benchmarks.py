@@ -201,3 +201,44 @@ def test_sweep_file_figure_commands_run_on_their_sweeps_records() -> None:
     assert found["scd_fmnist_new_clients"] == ["new_clients.png"]
     assert found["asd_fmnist_dissimilarity"] == ["gd_rounds.png", "gd_lambda.png"]
     assert found["scd_fmnist_sensitivity"] == ["tau.png", "lambda_p.png", "lambda_g.png"]
+
+
+def test_crossover_counts_a_point_wait_free_did_not_finish_and_draws_it(tmp_path: Path) -> None:
+    """A point where only compute-and-wait reached the PM target within the rounds has no time-to-target
+    ratio; it is counted as wait-free's miss and drawn (above the measured ratios), not silently dropped."""
+    from benchmarks.waitfree_crossover import plot, summarize, wait_free_missed
+
+    def pt(rate: str, x: float, wf: float | None, cw: float | None) -> dict[str, Any]:
+        ratio = round(wf / cw, 4) if wf and cw else None
+        return {"algorithm": "scd", "rate": rate, "x": x, "p": 0.5, "zeta_s": {"wait-free": wf, "compute-and-wait": cw},
+                "zeta_ratio": ratio}  # fmt: skip
+
+    points = [pt("2mbit", 3.0, 20.0, 70.0), pt("100mbit", 0.1, None, 26.0), pt("1gbit", 0.01, None, None)]
+    assert [p["rate"] for p in wait_free_missed(points, "scd")] == ["100mbit"]
+    s = summarize(points)["scd"]
+    assert s["wait_free_missed_target"] == 1 and s["no_time_to_target"] == 2 and s["wait_free_sooner"] == 1
+    plot(points, summarize(points), tmp_path / "c.png")
+    assert (tmp_path / "c.png").stat().st_size > 0
+
+
+def test_committed_crossover_series_agrees_with_its_points() -> None:
+    """The committed crossover series: its summary is what its points give, each point's ``x`` and ratio are
+    what its bench's ``protocols.json`` gives, and the re-run of two of its points lies on the same side of
+    1 as the series' points at the same rate."""
+    from benchmarks.waitfree_crossover import point, summarize
+
+    base = REPO / "benchmarks" / "results" / "protocols"
+    series = json.loads((base / "crossover" / "crossover.json").read_text())
+    assert not series["failed"] and len(series["points"]) == 2 * len(series["rates"]) * series["reps"]
+    for pt in series["points"]:
+        again = point(base / "crossover" / pt["algorithm"] / pt["rate"] / f"rep{pt['rep']}")
+        assert {k: pt[k] for k in again} == again, (pt["algorithm"], pt["rate"], pt["rep"])
+    assert summarize(series["points"]) == series["summary"]
+    rerun = json.loads((base / "crossover-rerun" / "crossover.json").read_text())
+    assert len(rerun["points"]) == 2
+    for r in rerun["points"]:
+        same = [pt for pt in series["points"] if (pt["algorithm"], pt["rate"]) == (r["algorithm"], r["rate"])]
+        sides = {pt["zeta_ratio"] is not None and pt["zeta_ratio"] < 1 for pt in same}
+        assert sides == {r["zeta_ratio"] is not None and r["zeta_ratio"] < 1} or len(sides) > 1, (r["rate"], sides)
+        xs = [pt["x"] for pt in same]
+        assert 0.8 * min(xs) <= r["x"] <= 1.25 * max(xs), (r["rate"], r["x"], xs)
