@@ -236,6 +236,10 @@ def cmd_flatness(a: argparse.Namespace) -> int:
         raise UsageError(f"--checkpoint names one run's checkpoint; {len(folders)} run folders were given")
     if a.checkpoint and a.round:
         raise UsageError("--checkpoint and --round both name a checkpoint: give one")
+    if a.threads:
+        import torch
+
+        torch.set_num_threads(a.threads)
     results = []
     for f in folders:
         chosen = Path(a.checkpoint) if a.checkpoint else None
@@ -304,6 +308,11 @@ def add_parser(sub: Any, positive_int: Any, positive: Any) -> None:
     f.add_argument("--lanczos-runs", dest="lanczos_runs", type=positive_int, default=1)
     f.add_argument("--batch-size", dest="batch_size", type=positive_int, default=256)
     f.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    f.add_argument(
+        "--threads",
+        type=positive_int,
+        help="torch threads on the CPU (default: torch's, one a core; 1 is faster beside other work)",
+    )
     f.add_argument("--data-dir", dest="data_dir", help="where the run's dataset is on this machine")
     f.add_argument("--by", help="with several runs: fields that make the rows (default: algorithm,params)")
     f.add_argument("--table", action="store_true", help="a table even for one run")

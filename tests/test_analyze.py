@@ -74,6 +74,15 @@ def test_wafl_analyze_flatness_writes_its_json_and_density(runs: Path, tmp_path:
     assert main([*args[:3], *FAST, "--json", str(tmp_path / "again.json")]) == 0
     again = json.loads((tmp_path / "again.json").read_text())
     assert again["trace"] == doc["trace"] and again["top_eigenvalue"] == doc["top_eigenvalue"]
+    threads = torch.get_num_threads()
+    try:  # one thread: the same estimates but for float rounding (reductions split otherwise)
+        assert main([*args[:3], *FAST, "--threads", "1", "--json", str(tmp_path / "one.json")]) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+    one = json.loads((tmp_path / "one.json").read_text())
+    assert one["trace"]["mean"] == pytest.approx(doc["trace"]["mean"], rel=1e-4)
+    assert one["top_eigenvalue"]["value"] == pytest.approx(doc["top_eigenvalue"]["value"], rel=1e-4)
     assert main([*args[:3], *FAST, "--round", "1", "--json", str(tmp_path / "r1.json")]) == 0
     early = json.loads((tmp_path / "r1.json").read_text())
     assert early["round"] == 1 and early["checkpoint"].endswith("round-1.pt")
