@@ -237,9 +237,9 @@ def cmd_flatness(a: argparse.Namespace) -> int:
     if a.checkpoint and a.round:
         raise UsageError("--checkpoint and --round both name a checkpoint: give one")
     if a.threads:
-        import torch
+        from wafl.cli.commands.process import set_threads
 
-        torch.set_num_threads(a.threads)
+        set_threads(a.threads)
     results = []
     for f in folders:
         chosen = Path(a.checkpoint) if a.checkpoint else None
