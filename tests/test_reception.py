@@ -105,3 +105,18 @@ def test_without_shared_reception_every_stream_has_its_own_copy() -> None:
     models = _receive([ModelAssembler(manifest_of(state)) for _ in range(2)], [_stream(state)] * 2)
     assert _ptr(models[0].state["w"]) != _ptr(models[1].state["w"])
     assert all(torch.equal(m.state["w"], state["w"]) for m in models)
+
+
+def test_same_bytes_compares_bytes_whatever_the_views() -> None:
+    import numpy as np
+    from wafl.client.reception import same_bytes
+
+    data = np.arange(6, dtype=np.float32)
+    raw = bytearray(data.tobytes())
+    assert same_bytes(memoryview(raw), memoryview(data).cast("B"))
+    assert same_bytes(memoryview(raw)[4:12], bytes(raw[4:12]))
+    assert same_bytes(memoryview(b""), b"")
+    assert not same_bytes(memoryview(raw), bytes(raw[:-1]))  # lengths differ
+    flipped = bytearray(raw)
+    flipped[-1] ^= 1
+    assert not same_bytes(memoryview(raw), flipped)
