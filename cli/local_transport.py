@@ -16,6 +16,7 @@ from typing import Any
 
 import structlog
 import torch
+from wafl.client.reception import SharedReception
 from wafl.client.session import ModelAssembler, ReceivedModel, report_request, upload_header, upload_messages
 from wafl.common.errors import AlreadyAccepted, Code, Refused
 from wafl.common.knowledge import Knowledge
@@ -31,8 +32,18 @@ LOST = {Code.FAILED_PRECONDITION, Code.ABORTED, Code.ALREADY_EXISTS}
 
 
 class LocalSession:
-    def __init__(self, engine: RoundEngine, client_id: str, client_index: int, num_samples: int) -> None:
+    def __init__(
+        self,
+        engine: RoundEngine,
+        client_id: str,
+        client_index: int,
+        num_samples: int,
+        reception: SharedReception | None = None,
+    ) -> None:
+        """``reception``: shared by the sessions of one process, so that a broadcast every client
+        receives alike is held (and decoded) once, as in a worker process."""
         self.engine = engine
+        self.reception = reception
         self.client_id = client_id
         self.client_index = client_index
         self.num_samples = num_samples
@@ -53,7 +64,7 @@ class LocalSession:
         return reply
 
     async def models(self) -> AsyncIterator[ReceivedModel]:
-        assembler = ModelAssembler(self.engine.manifest, self.on_header)
+        assembler = ModelAssembler(self.engine.manifest, self.on_header, self.reception)
         async for msg in self.engine.deliveries(self.client_id, self.credential):
             model = assembler.feed(decode_broadcast(msg.data) if isinstance(msg, PreEncoded) else msg)
             if model is not None:

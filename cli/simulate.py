@@ -21,6 +21,7 @@ import torch
 from wafl.cli.local_transport import LocalSession
 from wafl.client.compute import SharedSlots
 from wafl.client.protocol import client_protocol
+from wafl.client.reception import SharedReception
 from wafl.client.startup import warm_up_torch
 from wafl.client.trainer import Trainer
 from wafl.common.algorithms.base import split_payload
@@ -51,9 +52,10 @@ async def _simulate(
     engine = RoundEngine(cfg, out_dir)
     shared = pool() if pool is not None else None  # made in this event loop, which counts its slots
     clients = []
+    reception = SharedReception()  # a broadcast the clients receive alike: one buffer, one decode (as in a worker)
     for i in range(cfg.num_clients):
         trainer = Trainer(cfg, i, dataset=engine.dataset, device="cpu")
-        session = LocalSession(engine, f"client-{i}", i, trainer.num_samples)
+        session = LocalSession(engine, f"client-{i}", i, trainer.num_samples, reception)
         session.join()
         clients.append(client_protocol(session, trainer, shared.view(trainer) if shared else None))
     if cfg.grad_dissimilarity_every:

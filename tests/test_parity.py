@@ -27,3 +27,27 @@ def test_in_process_and_grpc_build_identical_models(tmp_path) -> None:
     # not trivially equal: the models moved away from the initial one
     initial = simulate(load_config(None, {**cfg.__dict__, "rounds": 1}), tmp_path / "one")
     assert initial[0]["gm_accuracy"] != rows[-1]["gm_accuracy"]
+
+
+def test_in_process_clients_share_one_decoded_broadcast(tmp_path, monkeypatch) -> None:
+    """Every client of a simulation receives a round's global model alike: it is held and decoded once
+    (as in a worker process), and each client still loads the same values."""
+    from wafl.client.trainer import Trainer
+
+    seen: dict[int, list[tuple[int, int, bytes]]] = {}
+    begin = Trainer.begin_round
+
+    def spy(self, round, state, knowledge=None, selected=True):  # type: ignore[no-untyped-def]
+        first = next(iter(state.values()))
+        seen.setdefault(round, []).append((self.index, first.data_ptr(), first.numpy().tobytes()))
+        return begin(self, round, state, knowledge, selected)
+
+    monkeypatch.setattr(Trainer, "begin_round", spy)
+    cfg = load_config(None, {"num_clients": 4, "rounds": 2, "seed": 1, "algorithm": "fedavg", "device": "cpu"})
+    simulate(cfg, tmp_path)
+    assert sorted(seen) == [1, 2]
+    for round, received in seen.items():
+        assert sorted(i for i, _, _ in received) == [0, 1, 2, 3]
+        assert len({ptr for _, ptr, _ in received}) == 1, round  # one buffer for the four clients
+        assert len({b for _, _, b in received}) == 1, round
+    assert seen[1][0][2] != seen[2][0][2]  # a new model each round
