@@ -67,6 +67,8 @@ class RunConfig:
     upload_stall_s: float = 30.0  # an upload stream without a message for this long is cut off and rolled back
     # received chunks that uploads in flight keep in memory for their rollback (beyond: a spill file)
     rollback_memory_mb: float = 256.0
+    # of which one upload keeps at most this much (a large model's upload spills the rest)
+    rollback_upload_mb: float = 2.0
     # the wait for final reports ends this long after the last final model sent or final report received
     final_report_s: float = 30.0
     max_round_retries: int = 3
@@ -151,8 +153,10 @@ class RunConfig:
         _positive("join_timeout_s", self.join_timeout_s)
         _positive("upload_stall_s", self.upload_stall_s)
         _positive("final_report_s", self.final_report_s)
-        if not (math.isfinite(self.rollback_memory_mb) and self.rollback_memory_mb >= 0):
-            raise ConfigError(f"rollback_memory_mb must be a finite number >= 0 (got {self.rollback_memory_mb})")
+        for name in ("rollback_memory_mb", "rollback_upload_mb"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"{name} must be a finite number >= 0 (got {value!r})")
         _int_at_least("max_round_retries", self.max_round_retries, 0)
         _int_at_least("seed", self.seed, 0)
         self._validate_aggregation()

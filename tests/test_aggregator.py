@@ -225,6 +225,29 @@ def test_rollback_data_stays_in_memory_within_the_budget_and_spills_beyond_it() 
     assert budget.used == 0 and acc.spills.in_use == 0  # everything given back
 
 
+def test_an_upload_keeps_at_most_its_share_in_memory_and_spills_the_rest() -> None:
+    states = [make_state(s) for s in range(3)]
+    model_bytes = sum(s.nbytes for s in manifest_of(states[0]))
+    share = model_bytes // 3
+    budget = RetainedBytes(10 * model_bytes, per_upload=share)  # the budget has room, the share does not
+    acc = Accumulator(manifest_of(states[0]), retained=budget)
+    expected = Accumulator(manifest_of(states[0]), retained=RetainedBytes(0))
+    a = fold(acc, states[0], 2, commit=False)
+    b = fold(acc, states[1], 3, commit=False)
+    for f in (a, b):
+        assert f.spill is not None and 0 < f.retained <= share  # its share in memory, the rest spilled
+    assert budget.used == a.retained + b.retained
+    a.rollback()  # read back from memory and from its slot
+    b.commit()
+    fold(acc, states[2], 4)
+    for st, w in ((states[1], 3), (states[2], 4)):
+        fold(expected, st, w)
+    for k in expected.sums:
+        np.testing.assert_array_equal(acc.sums[k], expected.sums[k])
+    small = RetainedBytes.of_mb(256, upload_mb=2)  # the server's defaults: a small model stays in memory
+    assert small.per_upload == 2 << 20 and small.take(model_bytes) and model_bytes < 2 << 20
+
+
 def test_kept_chunks_do_not_follow_a_sender_that_changes_its_buffer() -> None:
     st = make_state(5)
     acc = Accumulator(manifest_of(st))
