@@ -6,9 +6,10 @@ Run from the repository root::
     python benchmarks/sim_overhead.py                # FedAvg, SCD, FedHKD on digits at 10 and 100 clients
     python benchmarks/sim_overhead.py --profile      # also a cProfile of each simulation (top functions)
     python benchmarks/sim_overhead.py --smoke        # 3 clients, 2 rounds (what the test suite runs)
+    python benchmarks/sim_overhead.py --base configs/sweeps/scd_fmnist.toml --rounds 3   # Fashion-MNIST, LeNet-5
 
-For each point (algorithm, clients, rounds; digits, Dirichlet 0.5, the ``cnn``, compute-and-wait so
-that every round's PM trains a fixed ``pm_epochs``, seed 0):
+For each point (algorithm, clients, rounds; digits, Dirichlet 0.5, the ``cnn``, or the settings of
+``--base``; compute-and-wait so that every round's PM trains a fixed ``pm_epochs``, seed 0):
 
 * **simulation**: :func:`wafl.cli.simulate.simulate` with the clients sharing ``--cores`` training
   slots (:class:`~wafl.client.compute.SharedSlots`, as the clients of a ``wafl worker`` do), one torch
@@ -38,6 +39,7 @@ import os
 import pstats
 import sys
 import time
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +48,7 @@ from _machine import provenance
 from wafl.cli.simulate import simulate
 from wafl.client.compute import SharedSlots
 from wafl.client.trainer import Trainer
-from wafl.common.config import RunConfig, load_config
+from wafl.common.config import ConfigError, RunConfig, load_config
 from wafl.common.datasets import load_dataset
 from wafl.common.logs import configure_logging
 
@@ -55,7 +57,27 @@ ALGORITHMS = ("fedavg", "scd", "fedhkd")
 POINTS = {10: 25, 100: 20}  # clients -> rounds
 
 
-def workload(algorithm: str, clients: int, rounds: int, seed: int = 0) -> RunConfig:
+def base_settings(path: Path) -> dict[str, Any]:
+    """The settings a ``--base`` file gives every point: a sweep file's ``[base]`` table, or a
+    configuration file (TOML or JSON) as ``wafl run --config`` reads it."""
+    if not path.is_file():
+        raise ConfigError(f"--base {str(path)!r} does not exist")
+    try:
+        text = path.read_text(encoding="utf-8")
+        spec = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except (ValueError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"--base {str(path)!r} is not a valid configuration or sweep file: {e}") from None
+    if not isinstance(spec, dict):
+        raise ConfigError(f"--base {str(path)!r} must hold a table of settings")
+    base = spec.get("base", spec) if {"base", "grid", "points"} & set(spec) else spec
+    if not isinstance(base, dict):
+        raise ConfigError(f"--base {str(path)!r}: its [base] must be a table of settings")
+    return {k: v for k, v in base.items() if k != "out"}
+
+
+def workload(algorithm: str, clients: int, rounds: int, seed: int = 0, base: dict[str, Any] | None = None) -> RunConfig:
+    """One point: ``base`` (by default the run defaults: digits, Dirichlet 0.5, the ``cnn``) with the
+    point's algorithm, clients and rounds, compute-and-wait, seed, on the CPU."""
     over = {
         "algorithm": algorithm,
         "num_clients": clients,
@@ -64,7 +86,7 @@ def workload(algorithm: str, clients: int, rounds: int, seed: int = 0) -> RunCon
         "seed": seed,
         "device": "cpu",
     }
-    return load_config(None, over)
+    return load_config(None, {**(base or {}), **over})
 
 
 class Recorder:
@@ -180,6 +202,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--algorithms", default=",".join(ALGORITHMS))
     p.add_argument("--clients", default="10,100", help="points: client counts (rounds: 25 at 10, 20 at 100)")
     p.add_argument("--rounds", type=int, help="rounds at every point (default: 25 at 10 clients, 20 at 100)")
+    p.add_argument(
+        "--base",
+        type=Path,
+        help="settings every point starts from: a sweep file (its [base]) or a configuration file, "
+        "e.g. configs/sweeps/scd_fmnist.toml for the Fashion-MNIST setting (default: the run defaults, digits)",
+    )
     p.add_argument("--cores", type=int, default=min(2, os.cpu_count() or 1), help="training slots / processes")
     p.add_argument("--profile", action="store_true", help="cProfile each simulation (slows it down)")
     p.add_argument("--smoke", action="store_true", help="3 clients, 2 rounds: checks the script")
@@ -189,13 +217,19 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--cores must be at least 1")
     if a.smoke:
         a.clients, a.rounds = "3", a.rounds or 2
+    try:
+        base = base_settings(a.base) if a.base else {}
+        workload("fedavg", 2, 1, base=base)
+    except ConfigError as e:
+        p.error(str(e))
     configure_logging("sim_overhead", level="WARNING")
     torch.set_num_threads(1)
-    simulate(workload("fedavg", 2, 1))  # untimed: torch's and the dataset's first-use costs are not the first point's
+    # untimed: torch's and the dataset's first-use costs are not the first point's
+    simulate(workload("fedavg", 2, 1, base=base))
     points = []
     for n in [int(x) for x in a.clients.split(",") if x.strip()]:
         for algo in [x.strip() for x in a.algorithms.split(",") if x.strip()]:
-            cfg = workload(algo, n, a.rounds or POINTS.get(n, 20))
+            cfg = workload(algo, n, a.rounds or POINTS.get(n, 20), base=base)
             r = measure(cfg, a.cores, a.profile)
             points.append(r)
             print(
@@ -210,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
         **provenance(),
         "cores_used": a.cores,
         "smoke": a.smoke,
+        "base": str(a.base) if a.base else None,
+        "base_settings": base,
         "points": points,
     }
     out = a.out or RESULTS / ("sim_overhead-smoke.json" if a.smoke else "sim_overhead.json")

@@ -151,6 +151,29 @@ def test_benchmark_smoke_run(name: str, tmp_path: Path) -> None:
     check(doc)
 
 
+@pytest.mark.slow
+def test_sim_overhead_runs_a_sweep_files_setting(tmp_path: Path) -> None:
+    """``--base`` takes the points' settings from a sweep file's [base] (here the Fashion-MNIST SCD
+    table's: LeNet-5, Dirichlet 0.1), the point's own algorithm, clients and rounds over them; a
+    missing file is a usage error that names it."""
+    script = "benchmarks/sim_overhead.py"
+    base = ["--base", "configs/sweeps/scd_fmnist.toml"]
+    args = [sys.executable, script, "--smoke", *base, "--rounds", "1", "--algorithms", "fedavg"]
+    p = subprocess.run([*args, "--out", str(tmp_path / "r.json")], cwd=REPO, capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["base"] == "configs/sweeps/scd_fmnist.toml"
+    assert (doc["base_settings"]["dataset"], doc["base_settings"]["model"]) == ("fashion-mnist", "lenet5")
+    (pt,) = doc["points"]
+    assert (pt["algorithm"], pt["clients"], pt["rounds"]) == ("fedavg", 3, 1)
+    # three clients share Fashion-MNIST's training images: an epoch is a thousand-odd steps of 32, not digits' dozens
+    assert pt["training_steps"] > 1000 and pt["gm_accuracy"] > 0.1
+    bad = subprocess.run(
+        [sys.executable, script, "--smoke", "--base", "missing.toml"], cwd=REPO, capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "--base 'missing.toml' does not exist" in bad.stderr, bad.stderr
+
+
 def test_kept_real_data_records_are_complete_and_tracked() -> None:
     """Every kept point of the Fashion-MNIST sweeps (one records.json a sweep) holds its configuration, its
     rows and a finished point.json, and git tracks the file (an ignore rule that drops it would lose it on
