@@ -161,10 +161,10 @@ def test_two_rounds_on_a_two_node_ray_cluster_with_a_worker_restarted(two_nodes,
     and both workers' logs."""
     ray, head, other, address = two_nodes
     out = tmp_path / "run"
-    # the clients train 12 x longer (a slowdown sleeps: no more CPU), so the run is still going when worker
-    # 1's actor is killed (at 4 x an idle machine finished both rounds in the 4 s the driver is given to
-    # fetch credentials)
-    run = RayRun(address, out, rounds=2, slowdown="12,12,12,12")
+    # the clients train 50 x longer (a slowdown sleeps: no more CPU), so the run is still going when worker
+    # 1's actor is killed, 4 s after the joins (the time the driver is given to fetch credentials): at 4 x an
+    # idle machine finished both rounds within them, and at 12 x a machine twice as fast did too
+    run = RayRun(address, out, rounds=2, slowdown="50,50,50,50")
     namespace = run.namespace
     killed_before_round = None
     deadline = time.monotonic() + 240
