@@ -39,7 +39,6 @@ import os
 import pstats
 import sys
 import time
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +47,7 @@ from _machine import provenance
 from wafl.cli.simulate import simulate
 from wafl.client.compute import SharedSlots
 from wafl.client.trainer import Trainer
-from wafl.common.config import ConfigError, RunConfig, load_config
+from wafl.common.config import ConfigError, RunConfig, load_config, read_config_file
 from wafl.common.datasets import load_dataset
 from wafl.common.logs import configure_logging
 
@@ -62,14 +61,8 @@ def base_settings(path: Path) -> dict[str, Any]:
     configuration file (TOML or JSON) as ``wafl run --config`` reads it."""
     if not path.is_file():
         raise ConfigError(f"--base {str(path)!r} does not exist")
-    try:
-        text = path.read_text(encoding="utf-8")
-        spec = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
-    except (ValueError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
-        raise ConfigError(f"--base {str(path)!r} is not a valid configuration or sweep file: {e}") from None
-    if not isinstance(spec, dict):
-        raise ConfigError(f"--base {str(path)!r} must hold a table of settings")
-    base = spec.get("base", spec) if {"base", "grid", "points"} & set(spec) else spec
+    spec = read_config_file(path)
+    base = spec.get("base", {}) if {"base", "grid", "points"} & set(spec) else spec
     if not isinstance(base, dict):
         raise ConfigError(f"--base {str(path)!r}: its [base] must be a table of settings")
     return {k: v for k, v in base.items() if k != "out"}
@@ -219,13 +212,12 @@ def main(argv: list[str] | None = None) -> int:
         a.clients, a.rounds = "3", a.rounds or 2
     try:
         base = base_settings(a.base) if a.base else {}
-        workload("fedavg", 2, 1, base=base)
+        warm_up = workload("fedavg", 2, 1, base=base)  # also checks the settings before anything runs
     except ConfigError as e:
         p.error(str(e))
     configure_logging("sim_overhead", level="WARNING")
     torch.set_num_threads(1)
-    # untimed: torch's and the dataset's first-use costs are not the first point's
-    simulate(workload("fedavg", 2, 1, base=base))
+    simulate(warm_up)  # untimed: torch's and the dataset's first-use costs are not the first point's
     points = []
     for n in [int(x) for x in a.clients.split(",") if x.strip()]:
         for algo in [x.strip() for x in a.algorithms.split(",") if x.strip()]:

@@ -252,28 +252,31 @@ class RunConfig:
         return RunConfig.from_mapping(json.loads(text))
 
 
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The table of a TOML or JSON file (by its suffix), unvalidated; errors name the file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {str(p)!r} is not UTF-8 text") from None
+    except OSError as e:
+        raise ConfigError(f"config file {str(p)!r} cannot be read: {e.strerror}") from None
+    try:
+        loaded = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
+    except (ValueError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(
+            f"config file {str(p)!r} is not valid {'JSON' if p.suffix == '.json' else 'TOML'}: {e}"
+        ) from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {str(p)!r} must hold a table of fields, not {type(loaded).__name__}")
+    return loaded
+
+
 def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> RunConfig:
     """Defaults <- file (TOML or JSON) <- overrides (``None`` values ignored), validated."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
-        try:
-            text = p.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            raise ConfigError(f"config file {str(p)!r} is not UTF-8 text") from None
-        except OSError as e:
-            raise ConfigError(f"config file {str(p)!r} cannot be read: {e.strerror}") from None
-        try:
-            loaded = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
-        except (ValueError, tomllib.TOMLDecodeError) as e:
-            raise ConfigError(
-                f"config file {str(p)!r} is not valid {'JSON' if p.suffix == '.json' else 'TOML'}: {e}"
-            ) from None
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {str(p)!r} must hold a table of fields, not {type(loaded).__name__}")
-        data.update(loaded)
+    data: dict[str, Any] = read_config_file(path) if path is not None else {}
     for k, v in (overrides or {}).items():
         if v is None:
             continue

@@ -124,9 +124,8 @@ class RoundEngine:
         adaptive = cfg.norm_bound if cfg.clip_norm is None else 0.0
         self.rule = Rule(cfg.aggregator, cfg.trim_fraction, cfg.clip_norm, adaptive)
         self.norm_bound = NormBound(self.rule.adaptive)
-        self.retained = RetainedBytes.of_mb(
-            cfg.rollback_memory_mb, cfg.rollback_upload_mb
-        )  # shared by every accumulator
+        # shared by every accumulator
+        self.retained = RetainedBytes.of_mb(cfg.rollback_memory_mb, cfg.rollback_upload_mb)
         self.shard_sizes = self._shard_sizes()
         self.strategy = make_strategy(cfg, self.algorithm, self.dataset.num_classes, self._accumulator)
         self.publication: Publication | None = None
