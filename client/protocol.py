@@ -195,11 +195,12 @@ class RoundProtocol:
                     metrics[M.TRAIN_LOSS] = stats.mean_loss
                 if t.algorithm.knowledge is not None:
                     metrics[M.KNOWLEDGE_RECEIVED] = float(len(model.knowledge))
-                if t.algorithm.local_model_is_personal:
+                evaluates = cfg.evaluates_locally(r)  # eval_every: in the rounds whose line has accuracies
+                if evaluates and t.algorithm.local_model_is_personal:
                     acc, n = await self.compute.run(t.evaluate_personal)
                     if n:  # an empty local test set has no accuracy
                         metrics.update({M.PM_ACCURACY: acc, M.PM_TEST_SAMPLES: float(n)})
-                elif t.algorithm.personal == "none":  # no personal model: the local model's accuracy
+                elif evaluates and t.algorithm.personal == "none":  # no personal model: the local model's accuracy
                     acc, n = await self.compute.run(t.evaluate_local, t.gm)
                     if n:
                         metrics.update({M.LOCAL_ACCURACY: acc, M.LOCAL_TEST_SAMPLES: float(n)})
@@ -244,9 +245,13 @@ class RoundProtocol:
         self.bytes_up += n
 
     async def _evaluate_pm(self, model: ReceivedModel) -> None:
-        """After a broadcast: the PM trained in the round it closes is evaluated and reported."""
+        """After a broadcast: the PM trained in the round it closes is evaluated and reported (in a
+        round that ``eval_every`` evaluates, and after the final model)."""
         r = self.pm_trained_round
         if r is None or self.trainer.pm is None:
+            return
+        if not (model.final or self.trainer.cfg.evaluates_locally(r)):
+            self.pm_trained_round = None
             return
         with self.timeline.phase("evaluate", r):
             acc, n = await self.compute.run(self.trainer.evaluate_personal)

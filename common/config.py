@@ -113,7 +113,9 @@ class RunConfig:
     pm_yield_transfers: bool = False  # wait-free PM: not during the client's own upload and download
     device: str = "auto"
     eval_batch_size: int = 256
-    eval_every: int = 1  # evaluate the global model every N rounds (0: only after the last)
+    # evaluate every N rounds (0: only after the last): the global model, and under sync the clients'
+    # local and personal models (RunConfig.evaluates)
+    eval_every: int = 1
     # every N rounds (0: never) record the clients' gradient dissimilarity G_d at the global model (in process only)
     grad_dissimilarity_every: int = 0
     checkpoint: bool = True
@@ -219,6 +221,18 @@ class RunConfig:
                 "at least one client must train"
             )
         _int_at_least("new_client_epochs", self.new_client_epochs, 0)
+
+    def evaluates(self, round: int) -> bool:
+        """Whether the model of ``round`` (a version under asynchronous aggregation) is evaluated: every
+        ``eval_every`` rounds, and the last."""
+        return round == self.rounds or bool(self.eval_every and round % self.eval_every == 0)
+
+    def evaluates_locally(self, round: int) -> bool:
+        """Whether the clients that train in ``round`` evaluate their models on their local test sets
+        (the upload's local or personal accuracy, the personal model's report). Under sync, with the
+        global model (:meth:`evaluates`): a round's line has all its accuracies or none. Under
+        asynchronous aggregation every time, since an upload's round is not its line's."""
+        return self.aggregation != "sync" or self.evaluates(round)
 
     @property
     def training_clients(self) -> int:

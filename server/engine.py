@@ -450,8 +450,7 @@ class RoundEngine:
         await loop.run_in_executor(self.executor, c.accumulator.reset)
         self.accumulators.append(c.accumulator)
         n = self.strategy.version - 1  # versions built, this one included (sync: this round)
-        every = self.cfg.eval_every
-        evaluated = n == self.cfg.rounds or bool(every and n % every == 0)
+        evaluated = self.cfg.evaluates(n)
         if evaluated:
             acc, _, loss = await loop.run_in_executor(self.executor, self._evaluate)
         else:

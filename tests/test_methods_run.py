@@ -44,3 +44,35 @@ def test_fedavg_reports_the_local_accuracy_of_its_trained_models() -> None:
     rows = simulate(cfg)
     assert rows[0]["pm_accuracy"] is None
     assert all(r["local_accuracy"] is not None and r["local_accuracy"] > 0.3 for r in rows)  # chance: 0.1
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "fedhkd", "scd"])
+def test_eval_every_evaluates_the_clients_models_in_the_same_rounds_as_the_global_one(
+    algorithm: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``eval_every`` 2 over 3 rounds: the global model, the uploads' local accuracies and the PMs'
+    reports in rounds 2 and 3 only; the clients do not evaluate in round 1 (no call), and the first
+    line does not wait for PM reports that never come."""
+    from wafl.client.trainer import Trainer
+
+    evaluated: list[int] = []
+    orig = Trainer.evaluate_local
+
+    def counting(self: Trainer, model: object) -> tuple[float, int]:
+        assert self.ctx is not None
+        evaluated.append(self.ctx.round)
+        return orig(self, model)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Trainer, "evaluate_local", counting)
+    settings = {"num_clients": 3, "rounds": 3, "local_epochs": 1, "protocol": "compute-and-wait"}
+    cfg = load_config(None, {**settings, "algorithm": algorithm, "eval_every": 2, "checkpoint": False})
+    rows = simulate(cfg)
+    algo = registry.resolve(algorithm, {}, vars(cfg))
+    assert [r["round"] for r in rows] == [1, 2, 3]
+    assert [r["gm_accuracy"] is not None for r in rows] == [False, True, True]
+    if algo.personal == "none" or algo.local_model_is_personal:
+        assert [r.get("local_accuracy") is not None for r in rows] == [False, True, True]
+    if algo.personal != "none":
+        assert [r["pm_accuracy"] is not None for r in rows] == [False, True, True]
+        assert rows[0]["pm_reports"] == 0 and rows[1]["pm_reports"] == 3
+    assert sorted(set(evaluated)) == [2, 3] and len(evaluated) == 6  # 3 clients in each evaluated round

@@ -138,8 +138,13 @@ class SyncStrategy(Strategy):
 
     def expected_reports(self, c: Collection) -> set[str]:
         """The clients that trained their PM in this round: those that uploaded and, for an algorithm
-        whose unselected clients train their personal part too, every client not selected."""
-        if self.algorithm.personalized and not self.algorithm.local_model_is_personal:
+        whose unselected clients train their personal part too, every client not selected; none in a
+        round whose models are not evaluated (``eval_every``), or where the local model is the personal one."""
+        if (
+            self.algorithm.personalized
+            and not self.algorithm.local_model_is_personal
+            and self.cfg.evaluates_locally(c.version)
+        ):
             unselected = set(self.clients) - self.selected if self.algorithm.pm_when_unselected else set()
             return set(c.metrics) | unselected
         return set()
