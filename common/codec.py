@@ -49,6 +49,7 @@ _NUMPY_BY_WIRE: dict[int, np.dtype | None] = {
     pb.UINT8: np.dtype("u1"),
     pb.BOOL: np.dtype("?"),
 }
+_NUMPY_DTYPES = frozenset(t for w, t in _TORCH_BY_WIRE.items() if _NUMPY_BY_WIRE[w] is not None)  # Tensor.numpy's
 FLOAT_WIRE_DTYPES = frozenset({pb.FLOAT32, pb.FLOAT16, pb.BFLOAT16, pb.FLOAT64})
 
 
@@ -141,7 +142,15 @@ class RawChunk:
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The raw bytes of a CPU tensor, without copying when it is already contiguous."""
+    """The raw bytes of a CPU tensor, without copying when it is already contiguous.
+
+    A contiguous CPU tensor that numpy can hold and that needs no gradient (every tensor of an upload
+    or a broadcast) goes through ``Tensor.numpy`` alone: each ATen call (``detach``, ``reshape``,
+    ``view``) releases Python's GIL and waits to take it back, which an event loop sharing its process
+    with busy threads pays for every tensor it sends."""
+    if t.device.type == "cpu" and not t.requires_grad and t.dtype in _NUMPY_DTYPES and t.is_contiguous():
+        a = t.numpy()
+        return memoryview(a.reshape(-1).view(np.uint8).data) if a.size else memoryview(b"")
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
