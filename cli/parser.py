@@ -275,6 +275,13 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("file", help="the sweep file ([base], [grid], [[points]], out)")
     sw.add_argument("--network", action="store_true", help="run each point as server and client processes")
     sw.add_argument("--jobs", type=int, default=1, help="points run at once")
+    sw.add_argument(
+        "--slot-processes",
+        type=int,
+        default=0,
+        help="in process: each compute-and-wait point trains its clients in this many forked processes "
+        "(the same models as in threads; faster where Python's GIL is the limit); default 0: threads",
+    )
     sw.add_argument("--out", help="output folder (default: the file's `out`, else runs/sweep-<name>)")
     sw.add_argument("--quiet", action="store_true")
     sw.set_defaults(fn=cmd_sweep)

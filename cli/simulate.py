@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from wafl.cli.local_transport import LocalSession
 from wafl.client.compute import SharedSlots
+from wafl.client.process_slots import ProcessSlots
 from wafl.client.protocol import client_protocol
 from wafl.client.reception import SharedReception
 from wafl.client.startup import warm_up_torch
@@ -31,33 +32,53 @@ from wafl.server.engine import RoundEngine
 
 
 def simulate(
-    cfg: RunConfig, out_dir: Path | None = None, pool: Callable[[], SharedSlots] | None = None
+    cfg: RunConfig,
+    out_dir: Path | None = None,
+    pool: Callable[[], SharedSlots] | None = None,
+    slot_processes: int = 0,
 ) -> list[dict[str, Any]]:
     """Runs ``cfg`` in-process; returns its ``results.jsonl`` rows (``gm_accuracy``, ``pm_accuracy``, ...).
 
     The run's folder is ``out_dir`` (a temporary one, deleted afterwards, when None). ``pool`` makes
-    the clients share one pool of training slots, as the clients of a ``wafl worker`` do.
+    the clients share one pool of training slots, as the clients of a ``wafl worker`` do;
+    ``slot_processes`` > 0 instead trains them in that many forked processes
+    (:class:`~wafl.client.process_slots.ProcessSlots`, compute-and-wait only), the protocol, the
+    transport and the server staying in this one.
     """
+    if slot_processes and (pool is not None or not trains_in_processes(cfg)):
+        raise ValueError(
+            f"slot_processes={slot_processes} needs protocol='compute-and-wait' (not {cfg.protocol!r}), "
+            "no new clients and no pool"
+        )
     if out_dir is not None:
-        return asyncio.run(_simulate(cfg, out_dir, pool))
+        return asyncio.run(_simulate(cfg, out_dir, pool, slot_processes))
     with tempfile.TemporaryDirectory(prefix="wafl-sim-") as tmp:
-        return asyncio.run(_simulate(cfg, Path(tmp), pool))
+        return asyncio.run(_simulate(cfg, Path(tmp), pool, slot_processes))
+
+
+def trains_in_processes(cfg: RunConfig) -> bool:
+    """Whether ``cfg``'s clients can train in slot processes: compute-and-wait (a wait-free PM asks
+    the event loop when to stop), and no new clients (their adaptation is not a trainer's method)."""
+    return cfg.protocol == "compute-and-wait" and not cfg.new_clients
 
 
 async def _simulate(
-    cfg: RunConfig, out_dir: Path, pool: Callable[[], SharedSlots] | None = None
+    cfg: RunConfig, out_dir: Path, pool: Callable[[], SharedSlots] | None = None, slot_processes: int = 0
 ) -> list[dict[str, Any]]:
     out_dir.mkdir(parents=True, exist_ok=True)
     warm_up_torch()  # as a client process does while it joins: not inside the first training phase
     engine = RoundEngine(cfg, out_dir)
-    shared = pool() if pool is not None else None  # made in this event loop, which counts its slots
-    clients = []
     reception = SharedReception()  # a broadcast the clients receive alike: one buffer, one decode (as in a worker)
+    trainers, sessions = [], []
     for i in range(cfg.num_clients):
         trainer = Trainer(cfg, i, dataset=engine.dataset, device="cpu")
         session = LocalSession(engine, f"client-{i}", i, trainer.num_samples, reception)
         session.join()
-        clients.append(client_protocol(session, trainer, shared.view(trainer) if shared else None))
+        trainers.append(trainer)
+        sessions.append(session)
+    # made in this event loop, which counts its slots; the processes fork once every trainer is built
+    shared = ProcessSlots(slot_processes, trainers) if slot_processes else pool() if pool is not None else None
+    clients = [client_protocol(s, t, shared.view(t) if shared else None) for s, t in zip(sessions, trainers)]
     if cfg.grad_dissimilarity_every:
         engine.round_probe = dissimilarity_probe(cfg, engine, {c.session.client_id: c.trainer for c in clients})
     tasks = [asyncio.create_task(_client_run(c.run(), c.session.client_id)) for c in clients]

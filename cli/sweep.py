@@ -116,8 +116,9 @@ def _short(v: Any) -> str:
     return str(v).replace("/", "_").replace(" ", "")
 
 
-def run_point(cfg_json: str, folder: str, network: bool) -> dict[str, Any]:
-    """Runs one point into ``folder`` (in a worker process); returns its outcome."""
+def run_point(cfg_json: str, folder: str, network: bool, slot_processes: int = 0) -> dict[str, Any]:
+    """Runs one point into ``folder`` (in a worker process); returns its outcome. ``slot_processes``:
+    in process, a compute-and-wait point's clients train in that many forked processes."""
     import torch
 
     torch.set_num_threads(1)
@@ -132,11 +133,12 @@ def run_point(cfg_json: str, folder: str, network: bool) -> dict[str, Any]:
 
         ok = launch(cfg, out, show_progress=False).ok
     else:
-        from wafl.cli.simulate import simulate
+        from wafl.cli.simulate import simulate, trains_in_processes
         from wafl.common.logs import configure_logging
 
         configure_logging("sweep", out / "logs" / "run.jsonl", level="INFO", console=False)
-        ok = len(simulate(cfg, out)) == cfg.rounds
+        processes = slot_processes if trains_in_processes(cfg) else 0  # a wait-free point trains in threads
+        ok = len(simulate(cfg, out, slot_processes=processes)) == cfg.rounds
     from wafl.cli.provenance import git_commit
 
     result = {
@@ -151,8 +153,17 @@ def run_point(cfg_json: str, folder: str, network: bool) -> dict[str, Any]:
     return result
 
 
-def sweep(path: Path, network: bool = False, jobs: int = 1, out: Path | None = None, show_progress: bool = True) -> int:
-    """Runs every point not yet done; 0 when every point has finished."""
+def sweep(
+    path: Path,
+    network: bool = False,
+    jobs: int = 1,
+    out: Path | None = None,
+    show_progress: bool = True,
+    slot_processes: int = 0,
+) -> int:
+    """Runs every point not yet done; 0 when every point has finished. ``slot_processes`` (in process):
+    each compute-and-wait point trains its clients in that many forked processes
+    (:class:`~wafl.client.process_slots.ProcessSlots`), the others in threads as without it."""
     default_out, points = load_sweep(path)
     if network:
         from wafl.server.app import check_networked
@@ -177,7 +188,7 @@ def sweep(path: Path, network: bool = False, jobs: int = 1, out: Path | None = N
         futures = {}
         for name, cfg in todo:
             (out / name).mkdir(parents=True, exist_ok=True)
-            futures[pool.submit(run_point, cfg.to_json(), str(out / name), network)] = name
+            futures[pool.submit(run_point, cfg.to_json(), str(out / name), network, slot_processes)] = name
         for f in as_completed(futures):
             name = futures[f]
             try:

@@ -14,8 +14,19 @@ def cmd_sweep(a: argparse.Namespace) -> int:
 
     if a.jobs < 1:
         raise ConfigError(f"--jobs={a.jobs} must be >= 1")
+    if a.slot_processes < 0:
+        raise ConfigError(f"--slot-processes={a.slot_processes} must be >= 0")
+    if a.slot_processes and a.network:
+        raise ConfigError("--slot-processes is for in-process points; with --network each client is a process")
     out = Path(a.out) if a.out else None
-    return sweep(Path(a.file), network=a.network, jobs=a.jobs, out=out, show_progress=not a.quiet)
+    return sweep(
+        Path(a.file),
+        network=a.network,
+        jobs=a.jobs,
+        out=out,
+        show_progress=not a.quiet,
+        slot_processes=a.slot_processes,
+    )
 
 
 def cmd_table(a: argparse.Namespace) -> int:

@@ -1,0 +1,325 @@
+"""Training slots in processes: the clients of one federation, trained in ``slots`` forked processes.
+
+:class:`~wafl.client.compute.SharedSlots` runs its clients' training in threads of the process
+whose event loop runs their protocol (and, in a simulation, the server): Python's GIL is shared
+by the event loop and every training thread. :class:`ProcessSlots` forks ``slots`` processes
+once every client's :class:`~wafl.client.trainer.Trainer` is built; client ``i`` lives in process
+``i % slots`` from then on, which runs its calls one after another, in the order they were made,
+as a slot does. The event loop keeps the protocol, the transport and the aggregation; a call
+sends the trainer's method name and arguments to the client's process and awaits what it
+returns. A process holds each of its clients' whole state (models, optimizers, random
+generators), and each client's calls reach it in their order, so a seeded run builds the same
+models as with threads.
+
+What crosses: tensors as numpy arrays in pickle protocol 5 (one copy each way); a model of the
+client's (``evaluate_local(t.gm)``) as the attribute's name; ``begin_round``'s context (which
+holds the models) not at all. A broadcast that every client of a round receives alike (the same
+state object) is sent to each process once and kept there until the next one. Only
+compute-and-wait runs here: the wait-free PM's ``fill`` asks the event loop whether to stop
+between two batches, which a process cannot do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import io
+import os
+import pickle
+import signal
+import struct
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+import structlog
+import torch
+from wafl.client.trainer import Trainer
+
+T = TypeVar("T")
+log = structlog.get_logger("client")
+
+NO_RESULT = frozenset({"begin_round"})  # methods whose result (the round's context: models) stays in the process
+
+
+class ProcessSlots:
+    """``slots`` forked training processes for ``trainers`` (see the module docstring)."""
+
+    def __init__(self, slots: int, trainers: Sequence[Trainer]) -> None:
+        if slots < 1:
+            raise ValueError(f"slots={slots} must be at least 1")
+        self.slots = min(slots, max(1, len(trainers)))
+        self.trainers = {id(t): t for t in trainers}
+        self.home = {id(t): i % self.slots for i, t in enumerate(trainers)}
+        self.children: list[_Child] = []
+        for k in range(self.slots):  # each process closes the pipes of those forked before it
+            share = [t for i, t in enumerate(trainers) if i % self.slots == k]
+            self.children.append(_Child(k, share, [fd for c in self.children for fd in (c.wfd, c.rfd)]))
+        log.info("slot_processes.started", processes=self.slots, pids=[c.pid for c in self.children])
+
+    # ------------------------------------------------------------ the compute interface
+    def view(self, client: Trainer | None = None) -> ProcessSlots:
+        return self
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        trainer = getattr(fn, "__self__", None)
+        if not isinstance(trainer, Trainer) or id(trainer) not in self.trainers:
+            raise TypeError(f"process slots run the methods of their clients' trainers, not {fn!r}")
+        name = fn.__name__
+        call = (trainer.index, name, tuple(_model_name(trainer, a) for a in args))
+        child = self.children[self.home[id(trainer)]]
+        return await child.call(call)
+
+    async def fill(self, train: Callable[[Callable[[], bool]], T], stop: Callable[[], bool], wake: Any = None) -> T:
+        raise NotImplementedError(
+            "process slots run compute-and-wait only: a wait-free PM asks the event loop when to stop"
+        )
+
+    def close(self) -> None:
+        pass  # the pool outlives each client; :meth:`shutdown` ends it
+
+    def shutdown(self) -> None:
+        for c in self.children:
+            c.stop()
+
+
+@dataclass(frozen=True)
+class _Model:
+    """An argument that is one of the client's own models: its attribute's name on the trainer."""
+
+    attr: str
+
+
+def _model_name(trainer: Trainer, arg: Any) -> Any:
+    if isinstance(arg, torch.nn.Module):
+        for attr in ("gm", "pm"):
+            if getattr(trainer, attr, None) is arg:
+                return _Model(attr)
+        raise TypeError(f"a model argument that is not client {trainer.index}'s gm or pm cannot reach its process")
+    return arg
+
+
+class _Child:
+    """One forked training process and its two pipes, read and written by the event loop itself
+    (``add_reader`` / ``add_writer``): a helper thread would take the GIL from the event loop at
+    every wake-up."""
+
+    def __init__(self, k: int, trainers: list[Trainer], others: list[int]) -> None:
+        """``others``: the parent's ends of the processes forked before this one, closed in it (their
+        processes see the end of their pipe when the parent closes it)."""
+        self.k = k
+        self.loop = asyncio.get_running_loop()
+        from_parent, to_child = os.pipe()  # (read end, write end)
+        from_child, to_parent = os.pipe()
+        for fd in (to_child, to_parent):
+            _widen(fd)
+        pid = os.fork()
+        if pid == 0:  # the training process: serves calls until its pipe closes
+            for fd in (to_child, from_child, *others):
+                os.close(fd)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops it (an interrupt ends the parent's run)
+            code = 0
+            try:
+                _serve(from_parent, to_parent, {t.index: t for t in trainers})
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            finally:
+                os._exit(code)
+        os.close(from_parent)
+        os.close(to_parent)
+        self.pid = pid
+        self.wfd, self.rfd = to_child, from_child
+        os.set_blocking(self.wfd, False)
+        os.set_blocking(self.rfd, False)
+        self.out = bytearray()  # bytes not yet written to the process
+        self.inbox = bytearray()  # bytes read from it, not yet a whole reply
+        self.pending: dict[int, asyncio.Future[Any]] = {}
+        self.next_id = 0
+        self.last_state: dict[str, torch.Tensor] | None = None  # the broadcast state sent last (the process keeps it)
+        self.exited: str | None = None
+        self.loop.add_reader(self.rfd, self._readable)
+
+    async def call(self, call: tuple[int, str, tuple[Any, ...]]) -> Any:
+        if self.exited is not None:
+            raise RuntimeError(self.exited)
+        fut: asyncio.Future[Any] = self.loop.create_future()
+        call_id = self.next_id
+        self.next_id += 1
+        index, name, args = call
+        if name == "begin_round":  # (round, state, knowledge, selected)
+            state, last = args[1], self.last_state
+            if last is not None and len(last) == len(state) and all(state.get(k) is v for k, v in last.items()):
+                args = (args[0], _SAME_STATE, *args[2:])  # the broadcast the process received last: not again
+            else:
+                self.last_state = dict(state)
+        payload = _dumps((call_id, index, name, args))
+        self.pending[call_id] = fut
+        self._send(_FRAME.pack(len(payload)) + payload)
+        return await fut
+
+    def _send(self, data: bytes) -> None:
+        if self.out:  # earlier bytes wait for the pipe: after them
+            self.out += data
+            return
+        try:
+            n = os.write(self.wfd, data)
+        except BlockingIOError:
+            n = 0
+        if n < len(data):
+            self.out += memoryview(data)[n:]
+            self.loop.add_writer(self.wfd, self._writable)
+
+    def _writable(self) -> None:
+        try:
+            n = os.write(self.wfd, self.out)
+        except BlockingIOError:
+            return
+        except OSError as e:  # the process is gone: its reader says how
+            self.loop.remove_writer(self.wfd)
+            self.out.clear()
+            log.warning("slot_process.write_failed", process=self.k, error=str(e))
+            return
+        del self.out[:n]
+        if not self.out:
+            self.loop.remove_writer(self.wfd)
+
+    def _readable(self) -> None:
+        while True:
+            try:
+                got = os.read(self.rfd, 1 << 20)
+            except BlockingIOError:
+                break
+            if not got:
+                self._ended()
+                return
+            self.inbox += got
+        while len(self.inbox) >= _FRAME.size:
+            (n,) = _FRAME.unpack_from(self.inbox)
+            if len(self.inbox) < _FRAME.size + n:
+                break
+            call_id, ok, value = pickle.loads(memoryview(self.inbox)[_FRAME.size : _FRAME.size + n])
+            del self.inbox[: _FRAME.size + n]
+            fut = self.pending.pop(call_id)
+            if fut.done():
+                continue
+            if ok:
+                fut.set_result(value)
+            else:
+                fut.set_exception(value)
+
+    def _ended(self) -> None:
+        self.loop.remove_reader(self.rfd)
+        _, status = os.waitpid(self.pid, 0)
+        self.exited = f"training process {self.k} (pid {self.pid}) exited with code {os.waitstatus_to_exitcode(status)}"
+        pending, self.pending = self.pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(RuntimeError(self.exited))
+
+    def stop(self) -> None:
+        """Closes the pipes (the process exits once its current call returns) and reaps it; kills it
+        when it has not exited within 30 s."""
+        if self.exited is None:
+            self.loop.remove_reader(self.rfd)
+        if self.out:
+            self.loop.remove_writer(self.wfd)
+        os.close(self.wfd)
+        os.close(self.rfd)
+        if self.exited is not None:
+            return
+        deadline = time.monotonic() + 30.0
+        while os.waitpid(self.pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(self.pid, signal.SIGKILL)
+                os.waitpid(self.pid, 0)
+                break
+            time.sleep(0.01)
+        self.exited = f"training process {self.k} was stopped"
+
+
+_FRAME = struct.Struct("<Q")  # each message: its length, then its pickle
+
+
+def _widen(fd: int) -> None:
+    """A 1 MiB pipe where Linux allows it: a small model's upload fits, so the process is not held up
+    until the event loop reads it."""
+    try:
+        fcntl.fcntl(fd, 1031, 1 << 20)  # F_SETPIPE_SZ
+    except OSError:
+        pass
+
+
+_SAME_STATE = "__wafl_same_state__"  # begin_round's state: the one sent with this process's previous call
+
+
+def _serve(rfd: int, wfd: int, trainers: dict[int, Trainer]) -> None:
+    state: Any = None
+    while True:
+        head = _read_exactly(rfd, _FRAME.size)
+        if head is None:  # the parent closed the pipe: the end
+            return
+        raw = _read_exactly(rfd, _FRAME.unpack(head)[0])
+        if raw is None:
+            return
+        call_id, index, name, args = pickle.loads(raw)
+        try:
+            t = trainers[index]
+            if name == "begin_round":
+                if isinstance(args[1], str) and args[1] == _SAME_STATE:
+                    args = (args[0], state, *args[2:])
+                else:
+                    state = args[1]
+            args = tuple(getattr(t, a.attr) if isinstance(a, _Model) else a for a in args)
+            result = getattr(t, name)(*args)
+            out = _dumps((call_id, True, None if name in NO_RESULT else result))
+        except BaseException as e:
+            e.add_note(f"in client {index}'s {name}, training process pid {os.getpid()}")
+            try:
+                out = _dumps((call_id, False, e))
+            except Exception:  # an exception that does not pickle: its text
+                out = _dumps((call_id, False, RuntimeError("".join(traceback.format_exception(e)))))
+        _write_all(wfd, _FRAME.pack(len(out)) + out)
+
+
+def _read_exactly(fd: int, n: int) -> bytearray | None:
+    buf = bytearray()
+    while len(buf) < n:
+        got = os.read(fd, n - len(buf))
+        if not got:
+            return None
+        buf += got
+    return buf
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+class _Pickler(pickle.Pickler):
+    """Tensors as numpy arrays (one copy, writable on arrival); everything else as pickle does it."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            t = obj.detach()
+            if t.device.type != "cpu":
+                t = t.cpu()
+            if t.dtype == torch.bfloat16:
+                return _bfloat16, (t.contiguous().view(torch.int16).numpy(),)
+            return torch.from_numpy, (t.contiguous().numpy(),)
+        return NotImplemented
+
+
+def _bfloat16(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(a).view(torch.bfloat16)
+
+
+def _dumps(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=5).dump(obj)
+    return buf.getvalue()
