@@ -11,10 +11,15 @@ Run from the repository root::
 For each point (algorithm, clients, rounds; digits, Dirichlet 0.5, the ``cnn``, or the settings of
 ``--base``; compute-and-wait so that every round's PM trains a fixed ``pm_epochs``, seed 0):
 
-* **simulation**: :func:`wafl.cli.simulate.simulate` with the clients sharing ``--cores`` training
-  slots (:class:`~wafl.client.compute.SharedSlots`, as the clients of a ``wafl worker`` do), one torch
-  thread each: wall-clock of the whole call (engine, trainers, rounds, evaluation, results). Every
-  broadcast a client receives is recorded as it enters ``Trainer.begin_round``.
+* **simulation**: :func:`wafl.cli.simulate.simulate` with the clients trained in ``--cores`` forked
+  processes (``--slots processes``, the default: :class:`~wafl.client.process_slots.ProcessSlots`;
+  the engine, the client protocol and the transport stay in the benchmark's process) or in
+  ``--cores`` threads of its own process (``--slots threads``: :class:`~wafl.client.compute.SharedSlots`,
+  as the clients of a ``wafl worker`` do), one torch thread each: wall-clock of the whole call
+  (engine, trainers, rounds, evaluation, results). The models are evaluated after the last round
+  only (``--eval-every``, default 0: evaluation is not training; 1 evaluates the global model and
+  the clients' models every round, as the sweeps do). Every broadcast a client receives is recorded
+  as its ``begin_round`` call is handed to its slot.
 * **training alone**: fresh trainers of the same seed (the same shards, the same data order and
   initial models), split over ``--cores`` forked processes, replay exactly the training the
   simulation did: per round, per client, ``begin_round`` on the broadcast it received, the GM's
@@ -46,6 +51,7 @@ import torch
 from _machine import provenance
 from wafl.cli.simulate import simulate
 from wafl.client.compute import SharedSlots
+from wafl.client.process_slots import ProcessSlots
 from wafl.client.trainer import Trainer
 from wafl.common.config import ConfigError, RunConfig, load_config, read_config_file
 from wafl.common.datasets import load_dataset
@@ -54,6 +60,8 @@ from wafl.common.logs import configure_logging
 RESULTS = Path(__file__).resolve().parent / "results"
 ALGORITHMS = ("fedavg", "scd", "fedhkd")
 POINTS = {10: 25, 100: 20}  # clients -> rounds
+EVAL_EVERY = 0  # the models are evaluated after the last round only (--eval-every)
+SLOTS = "processes"  # where the simulation trains its clients (--slots)
 
 
 def base_settings(path: Path) -> dict[str, Any]:
@@ -68,9 +76,17 @@ def base_settings(path: Path) -> dict[str, Any]:
     return {k: v for k, v in base.items() if k != "out"}
 
 
-def workload(algorithm: str, clients: int, rounds: int, seed: int = 0, base: dict[str, Any] | None = None) -> RunConfig:
+def workload(
+    algorithm: str,
+    clients: int,
+    rounds: int,
+    seed: int = 0,
+    base: dict[str, Any] | None = None,
+    eval_every: int = EVAL_EVERY,
+) -> RunConfig:
     """One point: ``base`` (by default the run defaults: digits, Dirichlet 0.5, the ``cnn``) with the
-    point's algorithm, clients and rounds, compute-and-wait, seed, on the CPU."""
+    point's algorithm, clients and rounds, compute-and-wait, seed, on the CPU, and ``eval_every``
+    (by default 0: the models are evaluated after the last round only, evaluation not being training)."""
     over = {
         "algorithm": algorithm,
         "num_clients": clients,
@@ -78,29 +94,41 @@ def workload(algorithm: str, clients: int, rounds: int, seed: int = 0, base: dic
         "protocol": "compute-and-wait",
         "seed": seed,
         "device": "cpu",
+        "eval_every": eval_every,
     }
     return load_config(None, {**(base or {}), **over})
 
 
 class Recorder:
-    """Wraps ``Trainer.begin_round``: keeps, per client and round, the broadcast it received."""
+    """Wraps the training slots' ``run``: keeps, per client and round, the broadcast it received (the
+    arguments of its ``begin_round``), whether its trainer runs in a thread or in a slot process."""
 
     def __init__(self) -> None:
         self.received: dict[int, list[tuple[int, Any, Any, bool]]] = {}
-        self._orig = Trainer.begin_round
+        self._orig = {cls: cls.run for cls in (SharedSlots, ProcessSlots)}
 
     def __enter__(self) -> Recorder:
-        orig, received = self._orig, self.received
+        received = self.received
+        for cls, orig in self._orig.items():
 
-        def begin_round(t: Trainer, round: int, state: Any, knowledge: Any = None, selected: bool = True) -> Any:
-            received.setdefault(t.index, []).append((round, dict(state), knowledge, selected))
-            return orig(t, round, state, knowledge, selected)
+            def run(pool: Any, fn: Any, *args: Any, _orig: Any = orig) -> Any:
+                if getattr(fn, "__name__", "") == "begin_round" and isinstance(fn.__self__, Trainer):
+                    received.setdefault(fn.__self__.index, []).append(_broadcast(*args))
+                return _orig(pool, fn, *args)
 
-        Trainer.begin_round = begin_round  # type: ignore[method-assign]
+            cls.run = run  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc: object) -> None:
-        Trainer.begin_round = self._orig  # type: ignore[method-assign]
+        for cls, orig in self._orig.items():
+            cls.run = orig  # type: ignore[method-assign]
+
+
+def _broadcast(
+    round: int, state: Any, knowledge: Any = None, selected: bool = True
+) -> tuple[int, dict[str, Any], Any, bool]:
+    """``begin_round``'s arguments, as :func:`_replay` gives them back."""
+    return round, dict(state), knowledge, selected
 
 
 def _replay(cfg: RunConfig, part: list[Trainer], received: dict[int, list[tuple[int, Any, Any, bool]]]) -> int:
@@ -154,14 +182,17 @@ def train_alone(
     return {"wall_s": round(wall, 3), "steps": sum(steps), "processes": cores}
 
 
-def measure(cfg: RunConfig, cores: int, profile: bool) -> dict[str, Any]:
+def measure(cfg: RunConfig, cores: int, profile: bool, slots: str = SLOTS) -> dict[str, Any]:
     load_before = os.getloadavg()
     prof = cProfile.Profile() if profile else None
     with Recorder() as rec:
         t0 = time.monotonic()
         if prof is not None:
             prof.enable()
-        rows = simulate(cfg, pool=lambda: SharedSlots(cores))
+        if slots == "processes":
+            rows = simulate(cfg, slot_processes=cores)
+        else:
+            rows = simulate(cfg, pool=lambda: SharedSlots(cores))
         if prof is not None:
             prof.disable()
         sim_wall = time.monotonic() - t0
@@ -171,6 +202,7 @@ def measure(cfg: RunConfig, cores: int, profile: bool) -> dict[str, Any]:
         "algorithm": cfg.algorithm,
         "clients": cfg.num_clients,
         "rounds": cfg.rounds,
+        "slots": slots,
         "simulation_s": round(sim_wall, 3),
         "training_alone_s": alone["wall_s"],
         "ratio": round(sim_wall / alone["wall_s"], 3),
@@ -201,6 +233,20 @@ def main(argv: list[str] | None = None) -> int:
         help="settings every point starts from: a sweep file (its [base]) or a configuration file, "
         "e.g. configs/sweeps/scd_fmnist.toml for the Fashion-MNIST setting (default: the run defaults, digits)",
     )
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=EVAL_EVERY,
+        help="the simulation's eval_every (default 0: its models are evaluated after the last round only; "
+        "1: the global model and the clients' models every round, as the sweeps do)",
+    )
+    p.add_argument(
+        "--slots",
+        choices=("processes", "threads"),
+        default=SLOTS,
+        help="where the simulation trains: --cores forked processes (default; ProcessSlots) or --cores threads "
+        "of its own process (SharedSlots, as a wafl worker)",
+    )
     p.add_argument("--cores", type=int, default=min(2, os.cpu_count() or 1), help="training slots / processes")
     p.add_argument("--profile", action="store_true", help="cProfile each simulation (slows it down)")
     p.add_argument("--smoke", action="store_true", help="3 clients, 2 rounds: checks the script")
@@ -208,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.cores < 1:
         p.error("--cores must be at least 1")
+    if a.eval_every < 0:
+        p.error("--eval-every must be at least 0")
     if a.smoke:
         a.clients, a.rounds = "3", a.rounds or 2
     try:
@@ -221,8 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     points = []
     for n in [int(x) for x in a.clients.split(",") if x.strip()]:
         for algo in [x.strip() for x in a.algorithms.split(",") if x.strip()]:
-            cfg = workload(algo, n, a.rounds or POINTS.get(n, 20), base=base)
-            r = measure(cfg, a.cores, a.profile)
+            cfg = workload(algo, n, a.rounds or POINTS.get(n, 20), base=base, eval_every=a.eval_every)
+            r = measure(cfg, a.cores, a.profile, a.slots)
             points.append(r)
             print(
                 f"{algo:<7} {n:>4} clients {cfg.rounds:>3} rounds: simulation {r['simulation_s']:7.2f} s, training "
@@ -238,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         "smoke": a.smoke,
         "base": str(a.base) if a.base else None,
         "base_settings": base,
+        "eval_every": a.eval_every,
+        "slots": a.slots,
         "points": points,
     }
     out = a.out or RESULTS / ("sim_overhead-smoke.json" if a.smoke else "sim_overhead.json")

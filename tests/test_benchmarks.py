@@ -48,7 +48,9 @@ def _sim_overhead(d: dict[str, Any]) -> None:
         ("scd", 3, 2),
         ("fedhkd", 3, 2),
     ]
+    assert (d["slots"], d["eval_every"]) == ("processes", 0)  # the defaults: training processes, a final evaluation
     for p in d["points"]:
+        assert p["slots"] == "processes"
         assert p["simulation_s"] > 0 and p["training_alone_s"] > 0 and p["training_steps"] > 0
         assert p["training_alone_threads_s"] > 0 and p["ratio_to_threads"] > 0
         assert p["ratio"] == pytest.approx(p["simulation_s"] / p["training_alone_s"], rel=0.01)
@@ -158,20 +160,24 @@ def test_sim_overhead_runs_a_sweep_files_setting(tmp_path: Path) -> None:
     missing file is a usage error that names it."""
     script = "benchmarks/sim_overhead.py"
     base = ["--base", "configs/sweeps/scd_fmnist.toml"]
-    args = [sys.executable, script, "--smoke", *base, "--rounds", "1", "--algorithms", "fedavg"]
+    args = [sys.executable, script, "--smoke", *base, "--rounds", "1", "--algorithms", "fedavg", "--slots", "threads"]
     p = subprocess.run([*args, "--out", str(tmp_path / "r.json")], cwd=REPO, capture_output=True, text=True)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     doc = json.loads((tmp_path / "r.json").read_text())
     assert doc["base"] == "configs/sweeps/scd_fmnist.toml"
     assert (doc["base_settings"]["dataset"], doc["base_settings"]["model"]) == ("fashion-mnist", "lenet5")
     (pt,) = doc["points"]
-    assert (pt["algorithm"], pt["clients"], pt["rounds"]) == ("fedavg", 3, 1)
+    assert (pt["algorithm"], pt["clients"], pt["rounds"], pt["slots"]) == ("fedavg", 3, 1, "threads")
     # three clients share Fashion-MNIST's training images: an epoch is a thousand-odd steps of 32, not digits' dozens
     assert pt["training_steps"] > 1000 and pt["gm_accuracy"] > 0.1
     bad = subprocess.run(
         [sys.executable, script, "--smoke", "--base", "missing.toml"], cwd=REPO, capture_output=True, text=True
     )
     assert bad.returncode == 2 and "--base 'missing.toml' does not exist" in bad.stderr, bad.stderr
+    bad = subprocess.run(
+        [sys.executable, script, "--smoke", "--eval-every", "-1"], cwd=REPO, capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "--eval-every must be at least 0" in bad.stderr, bad.stderr
 
 
 def test_kept_real_data_records_are_complete_and_tracked() -> None:
