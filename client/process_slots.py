@@ -11,7 +11,8 @@ returns. A process holds each of its clients' whole state (models, optimizers, r
 generators), and each client's calls reach it in their order, so a seeded run builds the same
 models as with threads.
 
-What crosses: tensors as numpy arrays in pickle protocol 5 (one copy each way); a model of the
+What crosses: pickles (protocol 5) whose tensors' bytes travel out of band, written to the pipe
+from the tensor's memory and read into one buffer that the received tensors share; a model of the
 client's (``evaluate_local(t.gm)``) as the attribute's name; ``begin_round``'s context (which
 holds the models) not at all. A broadcast that every client of a round receives alike (the same
 state object) is sent to each process once and kept there until the next one. Only
@@ -136,7 +137,9 @@ class _Child:
         os.set_blocking(self.wfd, False)
         os.set_blocking(self.rfd, False)
         self.out = bytearray()  # bytes not yet written to the process
-        self.inbox = bytearray()  # bytes read from it, not yet a whole reply
+        self.head, self.head_at = bytearray(_LEN.size), 0  # the next reply's length, as far as read
+        self.body: bytearray | None = None  # the reply being read
+        self.body_at = 0
         self.pending: dict[int, asyncio.Future[Any]] = {}
         self.next_id = 0
         self.last_state: dict[str, torch.Tensor] | None = None  # the broadcast state sent last (the process keeps it)
@@ -156,22 +159,23 @@ class _Child:
                 args = (args[0], _SAME_STATE, *args[2:])  # the broadcast the process received last: not again
             else:
                 self.last_state = dict(state)
-        payload = _dumps((call_id, index, name, args))
+        parts = _message((call_id, index, name, args))
         self.pending[call_id] = fut
-        self._send(_FRAME.pack(len(payload)) + payload)
+        self._send(parts)
         return await fut
 
-    def _send(self, data: bytes) -> None:
-        if self.out:  # earlier bytes wait for the pipe: after them
-            self.out += data
-            return
-        try:
-            n = os.write(self.wfd, data)
-        except BlockingIOError:
-            n = 0
-        if n < len(data):
-            self.out += memoryview(data)[n:]
+    def _send(self, parts: list[Buffer]) -> None:
+        if not self.out:  # nothing waits for the pipe: straight into it
+            try:
+                n = os.writev(self.wfd, parts)
+            except BlockingIOError:
+                n = 0
+            parts = _after(parts, n)
+            if not parts:
+                return
             self.loop.add_writer(self.wfd, self._writable)
+        for p in parts:  # after the bytes that wait
+            self.out += p
 
     def _writable(self) -> None:
         try:
@@ -188,30 +192,48 @@ class _Child:
             self.loop.remove_writer(self.wfd)
 
     def _readable(self) -> None:
+        """Reads what the process wrote: each reply's length, then its body straight into a buffer of
+        that size, whose tensors the reply's arrays then share (no further copy)."""
         while True:
-            try:
-                got = os.read(self.rfd, 1 << 20)
-            except BlockingIOError:
-                break
-            if not got:
-                self._ended()
-                return
-            self.inbox += got
-        while len(self.inbox) >= _FRAME.size:
-            (n,) = _FRAME.unpack_from(self.inbox)
-            if len(self.inbox) < _FRAME.size + n:
-                break
-            call_id, ok, value = pickle.loads(memoryview(self.inbox)[_FRAME.size : _FRAME.size + n])
-            del self.inbox[: _FRAME.size + n]
-            fut = self.pending.pop(call_id)
-            if fut.done():
-                continue
-            if ok:
-                fut.set_result(value)
-            else:
-                fut.set_exception(value)
+            if self.body is None:
+                got = self._read_into(memoryview(self.head)[self.head_at :])
+                if got is None:
+                    return
+                self.head_at += got
+                if self.head_at < _LEN.size:
+                    continue
+                self.head_at = 0
+                self.body, self.body_at = bytearray(_LEN.unpack(self.head)[0]), 0
+            if self.body_at < len(self.body):
+                got = self._read_into(memoryview(self.body)[self.body_at :])
+                if got is None:
+                    return
+                self.body_at += got
+            if self.body_at == len(self.body):
+                body, self.body = self.body, None
+                call_id, ok, value = _load(body)
+                fut = self.pending.pop(call_id)
+                if fut.done():
+                    continue
+                if ok:
+                    fut.set_result(value)
+                else:
+                    fut.set_exception(value)
+
+    def _read_into(self, view: memoryview) -> int | None:
+        """Bytes read into ``view``; None when none are there yet, or the process has gone."""
+        try:
+            got = os.readv(self.rfd, [view])
+        except BlockingIOError:
+            return None
+        if not got:
+            self._ended()
+            return None
+        return got
 
     def _ended(self) -> None:
+        if self.exited is not None:
+            return
         self.loop.remove_reader(self.rfd)
         _, status = os.waitpid(self.pid, 0)
         self.exited = f"training process {self.k} (pid {self.pid}) exited with code {os.waitstatus_to_exitcode(status)}"
@@ -241,7 +263,53 @@ class _Child:
         self.exited = f"training process {self.k} was stopped"
 
 
-_FRAME = struct.Struct("<Q")  # each message: its length, then its pickle
+_LEN = struct.Struct("<Q")  # a message's length, then the message (:func:`_message`)
+_ALIGN = 64  # where each array's bytes start in a message (from its start)
+Buffer = bytes | bytearray | memoryview
+
+
+def _message(obj: Any) -> list[Buffer]:
+    """``obj`` as the parts of one message: its length, then ``<I`` the number of arrays, ``<Q`` the
+    pickle's length and each array's, the pickle (protocol 5), then the arrays' bytes out of band, each
+    at a multiple of 64 bytes from the message's start (padding between)."""
+    arrays: list[pickle.PickleBuffer] = []
+    f = io.BytesIO()
+    _Pickler(f, protocol=5, buffer_callback=arrays.append).dump(obj)
+    raws = [a.raw() for a in arrays]
+    meta = struct.pack(f"<I{len(raws) + 1}Q", len(raws), f.getbuffer().nbytes, *(r.nbytes for r in raws))
+    parts: list[Buffer] = [meta, f.getbuffer()]
+    size = len(meta) + f.getbuffer().nbytes
+    for r in raws:
+        pad = -size % _ALIGN
+        parts += [bytes(pad), r]
+        size += pad + r.nbytes
+    return [_LEN.pack(size), *parts]
+
+
+def _load(body: bytearray) -> Any:
+    """The object of one message's body (:func:`_message`); its arrays share ``body``'s memory."""
+    view = memoryview(body)
+    (n,) = struct.unpack_from("<I", view)
+    sizes = struct.unpack_from(f"<{n + 1}Q", view, 4)
+    at = 4 + 8 * (n + 1)
+    pickled = view[at : at + sizes[0]]
+    at += sizes[0]
+    arrays = []
+    for size in sizes[1:]:
+        at += -at % _ALIGN
+        arrays.append(view[at : at + size])
+        at += size
+    return pickle.loads(pickled, buffers=arrays)
+
+
+def _after(parts: list[Buffer], n: int) -> list[Buffer]:
+    """What is left of ``parts`` once their first ``n`` bytes were written."""
+    for i, p in enumerate(parts):
+        size = memoryview(p).nbytes
+        if n < size:
+            return [memoryview(p).cast("B")[n:], *parts[i + 1 :]]
+        n -= size
+    return []
 
 
 def _widen(fd: int) -> None:
@@ -259,13 +327,13 @@ _SAME_STATE = "__wafl_same_state__"  # begin_round's state: the one sent with th
 def _serve(rfd: int, wfd: int, trainers: dict[int, Trainer]) -> None:
     state: Any = None
     while True:
-        head = _read_exactly(rfd, _FRAME.size)
+        head = _read_exactly(rfd, _LEN.size)
         if head is None:  # the parent closed the pipe: the end
             return
-        raw = _read_exactly(rfd, _FRAME.unpack(head)[0])
-        if raw is None:
+        body = _read_exactly(rfd, _LEN.unpack(head)[0])
+        if body is None:
             return
-        call_id, index, name, args = pickle.loads(raw)
+        call_id, index, name, args = _load(body)
         try:
             t = trainers[index]
             if name == "begin_round":
@@ -275,34 +343,30 @@ def _serve(rfd: int, wfd: int, trainers: dict[int, Trainer]) -> None:
                     state = args[1]
             args = tuple(getattr(t, a.attr) if isinstance(a, _Model) else a for a in args)
             result = getattr(t, name)(*args)
-            out = _dumps((call_id, True, None if name in NO_RESULT else result))
+            out = _message((call_id, True, None if name in NO_RESULT else result))
         except BaseException as e:
             e.add_note(f"in client {index}'s {name}, training process pid {os.getpid()}")
             try:
-                out = _dumps((call_id, False, e))
+                out = _message((call_id, False, e))
             except Exception:  # an exception that does not pickle: its text
-                out = _dumps((call_id, False, RuntimeError("".join(traceback.format_exception(e)))))
-        _write_all(wfd, _FRAME.pack(len(out)) + out)
+                out = _message((call_id, False, RuntimeError("".join(traceback.format_exception(e)))))
+        while out:
+            out = _after(out, os.writev(wfd, out))
 
 
 def _read_exactly(fd: int, n: int) -> bytearray | None:
-    buf = bytearray()
-    while len(buf) < n:
-        got = os.read(fd, n - len(buf))
+    buf = bytearray(n)
+    view, at = memoryview(buf), 0
+    while at < n:
+        got = os.readv(fd, [view[at:]])
         if not got:
             return None
-        buf += got
+        at += got
     return buf
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
-
-
 class _Pickler(pickle.Pickler):
-    """Tensors as numpy arrays (one copy, writable on arrival); everything else as pickle does it."""
+    """Tensors as numpy arrays (their bytes out of band: :func:`_message`); everything else as pickle does it."""
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
@@ -317,9 +381,3 @@ class _Pickler(pickle.Pickler):
 
 def _bfloat16(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(a).view(torch.bfloat16)
-
-
-def _dumps(obj: Any) -> bytes:
-    buf = io.BytesIO()
-    _Pickler(buf, protocol=5).dump(obj)
-    return buf.getvalue()
