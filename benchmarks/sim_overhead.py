@@ -21,9 +21,9 @@ For each point (algorithm, clients, rounds; digits, Dirichlet 0.5, the ``cnn``, 
   the clients' models every round, as the sweeps do). Every broadcast a client receives is recorded
   as its ``begin_round`` call is handed to its slot.
 * **training alone**: fresh trainers of the same seed (the same shards, the same data order and
-  initial models), split over ``--cores`` forked processes, replay exactly the training the
-  simulation did: per round, per client, ``begin_round`` on the broadcast it received, the GM's
-  local phases (``train_gm``), the knowledge the algorithm computes (``knowledge``), the PM's
+  initial models), split over ``--cores`` forked processes (shares of nearly equal samples), replay
+  exactly the training the simulation did: per round, per client, ``begin_round`` on the broadcast
+  it received, the GM's local phases (``train_gm``), the knowledge the algorithm computes (``knowledge``), the PM's
   epochs (``train_pm``). No evaluation, no encoding, no aggregation, no transport. Wall-clock from
   the fork to the last process's exit, trainers built before the clock starts. The same replay in
   ``--cores`` threads of one process (``training_alone_threads_s``) tells what Python's GIL leaves of
@@ -53,6 +53,7 @@ from wafl.cli.simulate import simulate
 from wafl.client.compute import SharedSlots
 from wafl.client.process_slots import ProcessSlots
 from wafl.client.trainer import Trainer
+from wafl.common.balance import balanced_groups
 from wafl.common.config import ConfigError, RunConfig, load_config, read_config_file
 from wafl.common.datasets import load_dataset
 from wafl.common.logs import configure_logging
@@ -152,7 +153,8 @@ def train_alone(
     process, ``mode="threads"``: what Python's GIL leaves of the cores); their wall-clock and steps."""
     data = load_dataset(cfg.dataset, cfg.data_dir)
     trainers = [Trainer(cfg, i, dataset=data, device="cpu") for i in range(cfg.num_clients)]
-    parts = [trainers[k::cores] for k in range(cores)]
+    # shares of nearly equal samples, as the simulation's slot processes get them: both cores kept busy
+    parts = [[trainers[i] for i in g] for g in balanced_groups([t.num_samples for t in trainers], cores)]
     if mode == "threads":
         from concurrent.futures import ThreadPoolExecutor
 

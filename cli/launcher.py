@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from wafl.common.balance import balanced_groups
 from wafl.common.config import RunConfig
 from wafl.common.errors import UsageError
 
@@ -310,13 +311,7 @@ def split_clients(num_clients: int, workers: int, sizes: Sequence[int] | None = 
     if sizes is not None:
         if len(sizes) != num_clients:
             raise ValueError(f"split_clients: {len(sizes)} sizes for {num_clients} clients")
-        groups: list[list[int]] = [[] for _ in range(workers)]
-        load = [0] * workers
-        for i in sorted(range(num_clients), key=lambda i: (-sizes[i], i)):
-            g = min(range(workers), key=lambda g: (load[g], len(groups[g]), g))
-            groups[g].append(i)
-            load[g] += sizes[i]
-        return [sorted(g) for g in groups]
+        return balanced_groups(sizes, workers)
     base, extra = divmod(num_clients, workers)
     out, start = [], 0
     for w in range(workers):

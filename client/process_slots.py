@@ -3,9 +3,10 @@
 :class:`~wafl.client.compute.SharedSlots` runs its clients' training in threads of the process
 whose event loop runs their protocol (and, in a simulation, the server): Python's GIL is shared
 by the event loop and every training thread. :class:`ProcessSlots` forks ``slots`` processes
-once every client's :class:`~wafl.client.trainer.Trainer` is built; client ``i`` lives in process
-``i % slots`` from then on, which runs its calls one after another, in the order they were made,
-as a slot does. The event loop keeps the protocol, the transport and the aggregation; a call
+once every client's :class:`~wafl.client.trainer.Trainer` is built, each the home of a share of
+the clients with nearly equal training samples (:func:`~wafl.common.balance.balanced_groups`). A
+client lives in its process from then on, which runs its calls one after another, in the order
+they were made, as a slot does. The event loop keeps the protocol, the transport and the aggregation; a call
 sends the trainer's method name and arguments to the client's process and awaits what it
 returns. A process holds each of its clients' whole state (models, optimizers, random
 generators), and each client's calls reach it in their order, so a seeded run builds the same
@@ -39,6 +40,7 @@ import numpy as np
 import structlog
 import torch
 from wafl.client.trainer import Trainer
+from wafl.common.balance import balanced_groups
 
 T = TypeVar("T")
 log = structlog.get_logger("client")
@@ -54,10 +56,11 @@ class ProcessSlots:
             raise ValueError(f"slots={slots} must be at least 1")
         self.slots = min(slots, max(1, len(trainers)))
         self.trainers = {id(t): t for t in trainers}
-        self.home = {id(t): i % self.slots for i, t in enumerate(trainers)}
+        # nearly equal samples a process: a round ends with its last training, on the busiest process
+        shares = [[trainers[i] for i in g] for g in balanced_groups([t.num_samples for t in trainers], self.slots)]
+        self.home = {id(t): k for k, share in enumerate(shares) for t in share}
         self.children: list[_Child] = []
-        for k in range(self.slots):  # each process closes the pipes of those forked before it
-            share = [t for i, t in enumerate(trainers) if i % self.slots == k]
+        for k, share in enumerate(shares):  # each process closes the pipes of those forked before it
             self.children.append(_Child(k, share, [fd for c in self.children for fd in (c.wfd, c.rfd)]))
         log.info("slot_processes.started", processes=self.slots, pids=[c.pid for c in self.children])
 

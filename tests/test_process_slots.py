@@ -15,6 +15,7 @@ from wafl.cli.simulate import simulate
 from wafl.client.compute import SharedSlots
 from wafl.client.process_slots import ProcessSlots
 from wafl.client.trainer import Trainer
+from wafl.common.balance import balanced_groups
 from wafl.common.config import RunConfig, load_config
 
 TIMING = {"wall_s", "round_s"}
@@ -89,9 +90,14 @@ def test_what_process_slots_refuse(tmp_path: Path) -> None:
 
     async def misuse() -> None:
         cfg = _cfg("fedavg")
-        trainers = [Trainer(cfg, i, device="cpu") for i in range(2)]
+        trainers = [Trainer(cfg, i, device="cpu") for i in range(5)]
         slots = ProcessSlots(2, trainers)
         try:
+            # each process a share of nearly equal samples: the largest client alone against the rest, or so
+            homes = [[t.num_samples for t in trainers if slots.home[id(t)] == k] for k in range(2)]
+            sizes = [t.num_samples for t in trainers]
+            assert sorted(map(sorted, homes)) == sorted(sorted(sizes[i] for i in g) for g in balanced_groups(sizes, 2))
+            assert abs(sum(homes[0]) - sum(homes[1])) <= max(sizes)
             with pytest.raises(TypeError, match="methods of their clients' trainers"):
                 await slots.run(len, [])
             with pytest.raises(TypeError, match="not client 0's gm or pm"):
@@ -105,6 +111,9 @@ def test_what_process_slots_refuse(tmp_path: Path) -> None:
 
     with pytest.raises(ValueError, match="slots=0 must be at least 1"):
         ProcessSlots(0, [])
+    with pytest.raises(ValueError, match="groups=0 must be at least 1"):
+        balanced_groups([3, 1], 0)
+    assert balanced_groups([5, 1, 1, 3], 2) == [[0], [1, 2, 3]]
     asyncio.run(misuse())
 
 
