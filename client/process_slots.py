@@ -55,7 +55,6 @@ class ProcessSlots:
         if slots < 1:
             raise ValueError(f"slots={slots} must be at least 1")
         self.slots = min(slots, max(1, len(trainers)))
-        self.trainers = {id(t): t for t in trainers}
         # nearly equal samples a process: a round ends with its last training, on the busiest process
         shares = [[trainers[i] for i in g] for g in balanced_groups([t.num_samples for t in trainers], self.slots)]
         self.home = {id(t): k for k, share in enumerate(shares) for t in share}
@@ -70,7 +69,7 @@ class ProcessSlots:
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         trainer = getattr(fn, "__self__", None)
-        if not isinstance(trainer, Trainer) or id(trainer) not in self.trainers:
+        if not isinstance(trainer, Trainer) or id(trainer) not in self.home:
             raise TypeError(f"process slots run the methods of their clients' trainers, not {fn!r}")
         name = fn.__name__
         call = (trainer.index, name, tuple(_model_name(trainer, a) for a in args))
@@ -278,10 +277,10 @@ def _message(obj: Any) -> list[Buffer]:
     arrays: list[pickle.PickleBuffer] = []
     f = io.BytesIO()
     _Pickler(f, protocol=5, buffer_callback=arrays.append).dump(obj)
-    raws = [a.raw() for a in arrays]
-    meta = struct.pack(f"<I{len(raws) + 1}Q", len(raws), f.getbuffer().nbytes, *(r.nbytes for r in raws))
-    parts: list[Buffer] = [meta, f.getbuffer()]
-    size = len(meta) + f.getbuffer().nbytes
+    pickled, raws = f.getbuffer(), [a.raw() for a in arrays]
+    meta = struct.pack(f"<I{len(raws) + 1}Q", len(raws), pickled.nbytes, *(r.nbytes for r in raws))
+    parts: list[Buffer] = [meta, pickled]
+    size = len(meta) + pickled.nbytes
     for r in raws:
         pad = -size % _ALIGN
         parts += [bytes(pad), r]

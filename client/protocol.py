@@ -195,15 +195,15 @@ class RoundProtocol:
                     metrics[M.TRAIN_LOSS] = stats.mean_loss
                 if t.algorithm.knowledge is not None:
                     metrics[M.KNOWLEDGE_RECEIVED] = float(len(model.knowledge))
-                evaluates = cfg.evaluates_locally(r)  # eval_every: in the rounds whose line has accuracies
-                if evaluates and t.algorithm.local_model_is_personal:
-                    acc, n = await self.compute.run(t.evaluate_personal)
-                    if n:  # an empty local test set has no accuracy
-                        metrics.update({M.PM_ACCURACY: acc, M.PM_TEST_SAMPLES: float(n)})
-                elif evaluates and t.algorithm.personal == "none":  # no personal model: the local model's accuracy
-                    acc, n = await self.compute.run(t.evaluate_local, t.gm)
-                    if n:
-                        metrics.update({M.LOCAL_ACCURACY: acc, M.LOCAL_TEST_SAMPLES: float(n)})
+                if cfg.evaluates_locally(r):  # eval_every: in the rounds whose line has accuracies
+                    if t.algorithm.local_model_is_personal:
+                        acc, n = await self.compute.run(t.evaluate_personal)
+                        if n:  # an empty local test set has no accuracy
+                            metrics.update({M.PM_ACCURACY: acc, M.PM_TEST_SAMPLES: float(n)})
+                    elif t.algorithm.personal == "none":  # no personal model: the local model's accuracy
+                        acc, n = await self.compute.run(t.evaluate_local, t.gm)
+                        if n:
+                            metrics.update({M.LOCAL_ACCURACY: acc, M.LOCAL_TEST_SAMPLES: float(n)})
                 state = await self.compute.run(t.gm_upload_state, base)
             _trained("gm", r, stats.steps, phase.duration_s, time.process_time() - cpu)
             await self._slow_down(phase.duration_s, r)
