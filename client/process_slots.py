@@ -12,11 +12,13 @@ returns. A process holds each of its clients' whole state (models, optimizers, r
 generators), and each client's calls reach it in their order, so a seeded run builds the same
 models as with threads.
 
-What crosses: pickles (protocol 5) whose tensors' bytes travel out of band, written to the pipe
-from the tensor's memory and read into one buffer that the received tensors share; a model of the
-client's (``evaluate_local(t.gm)``) as the attribute's name; ``begin_round``'s context (which
-holds the models) not at all. A broadcast that every client of a round receives alike (the same
-state object) is sent to each process once and kept there until the next one. Only
+What crosses: pickles (protocol 5) whose tensors' bytes travel out of band (small ones inside the
+pickle), written to the pipe from the tensor's memory and read into one buffer that the received
+tensors share; a model of the client's (``evaluate_local(t.gm)``) as the attribute's name;
+``begin_round``'s context (which holds the models) not at all. A broadcast that every client of a
+round receives alike (the same state tensors, the same knowledge object: see
+:class:`~wafl.client.reception.SharedReception`) is sent to each process once and kept there until
+the next one. Only
 compute-and-wait runs here: the wait-free PM's ``fill`` asks the event loop whether to stop
 between two batches, which a process cannot do.
 """
@@ -145,6 +147,7 @@ class _Child:
         self.pending: dict[int, asyncio.Future[Any]] = {}
         self.next_id = 0
         self.last_state: dict[str, torch.Tensor] | None = None  # the broadcast state sent last (the process keeps it)
+        self.last_knowledge: Any = None  # the broadcast knowledge sent last (the process keeps it too)
         self.exited: str | None = None
         self.loop.add_reader(self.rfd, self._readable)
 
@@ -155,12 +158,17 @@ class _Child:
         call_id = self.next_id
         self.next_id += 1
         index, name, args = call
-        if name == "begin_round":  # (round, state, knowledge, selected)
+        if name == "begin_round":  # (round, state, knowledge, selected): what the process holds already, not again
             state, last = args[1], self.last_state
             if last is not None and len(last) == len(state) and all(state.get(k) is v for k, v in last.items()):
-                args = (args[0], _SAME_STATE, *args[2:])  # the broadcast the process received last: not again
+                args = (args[0], _SAME, *args[2:])  # the broadcast's model the process received last
             else:
                 self.last_state = dict(state)
+            if len(args) > 2 and args[2] is not None:
+                if args[2] is self.last_knowledge:  # one object for all the clients of a broadcast (SharedReception)
+                    args = (*args[:2], _SAME, *args[3:])
+                else:
+                    self.last_knowledge = args[2]
         parts = _message((call_id, index, name, args))
         self.pending[call_id] = fut
         self._send(parts)
@@ -267,16 +275,25 @@ class _Child:
 
 _LEN = struct.Struct("<Q")  # a message's length, then the message (:func:`_message`)
 _ALIGN = 64  # where each array's bytes start in a message (from its start)
+_IN_BAND = 4096  # arrays smaller than this travel inside the pickle (a part and its padding cost more than a copy)
 Buffer = bytes | bytearray | memoryview
 
 
 def _message(obj: Any) -> list[Buffer]:
     """``obj`` as the parts of one message: its length, then ``<I`` the number of arrays, ``<Q`` the
-    pickle's length and each array's, the pickle (protocol 5), then the arrays' bytes out of band, each
-    at a multiple of 64 bytes from the message's start (padding between)."""
+    pickle's length and each array's, the pickle (protocol 5), then the arrays' bytes out of band (those of
+    at least ``_IN_BAND`` bytes; smaller ones are in the pickle), each at a multiple of 64 bytes from the
+    message's start (padding between)."""
     arrays: list[pickle.PickleBuffer] = []
+
+    def out_of_band(b: pickle.PickleBuffer) -> bool:  # False: out of band; small arrays stay in the pickle
+        if b.raw().nbytes < _IN_BAND:
+            return True
+        arrays.append(b)
+        return False
+
     f = io.BytesIO()
-    _Pickler(f, protocol=5, buffer_callback=arrays.append).dump(obj)
+    _Pickler(f, protocol=5, buffer_callback=out_of_band).dump(obj)
     pickled, raws = f.getbuffer(), [a.raw() for a in arrays]
     meta = struct.pack(f"<I{len(raws) + 1}Q", len(raws), pickled.nbytes, *(r.nbytes for r in raws))
     parts: list[Buffer] = [meta, pickled]
@@ -323,11 +340,16 @@ def _widen(fd: int) -> None:
         pass
 
 
-_SAME_STATE = "__wafl_same_state__"  # begin_round's state: the one sent with this process's previous call
+_SAME = "__wafl_same_as_before__"  # begin_round's state or knowledge: the one this process received last
+
+
+def _is_same(arg: Any) -> bool:
+    return isinstance(arg, str) and arg == _SAME
 
 
 def _serve(rfd: int, wfd: int, trainers: dict[int, Trainer]) -> None:
     state: Any = None
+    knowledge: Any = None
     while True:
         head = _read_exactly(rfd, _LEN.size)
         if head is None:  # the parent closed the pipe: the end
@@ -338,11 +360,16 @@ def _serve(rfd: int, wfd: int, trainers: dict[int, Trainer]) -> None:
         call_id, index, name, args = _load(body)
         try:
             t = trainers[index]
-            if name == "begin_round":
-                if isinstance(args[1], str) and args[1] == _SAME_STATE:
+            if name == "begin_round":  # the model and knowledge the parent sent with an earlier call, or new ones
+                if _is_same(args[1]):
                     args = (args[0], state, *args[2:])
                 else:
                     state = args[1]
+                if len(args) > 2 and args[2] is not None:
+                    if _is_same(args[2]):
+                        args = (*args[:2], knowledge, *args[3:])
+                    else:
+                        knowledge = args[2]
             args = tuple(getattr(t, a.attr) if isinstance(a, _Model) else a for a in args)
             result = getattr(t, name)(*args)
             out = _message((call_id, True, None if name in NO_RESULT else result))

@@ -187,24 +187,20 @@ class RoundProtocol:
         if selected:
             cpu = time.process_time()
             with self.timeline.phase("gm_train", r) as phase:
-                stats = await self.compute.run(t.train_gm)
-                knowledge = await self.compute.run(t.knowledge)
-                # only declared, finite values travel (the server refuses others): no steps, no loss
-                metrics = {M.TRAIN_STEPS: float(stats.steps)}
-                if math.isfinite(stats.mean_loss):
-                    metrics[M.TRAIN_LOSS] = stats.mean_loss
-                if t.algorithm.knowledge is not None:
-                    metrics[M.KNOWLEDGE_RECEIVED] = float(len(model.knowledge))
-                if cfg.evaluates_locally(r):  # eval_every: in the rounds whose line has accuracies
-                    if t.algorithm.local_model_is_personal:
-                        acc, n = await self.compute.run(t.evaluate_personal)
-                        if n:  # an empty local test set has no accuracy
-                            metrics.update({M.PM_ACCURACY: acc, M.PM_TEST_SAMPLES: float(n)})
-                    elif t.algorithm.personal == "none":  # no personal model: the local model's accuracy
-                        acc, n = await self.compute.run(t.evaluate_local, t.gm)
-                        if n:
-                            metrics.update({M.LOCAL_ACCURACY: acc, M.LOCAL_TEST_SAMPLES: float(n)})
-                state = await self.compute.run(t.gm_upload_state, base)
+                gm = await self.compute.run(t.gm_round, base, cfg.evaluates_locally(r))
+            stats, knowledge, state = gm.stats, gm.knowledge, gm.state
+            # only declared, finite values travel (the server refuses others): no steps, no loss
+            metrics = {M.TRAIN_STEPS: float(stats.steps)}
+            if math.isfinite(stats.mean_loss):
+                metrics[M.TRAIN_LOSS] = stats.mean_loss
+            if t.algorithm.knowledge is not None:
+                metrics[M.KNOWLEDGE_RECEIVED] = float(len(model.knowledge))
+            if gm.evaluated is not None and gm.evaluated[2]:  # eval_every's rounds; an empty test set has no accuracy
+                kind, acc, n = gm.evaluated
+                acc_key, n_key = (
+                    (M.PM_ACCURACY, M.PM_TEST_SAMPLES) if kind == "pm" else (M.LOCAL_ACCURACY, M.LOCAL_TEST_SAMPLES)
+                )
+                metrics.update({acc_key: acc, n_key: float(n)})
             _trained("gm", r, stats.steps, phase.duration_s, time.process_time() - cpu)
             await self._slow_down(phase.duration_s, r)
         # the personal phase: after the GM (selected), or alone when the algorithm trains the personal

@@ -13,7 +13,9 @@ gives the streams of one broadcast (same round, same ``final``) one set of buffe
   overwrites every later chunk in its own copy, and its earlier chunks were equal;
 * once a sharing stream has passed its trailer (its own CRC-32 checked) the buffers are sealed:
   they are decoded once, into tensors that every sharing client receives (they only read them:
-  the trainer copies a received model into its own), and nothing writes to them again.
+  the trainer copies a received model into its own), and nothing writes to them again;
+* the knowledge the broadcast carries (FedHKD's, FedProto's) is decoded once too: a stream whose
+  knowledge messages equal ones decoded before receives that same (read-only) knowledge object.
 
 Each stream's completeness and CRC-32 are still checked on what that stream carried, so a
 shared buffer never replaces a client's own verification. The two most recent broadcasts' buffers
@@ -31,8 +33,12 @@ from collections.abc import Hashable
 import numpy as np
 import torch
 from wafl.common.codec import Manifest, tensor_from_bytes
+from wafl.common.knowledge import Knowledge, from_proto
+from wafl.common.proto import federation_pb2 as pb
 
 __all__ = ["SharedBuffers", "SharedReception"]
+
+_KNOWLEDGE_KEPT = 4  # distinct knowledge a broadcast's buffers keep decoded (a per-recipient one: the first few)
 
 
 def same_bytes(a: memoryview, b: bytes | bytearray | memoryview) -> bool:
@@ -46,7 +52,7 @@ def same_bytes(a: memoryview, b: bytes | bytearray | memoryview) -> bool:
 class SharedBuffers:
     """The buffers of one broadcast, shared by the streams that carry the same bytes."""
 
-    __slots__ = ("manifest", "buffers", "_offsets", "_lengths", "sealed", "_state", "__weakref__")
+    __slots__ = ("manifest", "buffers", "_offsets", "_lengths", "sealed", "_state", "_knowledge", "__weakref__")
 
     def __init__(self, manifest: Manifest) -> None:
         self.manifest = manifest
@@ -55,6 +61,7 @@ class SharedBuffers:
         self._lengths: dict[tuple[str, int], int] = {}
         self.sealed = False
         self._state: dict[str, torch.Tensor] | None = None
+        self._knowledge: list[tuple[list[pb.ClassKnowledge], Knowledge]] = []  # decoded knowledge, its messages
 
     def take(self, name: str, offset: int, data: bytes | bytearray | memoryview) -> bool:
         """Writes a chunk not seen yet, or checks one seen before; False: this stream cannot share
@@ -82,6 +89,18 @@ class SharedBuffers:
         if self._state is None:
             self._state = {s.name: tensor_from_bytes(self.buffers[s.name], s) for s in self.manifest}
         return dict(self._state)
+
+    def knowledge(self, messages: list[pb.ClassKnowledge]) -> Knowledge:
+        """The knowledge one stream carried: an object decoded before from equal messages (every client
+        of the broadcast then reads one object), else its own (the first ``_KNOWLEDGE_KEPT`` distinct
+        ones are kept for the streams after)."""
+        for seen, decoded in self._knowledge:
+            if seen == messages:
+                return decoded
+        decoded = from_proto(messages)
+        if len(self._knowledge) < _KNOWLEDGE_KEPT:
+            self._knowledge.append((list(messages), decoded))
+        return decoded
 
 
 class SharedReception:

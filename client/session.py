@@ -380,10 +380,11 @@ class ModelAssembler:
         self.reader.finish()
         if self.shared is not None:
             state = self.shared.decode()
+            knowledge = self.shared.knowledge(self.reader.knowledge)
         else:
             state = {s.name: tensor_from_bytes(self.buffers[s.name], s) for s in self.manifest}
+            knowledge = from_proto(self.reader.knowledge)
         h, nbytes = self.header, self.reader.bytes
-        knowledge = from_proto(self.reader.knowledge)
         self.header = self.reader = self.shared = None
         self.buffers = {}
         return ReceivedModel(h.round, h.train, h.final, state, knowledge, nbytes, h.adapt, h.upload_delta)

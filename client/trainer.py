@@ -16,6 +16,7 @@ import itertools
 import json
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,17 @@ from wafl.common.training import Batch, PhaseStats, batches, epochs, evaluate, m
 from wafl.common.verified import load_verified, save_verified
 
 STATE_MAGIC = b"WAFL-CLIENT-STATE-1\n"  # a client state file (wafl.common.verified)
+
+
+@dataclass
+class GmRound:
+    """What a selected client's GM phase gives its upload (:meth:`Trainer.gm_round`)."""
+
+    stats: PhaseStats  # the local phases' steps and loss
+    knowledge: Any  # what the algorithm shares beside the model (None: nothing)
+    # the client's own model tested on its local test split when asked: ("pm" or "local", accuracy, test samples)
+    evaluated: tuple[str, float, int] | None
+    state: OrderedDict[str, torch.Tensor]  # the upload's tensors (:meth:`Trainer.gm_upload_state`)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -260,6 +272,21 @@ class Trainer:
             data = self._data(phase, float(num_epochs))
             train_phase(self.gm, phase, self._context(), data, self._optimizer(parameters_of(self.gm, phase.params)))
         return self.evaluate_local(self.gm)
+
+    def gm_round(self, base: Mapping[str, torch.Tensor] | None = None, evaluate: bool = False) -> GmRound:
+        """A selected client's GM phase in one call (one hop to the thread or process that trains it):
+        :meth:`train_gm`, :meth:`knowledge`, with ``evaluate`` the accuracy of the client's own model
+        (the PM when the algorithm's local model is personal, the local model when it has no personal
+        model, else none), then :meth:`gm_upload_state` of ``base``."""
+        stats = self.train_gm()
+        knowledge = self.knowledge()
+        evaluated: tuple[str, float, int] | None = None
+        if evaluate:
+            if self.algorithm.local_model_is_personal:
+                evaluated = ("pm", *self.evaluate_personal())
+            elif self.algorithm.personal == "none":
+                evaluated = ("local", *self.evaluate_local(self.gm))
+        return GmRound(stats, knowledge, evaluated, self.gm_upload_state(base))
 
     def gm_upload_state(self, base: Mapping[str, torch.Tensor] | None = None) -> OrderedDict[str, torch.Tensor]:
         """The tensors the algorithm shares, on the CPU, or their difference to ``base`` (buffered

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 from wafl.common.proto import federation_pb2 as pb
@@ -114,13 +115,24 @@ def validate_knowledge(k: Knowledge, num_classes: int, code_len: int, tol: float
                 raise ValueError(f"class {j}: {name} length {tuple(t.shape)} must be ({n},)")
             if not t.is_floating_point():
                 raise ValueError(f"class {j}: {name} must be floating point, got {t.dtype}")
-            if not bool(torch.isfinite(t).all()):
-                raise ValueError(f"class {j}: {name} has non-finite values")
-        if bool((ck.soft < 0).any()):
-            raise ValueError(f"class {j}: soft has negative entries (min {float(ck.soft.min()):.3g})")
-        total = float(ck.soft.double().sum())
-        if abs(total - 1.0) > tol:
-            raise ValueError(f"class {j}: soft sums to {total:.6g}, must sum to 1 within {tol}")
+    if not k:
+        return
+    # the values' rules, every class at once (a handful of tensor operations, not a handful per class)
+    reps = torch.stack([ck.rep.detach().cpu() for ck in k.values()]).double()
+    softs = torch.stack([ck.soft.detach().cpu() for ck in k.values()]).double()
+    bad = ~(torch.isfinite(reps).all(1) & torch.isfinite(softs).all(1))
+    bad |= (softs < 0).any(1) | ((softs.sum(1) - 1.0).abs() > tol)
+    if not bool(bad.any()):
+        return
+    ck = list(k.values())[int(bad.nonzero()[0])]  # the first class that breaks a rule: which one, in words
+    j = ck.class_id
+    for name, t in (("rep", ck.rep), ("soft", ck.soft)):
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"class {j}: {name} has non-finite values")
+    if bool((ck.soft < 0).any()):
+        raise ValueError(f"class {j}: soft has negative entries (min {float(ck.soft.min()):.3g})")
+    total = float(ck.soft.double().sum())
+    raise ValueError(f"class {j}: soft sums to {total:.6g}, must sum to 1 within {tol}")
 
 
 def to_proto(k: Knowledge) -> list[pb.ClassKnowledge]:
@@ -139,7 +151,7 @@ def from_proto(messages: Iterable[pb.ClassKnowledge]) -> Knowledge:
     for m in messages:
         if m.class_id in out:
             raise ValueError(f"class {m.class_id} appears twice in the knowledge")
-        rep = torch.tensor(list(m.representation), dtype=torch.float32)
-        soft = torch.tensor(list(m.soft_prediction), dtype=torch.float32)
+        rep = torch.from_numpy(np.array(m.representation, dtype=np.float32))
+        soft = torch.from_numpy(np.array(m.soft_prediction, dtype=np.float32))
         out[m.class_id] = ClassKnowledge(m.class_id, m.count, rep, soft)
     return out

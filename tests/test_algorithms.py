@@ -201,3 +201,31 @@ def test_a_part_used_without_its_state_raises_a_named_error() -> None:
         SpectralDistillation(0.3, "pm", "model", 0.4).begin(rctx, model)
     with pytest.raises(AlgorithmStateError, match="scd: .*before its phase began"):
         SpectralDistillation(0.3, "pm", "model", 0.4)(model, None, rctx)  # type: ignore[arg-type]  # as above
+
+
+@pytest.mark.parametrize("algorithm, kind", [("fedavg", "local"), ("fedhkd", "pm"), ("scd", None)])
+def test_gm_round_is_the_gm_phase_s_calls_in_one(digits, algorithm: str, kind: str | None) -> None:
+    """``gm_round`` gives what ``train_gm``, ``knowledge``, the local evaluation and ``gm_upload_state``
+    give one after another, from the same start (the same seed): one hop to the training thread or process."""
+    cfg = load_config(None, {"algorithm": algorithm, "local_epochs": 1, "num_clients": 5})
+    one, two = (Trainer(cfg, 1, dataset=digits, device="cpu") for _ in range(2))
+    g = OrderedDict((k, v.clone()) for k, v in one.gm.state_dict().items() if one.algorithm.shares(k))
+    for t in (one, two):
+        t.begin_round(1, g)
+    got = one.gm_round(None, evaluate=True)
+    stats, knowledge = two.train_gm(), two.knowledge()
+    if kind == "pm":
+        evaluated = ("pm", *two.evaluate_personal())
+    elif kind == "local":
+        evaluated = ("local", *two.evaluate_local(two.gm))
+    else:
+        evaluated = None
+    state = two.gm_upload_state()
+    assert (got.stats.steps, got.stats.loss_sum) == (stats.steps, stats.loss_sum) and got.evaluated == evaluated
+    assert got.evaluated is None or got.evaluated[2] > 0
+    assert list(got.state) == list(state) and all(torch.equal(got.state[k], state[k]) for k in state)
+    assert (got.knowledge is None) == (knowledge is None) == (algorithm != "fedhkd")
+    if knowledge is not None:
+        assert sorted(got.knowledge) == sorted(knowledge)
+        assert all(torch.equal(got.knowledge[j].rep, knowledge[j].rep) for j in knowledge)
+    assert one.gm_round(None).evaluated is None  # not asked: no evaluation

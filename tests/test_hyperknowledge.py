@@ -282,6 +282,18 @@ def test_validate_knowledge_rejects(bad, pattern):
         validate_knowledge(bad, C, 4)
 
 
+def test_validate_knowledge_names_the_class_that_breaks_a_rule_among_many():
+    """The values of every class are checked at once; the error still names the (first) bad class."""
+    k = {j: ClassKnowledge(j, 2, torch.zeros(4), torch.tensor([0.2, 0.3, 0.5])) for j in range(C)}
+    validate_knowledge(k, C, 4)
+    k[2] = ClassKnowledge(2, 2, torch.tensor([0.0, float("inf"), 0.0, 0.0]), torch.tensor([0.2, 0.3, 0.5]))
+    with pytest.raises(ValueError, match=r"^class 2: rep has non-finite"):
+        validate_knowledge(k, C, 4)
+    k[1] = ClassKnowledge(1, 2, torch.zeros(4), torch.tensor([0.6, 0.3, 0.5]))
+    with pytest.raises(ValueError, match=r"^class 1: soft sums to 1.4"):
+        validate_knowledge(k, C, 4)
+
+
 def test_validate_knowledge_accepts_within_tol():
     validate_knowledge(good(soft=torch.tensor([0.2, 0.3, 0.5005])), C, 4)
     with pytest.raises(ValueError):

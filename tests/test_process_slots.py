@@ -56,6 +56,31 @@ def test_processes_build_the_models_threads_build(algorithm: str, tmp_path: Path
     assert set(_children()) <= before  # the training processes were reaped
 
 
+def test_a_broadcast_crosses_once_per_process_and_round(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Every client of a round receives one model and one knowledge object (SharedReception): each
+    process gets them with the first of its clients' begin_round calls, the others refer to them."""
+    from wafl.client import process_slots
+
+    sent: list[tuple[Any, Any]] = []
+    real = process_slots._message
+
+    def message(obj: Any) -> Any:
+        if len(obj) == 4 and obj[2] == "begin_round":
+            sent.append((obj[3][1], obj[3][2]))
+        return real(obj)
+
+    monkeypatch.setattr(process_slots, "_message", message)
+    cfg = _cfg("fedhkd", num_clients=6)
+    rows = simulate(cfg, tmp_path, slot_processes=2)
+    assert rows[-1]["gm_accuracy"] > 0.3
+    assert len(sent) == 6 * 3  # every client is selected in each of the 3 rounds
+    models = [m for m, _ in sent if not process_slots._is_same(m)]
+    knowledge = [k for _, k in sent if not process_slots._is_same(k)]
+    assert len(models) == 2 * 3  # once per process and round
+    assert len(knowledge) == 2 * 3 and all(isinstance(k, dict) for k in knowledge)
+    assert any(knowledge)  # from round 2 on, the global knowledge of the round before
+
+
 def test_an_error_in_a_training_process_names_the_client_and_the_call(monkeypatch: pytest.MonkeyPatch) -> None:
     orig = Trainer.train_gm
 
@@ -68,7 +93,7 @@ def test_an_error_in_a_training_process_names_the_client_and_the_call(monkeypatc
     with pytest.raises(ValueError, match="no data today") as e:
         simulate(_cfg("fedavg"), slot_processes=2)
     notes = "\n".join(getattr(e.value, "__notes__", []))
-    assert "in client 3's train_gm, training process pid" in notes
+    assert "in client 3's gm_round, training process pid" in notes  # the GM phase's one call
     assert "in the simulation's client client-3" in notes
 
 

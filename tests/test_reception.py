@@ -18,10 +18,10 @@ def _state(seed: int) -> dict[str, torch.Tensor]:
     return {"w": torch.randn(700_000, generator=g), "b": torch.randn(7, generator=g)}  # w: 3 chunks of 1 MiB
 
 
-def _stream(state: dict[str, torch.Tensor], round: int = 3) -> list[object]:
+def _stream(state: dict[str, torch.Tensor], round: int = 3, knowledge: list | None = None) -> list[object]:
     return [
         pb.BroadcastMessage(header=pb.BroadcastHeader(round=round, train=True)),
-        *write_transfer(pb.BroadcastMessage, state.items()),
+        *write_transfer(pb.BroadcastMessage, state.items(), knowledge or []),
     ]
 
 
@@ -51,6 +51,21 @@ def test_identical_broadcasts_share_one_buffer_and_decode() -> None:
         assert all(torch.equal(m.state[k], state[k]) for k in state)
     assert {_ptr(m.state["w"]) for m in models} == {_ptr(models[0].state["w"])}  # one copy in memory
     assert (reception.shared, reception.alone) == (2, 0)
+
+
+def test_equal_knowledge_is_decoded_once_and_different_knowledge_alone() -> None:
+    state = _state(0)
+    same = [pb.ClassKnowledge(class_id=j, count=3, representation=[0.5, j], soft_prediction=[1.0]) for j in range(2)]
+    other = [pb.ClassKnowledge(class_id=0, count=3, representation=[0.25, 0.0], soft_prediction=[1.0])]
+    reception = SharedReception()
+    asms = [ModelAssembler(manifest_of(state), reception=reception) for _ in range(3)]
+    models = _receive(
+        asms, [_stream(state, knowledge=same), _stream(state, knowledge=other), _stream(state, knowledge=same)]
+    )
+    assert models[0].knowledge is models[2].knowledge  # one object that the clients read
+    assert models[1].knowledge is not models[0].knowledge
+    assert torch.equal(models[0].knowledge[1].rep, torch.tensor([0.5, 1.0])) and models[0].knowledge[1].count == 3
+    assert list(models[1].knowledge) == [0] and torch.equal(models[1].knowledge[0].rep, torch.tensor([0.25, 0.0]))
 
 
 def test_a_different_broadcast_goes_on_alone_and_both_are_exact() -> None:
