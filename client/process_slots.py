@@ -379,8 +379,11 @@ def _serve(rfd: int, wfd: int, trainers: dict[int, Trainer]) -> None:
                 out = _message((call_id, False, e))
             except Exception:  # an exception that does not pickle: its text
                 out = _message((call_id, False, RuntimeError("".join(traceback.format_exception(e)))))
-        while out:
-            out = _after(out, os.writev(wfd, out))
+        try:
+            while out:
+                out = _after(out, os.writev(wfd, out))
+        except BrokenPipeError:  # the parent closed its end (its run ended, or failed elsewhere): nobody waits
+            return
 
 
 def _read_exactly(fd: int, n: int) -> bytearray | None:
