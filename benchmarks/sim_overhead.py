@@ -22,12 +22,16 @@ For each point (algorithm, clients, rounds; digits, Dirichlet 0.5, the ``cnn``, 
   as its ``begin_round`` call is handed to its slot.
 * **training alone**: fresh trainers of the same seed (the same shards, the same data order and
   initial models), split over ``--cores`` forked processes (shares of nearly equal samples), replay
-  exactly the training the simulation did: per round, per client, ``begin_round`` on the broadcast
-  it received, the GM's local phases (``train_gm``), the knowledge the algorithm computes (``knowledge``), the PM's
-  epochs (``train_pm``). No evaluation, no encoding, no aggregation, no transport. Wall-clock from
-  the fork to the last process's exit, trainers built before the clock starts. The same replay in
-  ``--cores`` threads of one process (``training_alone_threads_s``) tells what Python's GIL leaves of
-  the cores to a simulation's training threads from what the federation itself costs.
+  exactly the training the simulation did, in a federation's order (round after round; in a round,
+  the process's clients one after another, so each client's state is as far from the caches as in
+  any federated run): per round, per client, ``begin_round`` on the broadcast it received, the GM's
+  local phases (``train_gm``), the knowledge the algorithm computes (``knowledge``), the PM's epochs
+  (``train_pm``). No evaluation, no encoding, no aggregation, no transport. Wall-clock from the fork
+  to the last process's exit, trainers built before the clock starts. The same replay in ``--cores``
+  threads of one process (``training_alone_threads_s``) tells what Python's GIL leaves of the cores
+  to a simulation's training threads from what the federation itself costs; the same replay with each
+  client's rounds one after another (``training_alone_by_client_s``, the order of the benchmark before
+  it replayed round by round) tells what the round order itself costs the caches.
 
 The ratio simulation / training alone is what the federation costs on top of its training
 (target: at most 1.3). The JSON names the commit and the load average before and after each
@@ -132,25 +136,39 @@ def _broadcast(
     return round, dict(state), knowledge, selected
 
 
-def _replay(cfg: RunConfig, part: list[Trainer], received: dict[int, list[tuple[int, Any, Any, bool]]]) -> int:
-    """The training the simulation did for the clients of ``part``, in order; the steps it took."""
+def _replay(
+    cfg: RunConfig, part: list[Trainer], received: dict[int, list[tuple[int, Any, Any, bool]]], by_client: bool = False
+) -> int:
+    """The training the simulation did for the clients of ``part``, round after round (in a round, client
+    after client), as a federation must order it; the steps it took. ``by_client``: each client's rounds
+    one after another instead (its state stays in the caches: no federation can train in that order)."""
     steps = 0
-    for t in part:
-        for r, state, knowledge, selected in received.get(t.index, []):
-            t.begin_round(r, state, knowledge, selected)
-            if selected:
-                steps += t.train_gm().steps
-                t.knowledge()
-            if t.algorithm.personalized and (selected or t.algorithm.pm_when_unselected) and cfg.pm_epochs > 0:
-                steps += t.train_pm(None, float(cfg.pm_epochs)).steps
+    queues = [(t, received.get(t.index, [])) for t in part]
+    order = (
+        [(t, q[i]) for t, q in queues for i in range(len(q))]
+        if by_client
+        else [(t, q[i]) for i in range(max((len(q) for _, q in queues), default=0)) for t, q in queues if i < len(q)]
+    )
+    for t, (r, state, knowledge, selected) in order:
+        t.begin_round(r, state, knowledge, selected)
+        if selected:
+            steps += t.train_gm().steps
+            t.knowledge()
+        if t.algorithm.personalized and (selected or t.algorithm.pm_when_unselected) and cfg.pm_epochs > 0:
+            steps += t.train_pm(None, float(cfg.pm_epochs)).steps
     return steps
 
 
 def train_alone(
-    cfg: RunConfig, received: dict[int, list[tuple[int, Any, Any, bool]]], cores: int, mode: str = "processes"
+    cfg: RunConfig,
+    received: dict[int, list[tuple[int, Any, Any, bool]]],
+    cores: int,
+    mode: str = "processes",
+    by_client: bool = False,
 ) -> dict[str, Any]:
     """Replays the recorded rounds' training split over ``cores`` forked processes (or threads of this
-    process, ``mode="threads"``: what Python's GIL leaves of the cores); their wall-clock and steps."""
+    process, ``mode="threads"``: what Python's GIL leaves of the cores), in a federation's order (or
+    ``by_client``: see :func:`_replay`); their wall-clock and steps."""
     data = load_dataset(cfg.dataset, cfg.data_dir)
     trainers = [Trainer(cfg, i, dataset=data, device="cpu") for i in range(cfg.num_clients)]
     # shares of nearly equal samples, as the simulation's slot processes get them: both cores kept busy
@@ -160,7 +178,7 @@ def train_alone(
 
         t0 = time.monotonic()
         with ThreadPoolExecutor(cores) as pool:
-            steps = list(pool.map(lambda part: _replay(cfg, part, received), parts))
+            steps = list(pool.map(lambda part: _replay(cfg, part, received, by_client), parts))
         return {"wall_s": round(time.monotonic() - t0, 3), "steps": sum(steps), "threads": cores}
     rfd, wfd = os.pipe()
     t0 = time.monotonic()
@@ -170,7 +188,7 @@ def train_alone(
         if pid == 0:
             os.close(rfd)
             try:
-                os.write(wfd, f"{_replay(cfg, part, received)}\n".encode())
+                os.write(wfd, f"{_replay(cfg, part, received, by_client)}\n".encode())
             finally:
                 os._exit(0)
         pids.append(pid)
@@ -200,6 +218,7 @@ def measure(cfg: RunConfig, cores: int, profile: bool, slots: str = SLOTS) -> di
         sim_wall = time.monotonic() - t0
     alone = train_alone(cfg, rec.received, cores)
     threads = train_alone(cfg, rec.received, cores, "threads")
+    by_client = train_alone(cfg, rec.received, cores, by_client=True)
     out: dict[str, Any] = {
         "algorithm": cfg.algorithm,
         "clients": cfg.num_clients,
@@ -210,6 +229,7 @@ def measure(cfg: RunConfig, cores: int, profile: bool, slots: str = SLOTS) -> di
         "ratio": round(sim_wall / alone["wall_s"], 3),
         "training_steps": alone["steps"],
         "training_alone_threads_s": threads["wall_s"],
+        "training_alone_by_client_s": by_client["wall_s"],
         "ratio_to_threads": round(sim_wall / threads["wall_s"], 3),
         "gm_accuracy": rows[-1]["gm_accuracy"],
         "pm_accuracy": rows[-1].get("pm_accuracy"),

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 # scripts whose smoke run is tested in a file of its own (with checks of their own)
@@ -52,7 +53,7 @@ def _sim_overhead(d: dict[str, Any]) -> None:
     for p in d["points"]:
         assert p["slots"] == "processes"
         assert p["simulation_s"] > 0 and p["training_alone_s"] > 0 and p["training_steps"] > 0
-        assert p["training_alone_threads_s"] > 0 and p["ratio_to_threads"] > 0
+        assert p["training_alone_threads_s"] > 0 and p["ratio_to_threads"] > 0 and p["training_alone_by_client_s"] > 0
         assert p["ratio"] == pytest.approx(p["simulation_s"] / p["training_alone_s"], rel=0.01)
         assert p["gm_accuracy"] > 0.1
 
@@ -178,6 +179,31 @@ def test_sim_overhead_runs_a_sweep_files_setting(tmp_path: Path) -> None:
         [sys.executable, script, "--smoke", "--eval-every", "-1"], cwd=REPO, capture_output=True, text=True
     )
     assert bad.returncode == 2 and "--eval-every must be at least 0" in bad.stderr, bad.stderr
+
+
+def test_sim_overhead_replays_the_same_training_in_either_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The training-alone replay, round by round (the ratio's baseline) or client by client, trains every
+    client on the broadcasts it received in the same per-client order: the same steps, the same models."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    from sim_overhead import Recorder, _replay, workload
+    from wafl.cli.simulate import simulate
+    from wafl.client.compute import SharedSlots
+    from wafl.client.trainer import Trainer
+    from wafl.common.datasets import load_dataset
+
+    cfg = workload("fedavg", 3, 2)
+    with Recorder() as rec:  # it records what the training slots are handed
+        simulate(cfg, pool=lambda: SharedSlots(2))
+    assert sorted(rec.received) == [0, 1, 2] and all(len(v) == 2 for v in rec.received.values())
+    data = load_dataset(cfg.dataset)
+    models = []
+    for by_client in (False, True):
+        part = [Trainer(cfg, i, dataset=data, device="cpu") for i in range(3)]
+        steps = _replay(cfg, part, rec.received, by_client)
+        models.append((steps, [t.gm.state_dict() for t in part]))
+    (steps_a, a), (steps_b, b) = models
+    assert steps_a == steps_b > 0
+    assert all(torch.equal(x[k], y[k]) for x, y in zip(a, b) for k in x)
 
 
 def test_kept_real_data_records_are_complete_and_tracked() -> None:
