@@ -146,8 +146,9 @@ class _Child:
         self.body_at = 0
         self.pending: dict[int, asyncio.Future[Any]] = {}
         self.next_id = 0
-        self.last_state: dict[str, torch.Tensor] | None = None  # the broadcast state sent last (the process keeps it)
-        self.last_knowledge: Any = None  # the broadcast knowledge sent last (the process keeps it too)
+        self.held: dict[
+            int, dict[Any, Any]
+        ] = {}  # begin_round's model and knowledge sent last (the process keeps them)
         self.exited: str | None = None
         self.loop.add_reader(self.rfd, self._readable)
 
@@ -159,20 +160,27 @@ class _Child:
         self.next_id += 1
         index, name, args = call
         if name == "begin_round":  # (round, state, knowledge, selected): what the process holds already, not again
-            state, last = args[1], self.last_state
-            if last is not None and len(last) == len(state) and all(state.get(k) is v for k, v in last.items()):
-                args = (args[0], _SAME, *args[2:])  # the broadcast's model the process received last
-            else:
-                self.last_state = dict(state)
-            if len(args) > 2 and args[2] is not None:
-                if args[2] is self.last_knowledge:  # one object for all the clients of a broadcast (SharedReception)
-                    args = (*args[:2], _SAME, *args[3:])
-                else:
-                    self.last_knowledge = args[2]
+            args = self._once(args)
         parts = _message((call_id, index, name, args))
         self.pending[call_id] = fut
         self._send(parts)
         return await fut
+
+    def _once(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """``begin_round``'s arguments with its model and its knowledge replaced by ``_SAME`` where the
+        process received the same ones last: the same objects in them (every client of a broadcast
+        receives the same tensors and, through :class:`~wafl.client.reception.SharedReception`, the
+        same knowledge)."""
+        out = list(args)
+        for i in _HELD:
+            if i >= len(out) or out[i] is None:
+                continue
+            new, last = out[i], self.held.get(i)
+            if last is not None and len(last) == len(new) and all(new.get(k) is v for k, v in last.items()):
+                out[i] = _SAME
+            else:
+                self.held[i] = dict(new)
+        return tuple(out)
 
     def _send(self, parts: list[Buffer]) -> None:
         if not self.out:  # nothing waits for the pipe: straight into it
@@ -341,6 +349,7 @@ def _widen(fd: int) -> None:
 
 
 _SAME = "__wafl_same_as_before__"  # begin_round's state or knowledge: the one this process received last
+_HELD = (1, 2)  # begin_round's arguments a process keeps: the broadcast's model (state), its knowledge
 
 
 def _is_same(arg: Any) -> bool:
@@ -348,8 +357,7 @@ def _is_same(arg: Any) -> bool:
 
 
 def _serve(rfd: int, wfd: int, trainers: dict[int, Trainer]) -> None:
-    state: Any = None
-    knowledge: Any = None
+    held: dict[int, Any] = {}  # begin_round's model and knowledge, as last received (:meth:`_Child._once`)
     while True:
         head = _read_exactly(rfd, _LEN.size)
         if head is None:  # the parent closed the pipe: the end
@@ -361,15 +369,8 @@ def _serve(rfd: int, wfd: int, trainers: dict[int, Trainer]) -> None:
         try:
             t = trainers[index]
             if name == "begin_round":  # the model and knowledge the parent sent with an earlier call, or new ones
-                if _is_same(args[1]):
-                    args = (args[0], state, *args[2:])
-                else:
-                    state = args[1]
-                if len(args) > 2 and args[2] is not None:
-                    if _is_same(args[2]):
-                        args = (*args[:2], knowledge, *args[3:])
-                    else:
-                        knowledge = args[2]
+                args = tuple(held[i] if i in _HELD and _is_same(a) else a for i, a in enumerate(args))
+                held.update({i: args[i] for i in _HELD if i < len(args) and args[i] is not None})
             args = tuple(getattr(t, a.attr) if isinstance(a, _Model) else a for a in args)
             result = getattr(t, name)(*args)
             out = _message((call_id, True, None if name in NO_RESULT else result))
