@@ -361,3 +361,24 @@ def test_pm_yield_transfers_must_be_a_bool() -> None:
 
     with pytest.raises(ConfigError, match="pm_yield_transfers"):
         load_config(None, {"pm_yield_transfers": "yes"})
+
+
+def test_process_cpu_is_read_only_for_a_written_line() -> None:
+    """The phases' process CPU is read when their INFO line is written, else not at all (0.0)."""
+    import logging
+    import time
+
+    from wafl.client.protocol import _process_cpu
+
+    logger = logging.getLogger("client")
+    before = logger.level
+    try:
+        logger.setLevel(logging.WARNING)
+        assert _process_cpu() == 0.0
+        logger.setLevel(logging.INFO)
+        end = time.process_time() + 0.02
+        while time.process_time() < end:  # some CPU, so that the process clock is above 0
+            pass
+        assert _process_cpu() > 0.0
+    finally:
+        logger.setLevel(before)
