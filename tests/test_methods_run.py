@@ -2,6 +2,9 @@
 protocol and trainer of ``wafl run``), under both protocols where it has a personal model, and
 reports the accuracies it defines."""
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 from wafl.cli.simulate import simulate
 from wafl.common.algorithms import registry
@@ -76,3 +79,27 @@ def test_eval_every_evaluates_the_clients_models_in_the_same_rounds_as_the_globa
         assert [r["pm_accuracy"] is not None for r in rows] == [False, True, True]
         assert rows[0]["pm_reports"] == 0 and rows[1]["pm_reports"] == 3
     assert sorted(set(evaluated)) == [2, 3] and len(evaluated) == 6  # 3 clients in each evaluated round
+
+
+def test_a_simulation_in_a_temporary_folder_writes_no_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without ``out_dir`` the run's folder is deleted at the end: it writes no checkpoint (nothing could
+    resume from it), and builds the same models; with ``out_dir`` it checkpoints every round as configured."""
+    import wafl.server.engine as engine_module
+
+    saved: list[Path] = []
+    orig = engine_module.save_checkpoint
+
+    def counting(path: Path, payload: dict[str, Any]) -> None:
+        saved.append(path)
+        orig(path, payload)
+
+    monkeypatch.setattr(engine_module, "save_checkpoint", counting)
+    cfg = load_config(None, {"algorithm": "fedavg", "num_clients": 3, "rounds": 2, "keep_checkpoint_every": 1})
+    temporary = simulate(cfg)
+    assert saved == []
+    kept = simulate(cfg, tmp_path)
+    assert (tmp_path / "checkpoint.pt").is_file() and (tmp_path / "checkpoints" / "round-2.pt").is_file()
+    assert len(saved) == 4  # checkpoint.pt and checkpoints/round-N.pt, each round
+    assert [r["gm_accuracy"] for r in temporary] == [r["gm_accuracy"] for r in kept]
