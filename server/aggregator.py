@@ -73,7 +73,16 @@ def check_aggregator(cfg: RunConfig) -> None:
         raise ConfigError(f"aggregator={cfg.aggregator!r} is not one of {list(CENTERS)}")
 
 
-_scratch = threading.local()  # each folding thread's float64 buffer (UploadFold._contribution)
+_scratch = threading.local()  # each folding thread's float64 buffers (UploadFold._contribution, _update)
+
+
+def _buffer(name: str, size: int) -> np.ndarray:
+    """This thread's float64 buffer ``name``, at least ``size`` long, reused chunk after chunk."""
+    buf: np.ndarray | None = getattr(_scratch, name, None)
+    if buf is None or buf.size < size:
+        buf = np.empty(size, dtype=np.float64)
+        setattr(_scratch, name, buf)
+    return buf[:size]
 # An update whose L2 norm exceeds this is refused: its square overflows float32, the dtype models
 # are kept and averaged in (a client or server summing squares in float32 would get Inf).
 MAX_UPDATE_NORM = math.sqrt(float(np.finfo(np.float32).max))  # about 1.8e19
@@ -474,10 +483,7 @@ class UploadFold:
     def _contribution(self, values: np.ndarray) -> np.ndarray:
         # ``weight * values`` in the folding thread's buffer, reused chunk after chunk and upload after
         # upload: memory per fold worker, not per upload in flight
-        scratch = getattr(_scratch, "buffer", None)
-        if scratch is None or scratch.size < values.size:
-            scratch = _scratch.buffer = np.empty(values.size, dtype=np.float64)
-        return np.multiply(values, self.weight, out=scratch[: values.size], dtype=np.float64)
+        return np.multiply(values, self.weight, out=_buffer("contribution", values.size), dtype=np.float64)
 
     def add(self, spec: TensorSpec, chunk: RawChunk) -> None:
         """Checks the chunk's values (finite) and folds ``weight * values`` into the sum."""
@@ -485,25 +491,28 @@ class UploadFold:
         if values.size == 0:
             return
         contribution = self._contribution(values)
-        if spec.dtype in FLOAT_WIRE_DTYPES and not math.isfinite(float(np.add.reduce(contribution))):
-            # A float64 sum of finite values this size cannot overflow: NaN/Inf is in the data.
-            bad = "NaN" if np.isnan(values).any() else "Inf"
-            raise ChunkError(f"tensor {spec.name!r}: {bad} value in chunk at byte {chunk.offset}")
         start = chunk.offset // itemsize(spec.dtype)
         beyond = False  # this chunk takes the update beyond the adaptive bound
-        if self.acc.rule.measures and spec.dtype in FLOAT_WIRE_DTYPES:
-            d = self._update(spec.name, start, values)
-            sq = sq_norm(d)
-            self.sq_all += sq
-            if bounded(spec.name):
-                self.sq_norm += sq
-            if not self.sq_all <= MAX_UPDATE_NORM**2:  # inf included
-                raise ChunkError(
-                    f"tensor {spec.name!r}: the update's L2 norm exceeds {MAX_UPDATE_NORM:.3g} at byte {chunk.offset}, "
-                    "beyond what float32 can average"
-                )
-            bound = self.acc.bound
-            beyond = not self.deferred and bound is not None and self.sq_norm > bound * bound
+        if spec.dtype in FLOAT_WIRE_DTYPES:
+            measured = self.acc.rule.measures
+            # the update's squared norm is finite exactly when the values are (the reference is), so a
+            # measured chunk needs no separate pass for that; a float64 sum of finite values this size
+            # cannot overflow either: NaN/Inf is in the data
+            sq = sq_norm(self._update(spec.name, start, values)) if measured else float(np.add.reduce(contribution))
+            if not math.isfinite(sq) and not np.isfinite(values).all():
+                bad = "NaN" if np.isnan(values).any() else "Inf"
+                raise ChunkError(f"tensor {spec.name!r}: {bad} value in chunk at byte {chunk.offset}")
+            if measured:
+                self.sq_all += sq
+                if bounded(spec.name):
+                    self.sq_norm += sq
+                if not self.sq_all <= MAX_UPDATE_NORM**2:  # inf included
+                    raise ChunkError(
+                        f"tensor {spec.name!r}: the update's L2 norm exceeds {MAX_UPDATE_NORM:.3g} at byte "
+                        f"{chunk.offset}, beyond what float32 can average"
+                    )
+                bound = self.acc.bound
+                beyond = not self.deferred and bound is not None and self.sq_norm > bound * bound
         with self.lock:  # keeping the chunk too: a rollback must never interleave with it
             if self.state is not FoldState.OPEN:
                 raise ChunkError("the round closed while this upload was streaming", Code.ABORTED)
@@ -538,10 +547,14 @@ class UploadFold:
         return kept
 
     def _update(self, name: str, start: int, values: np.ndarray) -> np.ndarray:
-        """``values`` minus the reference at ``start`` (float64; the values themselves without one)."""
+        """``values`` minus the reference at ``start`` (float64; the values themselves without one), in one
+        pass into the folding thread's second buffer (valid until its next chunk)."""
         ref = self.acc.reference
-        v = values.astype(np.float64)
-        return v if ref is None else np.subtract(v, ref[name][start : start + values.size], out=v)
+        out = _buffer("update", values.size)
+        if ref is None:
+            np.copyto(out, values)
+            return out
+        return np.subtract(values, ref[name][start : start + values.size], out=out, dtype=np.float64)
 
     def commit(self) -> None:
         """Adds the upload to the collection; with clipping its update is scaled to the bound first

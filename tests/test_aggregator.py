@@ -89,6 +89,32 @@ def test_nan_chunk_is_refused_before_folding() -> None:
     assert all(np.all(s == 0) for s in acc.sums.values())
 
 
+@pytest.mark.parametrize(("value", "word"), [(float("nan"), "NaN"), (float("inf"), "Inf"), (float("-inf"), "Inf")])
+def test_a_measured_fold_names_the_non_finite_value_and_rolls_back(value: float, word: str) -> None:
+    """With update norms measured (adaptive clipping, the default), the norm's pass also finds a
+    non-finite value: the refusal names it (not the norm), and nothing of the upload stays in the sums;
+    a finite upload's measured norm is the slow recomputation's."""
+    ref, good = make_state(0), make_state(1)
+    acc = Accumulator(manifest_of(ref), rule=Rule(adaptive=10.0))
+    acc.set_reference(ref)
+    specs = {s.name: s for s in acc.manifest}
+    bad = {k: v.clone() for k, v in good.items()}
+    bad["fc.weight"][-1, -1] = value
+    f = acc.begin(1.0)
+    with pytest.raises(ChunkError, match=f"'fc.weight': {word} value"):
+        for c in iter_chunks(bad.items(), 16384):
+            f.add(specs[c.name], c)
+    f.rollback()
+    assert all(np.all(s == 0) for s in acc.sums.values())
+    f = acc.begin(1.0)
+    for c in iter_chunks(good.items(), 16384):
+        f.add(specs[c.name], c)
+    f.commit()
+    want = sum(float(((good[k].double() - ref[k].double()) ** 2).sum()) for k in good if good[k].is_floating_point())
+    assert f.sq_all == pytest.approx(want, rel=1e-12)
+    assert acc.norms == [pytest.approx(want**0.5, rel=1e-12)]
+
+
 def test_cancel_open_rolls_back_in_flight_folds_and_refuses_more() -> None:
     st = make_state(1)
     acc = Accumulator(manifest_of(st))
