@@ -83,6 +83,8 @@ def _buffer(name: str, size: int) -> np.ndarray:
         buf = np.empty(size, dtype=np.float64)
         setattr(_scratch, name, buf)
     return buf[:size]
+
+
 # An update whose L2 norm exceeds this is refused: its square overflows float32, the dtype models
 # are kept and averaged in (a client or server summing squares in float32 would get Inf).
 MAX_UPDATE_NORM = math.sqrt(float(np.finfo(np.float32).max))  # about 1.8e19
