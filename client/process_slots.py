@@ -146,9 +146,8 @@ class _Child:
         self.body_at = 0
         self.pending: dict[int, asyncio.Future[Any]] = {}
         self.next_id = 0
-        self.held: dict[
-            int, dict[Any, Any]
-        ] = {}  # begin_round's model and knowledge sent last (the process keeps them)
+        # begin_round's model and knowledge sent last, by argument position (the process keeps them)
+        self.held: dict[int, dict[Any, Any]] = {}
         self.exited: str | None = None
         self.loop.add_reader(self.rfd, self._readable)
 
