@@ -41,11 +41,13 @@ point; figures from a machine shared with other work are not the machine's.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import cProfile
 import io
 import json
 import os
 import pstats
+import resource
 import sys
 import time
 from pathlib import Path
@@ -202,10 +204,67 @@ def train_alone(
     return {"wall_s": round(wall, 3), "steps": sum(steps), "processes": cores}
 
 
+def slot_calls_alone(
+    cfg: RunConfig, received: dict[int, list[tuple[int, Any, Any, bool]]], cores: int
+) -> dict[str, Any]:
+    """The floor of training in slot processes: fresh trainers of the same seed in ``cores``
+    :class:`~wafl.client.process_slots.ProcessSlots`, and per recorded round the calls the client
+    protocol hands them (``begin_round`` on the broadcast each client received, then, selected, the GM
+    phase in one ``gm_round``, and the PM's epochs where the round trains them), every client of a round
+    at once as in a federation; no protocol, engine, encoding, upload or aggregation. Wall-clock from the
+    fork to the last round's end, and the CPU of this process during them and of the slot processes over their lives."""
+    return asyncio.run(_slot_calls(cfg, received, cores))
+
+
+async def _slot_calls(
+    cfg: RunConfig, received: dict[int, list[tuple[int, Any, Any, bool]]], cores: int
+) -> dict[str, Any]:
+    data = load_dataset(cfg.dataset, cfg.data_dir)
+    trainers = [Trainer(cfg, i, dataset=data, device="cpu") for i in range(cfg.num_clients)]
+    children_before, own = _cpu(resource.RUSAGE_CHILDREN), _cpu(resource.RUSAGE_SELF)
+    t0 = time.monotonic()  # from the fork, as the simulation's processes start once its trainers are built
+    slots = ProcessSlots(cores, trainers)
+    steps = 0
+
+    async def client_round(t: Trainer, r: int, state: Any, knowledge: Any, selected: bool) -> int:
+        n = 0
+        await slots.run(t.begin_round, r, state, knowledge, selected)
+        if selected:
+            n += (await slots.run(t.gm_round, None, False)).stats.steps
+        if t.algorithm.personalized and (selected or t.algorithm.pm_when_unselected) and cfg.pm_epochs > 0:
+            n += (await slots.run(t.train_pm, None, float(cfg.pm_epochs))).steps
+        return n
+
+    rounds = sorted({b[0] for q in received.values() for b in q})
+    try:
+        for r in rounds:
+            calls = [client_round(trainers[i], *b) for i, q in received.items() for b in q if b[0] == r]
+            steps += sum(await asyncio.gather(*calls))
+        wall = time.monotonic() - t0
+        own = _cpu(resource.RUSAGE_SELF) - own
+    finally:
+        slots.shutdown()
+    return {
+        "wall_s": round(wall, 3),
+        "steps": steps,
+        "processes": slots.slots,
+        "cpu_s": {
+            "event_loop_process": round(own, 3),
+            "slot_processes": round(_cpu(resource.RUSAGE_CHILDREN) - children_before, 3),
+        },
+    }
+
+
+def _cpu(who: int) -> float:
+    u = resource.getrusage(who)
+    return u.ru_utime + u.ru_stime
+
+
 def measure(cfg: RunConfig, cores: int, profile: bool, slots: str = SLOTS) -> dict[str, Any]:
     load_before = os.getloadavg()
     prof = cProfile.Profile() if profile else None
     with Recorder() as rec:
+        own, children = _cpu(resource.RUSAGE_SELF), _cpu(resource.RUSAGE_CHILDREN)
         t0 = time.monotonic()
         if prof is not None:
             prof.enable()
@@ -216,7 +275,11 @@ def measure(cfg: RunConfig, cores: int, profile: bool, slots: str = SLOTS) -> di
         if prof is not None:
             prof.disable()
         sim_wall = time.monotonic() - t0
+        own, children = _cpu(resource.RUSAGE_SELF) - own, _cpu(resource.RUSAGE_CHILDREN) - children
+    before = _cpu(resource.RUSAGE_CHILDREN)
     alone = train_alone(cfg, rec.received, cores)
+    alone_cpu = _cpu(resource.RUSAGE_CHILDREN) - before if alone.get("processes") else None
+    floor = slot_calls_alone(cfg, rec.received, cores) if slots == "processes" else None
     threads = train_alone(cfg, rec.received, cores, "threads")
     by_client = train_alone(cfg, rec.received, cores, by_client=True)
     out: dict[str, Any] = {
@@ -228,9 +291,17 @@ def measure(cfg: RunConfig, cores: int, profile: bool, slots: str = SLOTS) -> di
         "training_alone_s": alone["wall_s"],
         "ratio": round(sim_wall / alone["wall_s"], 3),
         "training_steps": alone["steps"],
+        # CPU seconds: the simulation's own process (event loop, engine, fold threads) and its slot processes
+        # (none with --slots threads), against the training-alone processes'
+        "simulation_cpu_s": {"event_loop_process": round(own, 3), "slot_processes": round(children, 3)},
+        "training_alone_cpu_s": None if alone_cpu is None else round(alone_cpu, 3),
         "training_alone_threads_s": threads["wall_s"],
         "training_alone_by_client_s": by_client["wall_s"],
         "ratio_to_threads": round(sim_wall / threads["wall_s"], 3),
+        # the floor of --slots processes: the same calls to the same slot processes, nothing else (slot_calls_alone)
+        "slot_calls_alone": floor,
+        "ratio_to_slot_calls": None if floor is None else round(sim_wall / floor["wall_s"], 3),
+        "slot_calls_to_training_alone": None if floor is None else round(floor["wall_s"] / alone["wall_s"], 3),
         "gm_accuracy": rows[-1]["gm_accuracy"],
         "pm_accuracy": rows[-1].get("pm_accuracy"),
         "loadavg_before": list(load_before),
@@ -242,6 +313,13 @@ def measure(cfg: RunConfig, cores: int, profile: bool, slots: str = SLOTS) -> di
         out["profile_cumulative_top40"] = s.getvalue().splitlines()[-48:]
         print("\n".join(out["profile_cumulative_top40"]), flush=True)
     return out
+
+
+def floor_text(r: dict[str, Any]) -> str:
+    floor = r["slot_calls_alone"]
+    if floor is None:
+        return ""
+    return f"slot calls alone {floor['wall_s']:.2f} s, {r['slot_calls_to_training_alone']:.2f} x the training; "
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -296,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
             points.append(r)
             print(
                 f"{algo:<7} {n:>4} clients {cfg.rounds:>3} rounds: simulation {r['simulation_s']:7.2f} s, training "
-                f"alone {r['training_alone_s']:7.2f} s, ratio {r['ratio']:.2f} (alone in threads "
+                f"alone {r['training_alone_s']:7.2f} s, ratio {r['ratio']:.2f} ({floor_text(r)}alone in threads "
                 f"{r['training_alone_threads_s']:.2f} s, ratio {r['ratio_to_threads']:.2f}; gm {r['gm_accuracy']:.4f}, "
                 f"load {r['loadavg_before'][0]:.1f})",
                 flush=True,

@@ -56,6 +56,12 @@ def _sim_overhead(d: dict[str, Any]) -> None:
         assert p["training_alone_threads_s"] > 0 and p["ratio_to_threads"] > 0 and p["training_alone_by_client_s"] > 0
         assert p["ratio"] == pytest.approx(p["simulation_s"] / p["training_alone_s"], rel=0.01)
         assert p["gm_accuracy"] > 0.1
+        # the slot-call floor trains the same steps through the same process slots, and its CPU is measured
+        floor = p["slot_calls_alone"]
+        assert floor["steps"] == p["training_steps"] and floor["processes"] == 2
+        assert floor["cpu_s"]["slot_processes"] > 0 and p["simulation_cpu_s"]["slot_processes"] > 0
+        assert p["training_alone_cpu_s"] > 0 and p["simulation_cpu_s"]["event_loop_process"] > 0
+        assert p["ratio_to_slot_calls"] == pytest.approx(p["simulation_s"] / floor["wall_s"], rel=0.01)
 
 
 def _train_step(d: dict[str, Any]) -> None:
