@@ -33,6 +33,16 @@ For each point (algorithm, clients, rounds; digits, Dirichlet 0.5, the ``cnn``, 
   client's rounds one after another (``training_alone_by_client_s``, the order of the benchmark before
   it replayed round by round) tells what the round order itself costs the caches.
 
+* **slot calls alone** (with ``--slots processes``): fresh trainers in the same forked slot processes,
+  handed exactly the calls the simulation's client protocol hands them (per round, every client at once:
+  ``begin_round``, the GM phase in one ``gm_round``, the PM's epochs), and nothing else: no protocol,
+  engine, encoding, upload or aggregation. Between training alone and the simulation, it says what the
+  hops to the processes cost and what the federation costs beyond them.
+
+Each point also records CPU seconds (``getrusage``): the simulation's own process (event loop, engine,
+fold threads; the trainers' building included), its slot processes, the training-alone processes. On
+two cores a simulation's CPU bounds its wall-clock from below: half of their sum.
+
 The ratio simulation / training alone is what the federation costs on top of its training
 (target: at most 1.3). The JSON names the commit and the load average before and after each
 point; figures from a machine shared with other work are not the machine's.
