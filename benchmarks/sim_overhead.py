@@ -166,7 +166,7 @@ def _replay(
         if selected:
             steps += t.train_gm().steps
             t.knowledge()
-        if t.algorithm.personalized and (selected or t.algorithm.pm_when_unselected) and cfg.pm_epochs > 0:
+        if t.algorithm.trains_pm(selected) and cfg.pm_epochs > 0:
             steps += t.train_pm(None, float(cfg.pm_epochs)).steps
     return steps
 
@@ -241,15 +241,17 @@ async def _slot_calls(
         await slots.run(t.begin_round, r, state, knowledge, selected)
         if selected:
             n += (await slots.run(t.gm_round, None, False)).stats.steps
-        if t.algorithm.personalized and (selected or t.algorithm.pm_when_unselected) and cfg.pm_epochs > 0:
+        if t.algorithm.trains_pm(selected) and cfg.pm_epochs > 0:
             n += (await slots.run(t.train_pm, None, float(cfg.pm_epochs))).steps
         return n
 
-    rounds = sorted({b[0] for q in received.values() for b in q})
+    by_round: dict[int, list[tuple[Trainer, tuple[int, Any, Any, bool]]]] = {}
+    for i, q in received.items():
+        for b in q:
+            by_round.setdefault(b[0], []).append((trainers[i], b))
     try:
-        for r in rounds:
-            calls = [client_round(trainers[i], *b) for i, q in received.items() for b in q if b[0] == r]
-            steps += sum(await asyncio.gather(*calls))
+        for r in sorted(by_round):
+            steps += sum(await asyncio.gather(*(client_round(t, *b) for t, b in by_round[r])))
         wall = time.monotonic() - t0
         own = _cpu(resource.RUSAGE_SELF) - own
     finally:
@@ -288,7 +290,7 @@ def measure(cfg: RunConfig, cores: int, profile: bool, slots: str = SLOTS) -> di
         own, children = _cpu(resource.RUSAGE_SELF) - own, _cpu(resource.RUSAGE_CHILDREN) - children
     before = _cpu(resource.RUSAGE_CHILDREN)
     alone = train_alone(cfg, rec.received, cores)
-    alone_cpu = _cpu(resource.RUSAGE_CHILDREN) - before if alone.get("processes") else None
+    alone_cpu = _cpu(resource.RUSAGE_CHILDREN) - before  # its forked processes, reaped
     floor = slot_calls_alone(cfg, rec.received, cores) if slots == "processes" else None
     threads = train_alone(cfg, rec.received, cores, "threads")
     by_client = train_alone(cfg, rec.received, cores, by_client=True)
@@ -304,7 +306,7 @@ def measure(cfg: RunConfig, cores: int, profile: bool, slots: str = SLOTS) -> di
         # CPU seconds: the simulation's own process (event loop, engine, fold threads) and its slot processes
         # (none with --slots threads), against the training-alone processes'
         "simulation_cpu_s": {"event_loop_process": round(own, 3), "slot_processes": round(children, 3)},
-        "training_alone_cpu_s": None if alone_cpu is None else round(alone_cpu, 3),
+        "training_alone_cpu_s": round(alone_cpu, 3),
         "training_alone_threads_s": threads["wall_s"],
         "training_alone_by_client_s": by_client["wall_s"],
         "ratio_to_threads": round(sim_wall / threads["wall_s"], 3),

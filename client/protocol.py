@@ -207,7 +207,7 @@ class RoundProtocol:
             await self._slow_down(phase.duration_s, r)
         # the personal phase: after the GM (selected), or alone when the algorithm trains the personal
         # part of an unselected client on the model it received (README, "Partial participation")
-        trains_pm = t.algorithm.personalized and (selected or t.algorithm.pm_when_unselected)
+        trains_pm = t.algorithm.trains_pm(selected)
         if trains_pm and self.protocol is ClientProtocol.COMPUTE_AND_WAIT and cfg.pm_epochs > 0:
             cpu = _process_cpu()
             with self.timeline.phase("pm_train", r) as phase:

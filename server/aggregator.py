@@ -500,14 +500,14 @@ class UploadFold:
             # the update's squared norm is finite exactly when the values are (the reference is), so a
             # measured chunk needs no separate pass for that; a float64 sum of finite values this size
             # cannot overflow either: NaN/Inf is in the data
-            sq = sq_norm(self._update(spec.name, start, values)) if measured else float(np.add.reduce(contribution))
-            if not math.isfinite(sq) and not np.isfinite(values).all():
+            total = sq_norm(self._update(spec.name, start, values)) if measured else float(np.add.reduce(contribution))
+            if not math.isfinite(total) and not np.isfinite(values).all():
                 bad = "NaN" if np.isnan(values).any() else "Inf"
                 raise ChunkError(f"tensor {spec.name!r}: {bad} value in chunk at byte {chunk.offset}")
-            if measured:
-                self.sq_all += sq
+            if measured:  # ``total`` is the update's squared norm
+                self.sq_all += total
                 if bounded(spec.name):
-                    self.sq_norm += sq
+                    self.sq_norm += total
                 if not self.sq_all <= MAX_UPDATE_NORM**2:  # inf included
                     raise ChunkError(
                         f"tensor {spec.name!r}: the update's L2 norm exceeds {MAX_UPDATE_NORM:.3g} at byte "

@@ -354,6 +354,11 @@ class Algorithm:
         """A personal phase trains the PM (wait-free: until the next broadcast; reported after it)."""
         return self.pm_phase is not None
 
+    def trains_pm(self, selected: bool) -> bool:
+        """Whether a client's round trains the PM: after the GM (selected), or alone on the model it
+        received when the algorithm trains the personal part of unselected clients."""
+        return self.personalized and (selected or self.pm_when_unselected)
+
     def add_terms(self, terms: list[LossTerm]) -> None:
         """Composition (``+asd``): the terms join every main phase."""
         seen: set[int] = set()
