@@ -79,3 +79,24 @@ def test_feddyn_client_state_does_not_mutate():
     out = feddyn_client_state_update(g, [torch.full((2,), 3.0)], [torch.full((2,), 1.0)], 0.25)
     torch.testing.assert_close(out[0], torch.full((2,), 0.5))
     torch.testing.assert_close(g[0], torch.ones(2))
+
+
+def test_feddyn_h_divides_by_the_training_clients_not_the_held_out_ones():
+    """With ``new_clients = K`` only ``N - K`` clients train: the paper's ``m`` is those, so ``h`` moves by
+    ``alpha / (N - K)`` per unit of drift (not ``alpha / N``). The algorithm is built as the engine builds it."""
+    from wafl.common.algorithms import registry
+    from wafl.common.config import load_config
+
+    cfg = load_config(None, {"algorithm": "feddyn", "num_clients": 10, "new_clients": 3})
+    algo = registry.resolve(cfg.algorithm, cfg.params, vars(cfg))
+    alpha, m = cfg.params["alpha"], 10 - 3
+    rng = np.random.default_rng(1)
+    w_g = rng.normal(size=(3, 2))
+    locals_ = [rng.normal(size=(3, 2)) for _ in range(4)]
+    prev = {"w": torch.from_numpy(w_g)}
+    out = algo.server.finalize(prev, {"w": torch.from_numpy(np.mean(locals_, axis=0))}, participants=4)
+    exp_h = np.zeros_like(w_g)
+    for wk in locals_:  # h <- h - alpha (1/m) sum_S (w_k - w_g), m = the training clients
+        exp_h -= alpha / m * (wk - w_g)
+    np.testing.assert_allclose(algo.server.h["w"].numpy(), exp_h, rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(out["w"].numpy(), np.mean(locals_, axis=0) - exp_h / alpha, rtol=1e-9, atol=1e-9)

@@ -83,3 +83,20 @@ def test_scaffold_server_update() -> None:
     out = algo.server.finalize(prev, mean, participants=4)
     assert torch.equal(out["w"], mean["w"])
     assert torch.allclose(out[extra_name("c.w")], torch.tensor([2.4, 1.6, 2.0]))
+
+
+def test_scaffold_c_divides_by_the_training_clients_not_the_held_out_ones() -> None:
+    """``c`` is the mean of the ``N`` clients' variates, ``c <- c + (1/N) sum_S dc_i``; with ``new_clients = K``
+    the ``K`` held-out clients have none, so ``N = num_clients - K``. Built as the engine builds it."""
+    from wafl.common.algorithms import registry
+    from wafl.common.config import load_config
+
+    cfg = load_config(None, {"algorithm": "scaffold", "num_clients": 10, "new_clients": 3})
+    algo = registry.resolve(cfg.algorithm, cfg.params, vars(cfg))
+    dcs = [torch.tensor([1.0, -2.0, 0.5]), torch.tensor([3.0, 0.0, -1.0]), torch.tensor([-0.5, 4.0, 2.0])]
+    c0 = torch.tensor([0.25, -0.75, 1.0])
+    prev = {"w": torch.ones(3), extra_name("c.w"): c0}
+    mean = {"w": torch.zeros(3), extra_name("c.w"): sum(dcs) / len(dcs)}
+    out = algo.server.finalize(prev, mean, participants=len(dcs))
+    want = [c0[j].item() + sum(dc[j].item() for dc in dcs) / (10 - 3) for j in range(3)]
+    assert torch.allclose(out[extra_name("c.w")], torch.tensor(want), atol=1e-6)

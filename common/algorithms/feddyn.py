@@ -11,12 +11,15 @@ trains on
 (:class:`FedDynUpdate`) takes the uniform mean over the round's participants ``S`` and keeps ``h``
 (zero at first, checkpointed):
 
-    h   <- h - alpha (1/m) sum_S (w_k - w_g)                     (m = all clients)
+    h   <- h - alpha (1/m) sum_S (w_k - w_g)                     (m = all training clients)
     w_g <- mean_S(w_k) - h / alpha
 
 (:func:`feddyn_server_update`, on every trained floating tensor; normalization statistics are
-averaged). ``alpha`` 0.01. The term joins the phase like any loss term, so a composed regularizer
-(``feddyn+asd``) adds its own term next to it.
+averaged). ``m`` is the paper's number of clients: with ``new_clients = K`` held out of training it
+is ``num_clients - K`` (:func:`~wafl.common.algorithms.server_updates.training_clients`), the
+clients whose ``g_k`` the server's ``h`` tracks (a held-out client never uploads). ``alpha`` 0.01.
+The term joins the phase like any loss term, so a composed regularizer (``feddyn+asd``) adds its
+own term next to it.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from torch import Tensor, nn
 from wafl.common.algorithms.base import Algorithm, Forward, LossTerm, RoundContext, ServerUpdate
 from wafl.common.algorithms.registry import Param, register
 from wafl.common.algorithms.regularizers import aligned
-from wafl.common.algorithms.server_updates import is_weight
+from wafl.common.algorithms.server_updates import is_weight, training_clients
 
 STATE_KEY = "feddyn_grad"
 
@@ -64,7 +67,7 @@ def feddyn_server_update(
 ) -> tuple[Tensor, Tensor]:
     """FedDyn server step on one tensor.
 
-    ``h <- h - alpha (1/m) sum_S (w_k - w_g)`` with ``m = num_clients`` (all clients), then
+    ``h <- h - alpha (1/m) sum_S (w_k - w_g)`` with ``m = num_clients`` (all training clients), then
     ``w_g <- mean_S(w_k) - h / alpha`` with the updated ``h``. ``sum_local_w`` is ``sum_S w_k``
     over the ``num_participants`` clients of this round. Returns ``(new_global, new_h)``.
     """
@@ -145,7 +148,7 @@ def build(p: dict[str, Any], run: Mapping[str, Any]) -> Algorithm:
         "feddyn",
         p,
         gm_terms=[DynamicRegularizer(p["alpha"])],
-        server=FedDynUpdate(p["alpha"], int(run.get("num_clients", 1))),
+        server=FedDynUpdate(p["alpha"], training_clients(run)),
     )
 
 

@@ -18,7 +18,9 @@ coordinate, the variates swamp the gradients and the model diverges). The client
 and ``dc_i = c_i+ - c_i`` (an extra tensor per trained parameter);
 ``c_i <- c_i+``. The server, with the uniform mean over the ``|S|`` clients of the round as in
 the paper's Algorithm 1 (global step size ``eta_g = 1``): ``x <- mean(y_i)``,
-``c <- c + (|S| / N) mean(dc_i)``, ``N`` = all clients. Only trained parameters get control
+``c <- c + (|S| / N) mean(dc_i)``, ``N`` = all clients that train: with ``new_clients = K`` held
+out of training, ``num_clients - K`` (:func:`~wafl.common.algorithms.server_updates.training_clients`;
+``c`` is the mean of the ``N`` variates ``c_i``, and a held-out client has none). Only trained parameters get control
 variates; buffers (none in the digits CNN) are averaged.
 """
 
@@ -41,6 +43,7 @@ from wafl.common.algorithms.base import (
     extra_name,
 )
 from wafl.common.algorithms.registry import register
+from wafl.common.algorithms.server_updates import training_clients
 from wafl.common.models.base import SplitModel
 
 STATE_KEY = "scaffold_c_i"
@@ -129,7 +132,7 @@ def build(p: dict[str, Any], run: Mapping[str, Any]) -> Algorithm:
         phases=[Phase("gm", step=CorrectedStep())],
         extras=controls,
         hooks=Hooks(),
-        server=ScaffoldServer(int(run.get("num_clients", 1))),
+        server=ScaffoldServer(training_clients(run)),
     )
 
 

@@ -1,5 +1,6 @@
 """Server-update machinery shared by several methods: which tensors are weights (:func:`is_weight`),
-and FedAvgM's momentum (state across rounds, checkpointed)."""
+how many clients train (:func:`training_clients`), and FedAvgM's momentum (state across rounds,
+checkpointed)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,14 @@ _BUFFER_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
 def is_weight(name: str, t: torch.Tensor) -> bool:
     """Floating tensors that are trained (not normalization statistics)."""
     return t.is_floating_point() and not name.endswith(_BUFFER_SUFFIXES)
+
+
+def training_clients(run: Mapping[str, Any]) -> int:
+    """The clients that train, from the run configuration as a mapping: ``num_clients`` less the
+    ``new_clients`` held out of training (``RunConfig.training_clients``; a mapping of the
+    configuration has its fields, not its properties). A method whose server divides by "all
+    clients" (FedDyn's ``h``, SCAFFOLD's ``c``) means these: a held-out client never uploads."""
+    return int(run.get("num_clients", 1)) - int(run.get("new_clients", 0))
 
 
 class MomentumUpdate(ServerUpdate):
