@@ -1,5 +1,6 @@
 # Two entry points that work on a fresh machine: `make run` and `make test`.
-# scripts/venv.sh creates (once) and prints a virtual environment keyed by the dependency list.
+# scripts/venv.sh prints this checkout's environment (.venv, its own editable install) over dependencies shared
+# outside the clone, keyed by the dependency list; it creates what is missing.
 VENV := $(shell bash scripts/venv.sh)
 ifeq ($(VENV),)
 $(error scripts/venv.sh could not create the virtual environment; run it by hand to see why)
