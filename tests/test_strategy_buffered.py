@@ -5,15 +5,34 @@ import math
 
 import numpy as np
 import pytest
-import torch
 from strategy_checks import IDS, SAMPLES, make, state, upload
 from wafl.common.config import ConfigError, load_config
 from wafl.common.errors import AlreadyAccepted, Code, Refused
 from wafl.server.strategies.buffered import BufferedConfig, BufferedStrategy, staleness_function
 
 
-def test_buffered_version_is_the_staleness_weighted_delta_step() -> None:
-    s = make(aggregation="buffered", buffer_size=2, server_lr=0.7)
+def fedbuff(x: dict, buffer: list, lr: float, weighting: str) -> dict:
+    """Nguyen et al.'s Algorithm 1, written out: ``x + lr * sum_i s(age_i) d_i / K`` with
+    ``s(age) = 1/sqrt(1 + age)``, or with sample weights ``sum_i s(age_i) n_i d_i / sum_i n_i``
+    (wafl's ``weighting = "samples"``); ``buffer`` holds ``(delta, n, age)`` per update."""
+    out = {}
+    for k in x:
+        total = np.zeros(tuple(x[k].shape))
+        for d, n, age in buffer:
+            total += (n if weighting == "samples" else 1.0) / math.sqrt(1 + age) * d[k].double().numpy()
+        per = sum(n for _, n, _ in buffer) if weighting == "samples" else len(buffer)
+        out[k] = x[k].double().numpy() + lr * total / per
+    return out
+
+
+def assert_model(got: dict, want: dict) -> None:
+    for k in want:
+        assert np.allclose(got[k].double().numpy(), want[k], atol=1e-6), k
+
+
+@pytest.mark.parametrize("weighting", ["uniform", "samples"])
+def test_buffered_version_is_the_staleness_weighted_delta_step(weighting) -> None:
+    s = make(aggregation="buffered", buffer_size=2, server_lr=0.7, aggregation_params={"weighting": weighting})
     assert isinstance(s, BufferedStrategy)
     assert s.start(0.0) == {"a": True, "b": True, "c": True}  # concurrency: every client
     x1 = state(0)
@@ -25,20 +44,55 @@ def test_buffered_version_is_the_staleness_weighted_delta_step() -> None:
     c1 = s.close(1.0)
     x2, _, row = s.aggregate(x1, c1)
     assert row["round"] == 1 and row["version"] == 2 and row["clients"] == 2 and row["staleness_max"] == 0
-    for k in x1:
-        want = x1[k].double() + 0.7 * (10 * da[k].double() + 30 * db[k].double()) / 40
-        assert torch.allclose(x2[k].double(), want, atol=1e-6), k
+    assert_model(x2, fedbuff(x1, [(da, 10, 0), (db, 30, 0)], 0.7, weighting))
     assert s.published(2.0) == {"a": True, "b": True}  # freed slots get version 2; c still trains on 1
     # c's update started from version 1: one version old, weight 1/sqrt(2)
     upload(s, "c", 1, dc)
     upload(s, "a", 2, da)
     c2 = s.close(3.0)
     x3, _, row = s.aggregate(x2, c2)
-    w = 1 / math.sqrt(2)
-    for k in x1:
-        want = x2[k].double() + 0.7 * (w * 20 * dc[k].double() + 10 * da[k].double()) / 30
-        assert torch.allclose(x3[k].double(), want, atol=1e-6), k
+    assert_model(x3, fedbuff(x2, [(dc, 20, 1), (da, 10, 0)], 0.7, weighting))
     assert row["staleness_mean"] == 0.5 and row["staleness_max"] == 1
+
+
+def test_buffered_weighting_defaults_to_the_papers_uniform_mean() -> None:
+    """Unequal sample counts (10 and 30): the default averages the K deltas uniformly."""
+    s = make(aggregation="buffered", buffer_size=2)
+    assert s.config.weighting == "uniform"
+    s.start(0.0)
+    x1, da, db = state(0), state(1), state(2)
+    upload(s, "a", 1, da)
+    upload(s, "b", 1, db)
+    x2, _, _ = s.aggregate(x1, s.close(1.0))
+    assert_model(x2, fedbuff(x1, [(da, 10, 0), (db, 30, 0)], 1.0, "uniform"))
+
+
+@pytest.mark.parametrize("weighting", ["uniform", "samples"])
+def test_an_upload_between_a_close_and_the_next_version_is_one_version_old(weighting) -> None:
+    """b's update from version 1 arrives after the buffer that makes version 2 closed and before
+    version 2 is built: it goes into the next buffer, which is applied to version 2, so its age is
+    2 - 1 = 1 (weight 1/sqrt(2)), not 0."""
+    s = make(aggregation="buffered", buffer_size=1, aggregation_params={"weighting": weighting})
+    s.start(0.0)
+    x1, da, db = state(0), state(1), state(2)
+    upload(s, "a", 1, da)
+    c1 = s.close(1.0)
+    tb, _ = upload(s, "b", 1, db, now=1.5)  # the engine drains and aggregates c1 now
+    assert tb.collection is s.current and tb.collection is not c1 and tb.staleness == 1
+    x2, _, _ = s.aggregate(x1, c1)
+    assert_model(x2, fedbuff(x1, [(da, 10, 0)], 1.0, weighting))
+    s.published(2.0)
+    assert s.ready()
+    x3, _, row = s.aggregate(x2, s.close(3.0))
+    assert row["staleness_max"] == 1
+    assert_model(x3, fedbuff(x2, [(db, 30, 1)], 1.0, weighting))
+    # the bound sees the same age: under max_staleness=0 that upload is refused
+    s = make(aggregation="buffered", buffer_size=1, max_staleness=0)
+    s.start(0.0)
+    upload(s, "a", 1, da)
+    s.close(1.0)
+    with pytest.raises(Refused, match="1 versions old; max_staleness=0"):
+        s.open("b", 1, SAMPLES["b"], "b-1", 1.5)
 
 
 def test_buffered_refusals_are_precise() -> None:
@@ -93,6 +147,7 @@ def test_staleness_functions() -> None:
         ({"grad_dissimilarity_every": 2}, "grad_dissimilarity_every=2 needs aggregation='sync'"),
         ({"aggregation_params": {"alpha": 0.5}}, "aggregation_params.alpha is not a setting of aggregation"),
         ({"staleness": "cubic"}, "staleness='cubic' is not one of"),
+        ({"aggregation_params": {"weighting": "steps"}}, "aggregation_params.weighting='steps' is not one of"),
     ],
 )
 def test_buffered_config_refuses_what_makes_no_sense(overrides, message) -> None:

@@ -2,13 +2,25 @@
 Asynchronous Aggregation", AISTATS 2022).
 
 Up to ``concurrency`` clients train at once, each on the newest version when it was asked; each
-upload is a delta against the version it started from, weighted by ``staleness(age in versions)
-* samples``; ``buffer_size`` accepted deltas (plus any already streaming into the buffer when it
-filled) make the next version, ``x + server_lr * sum_i s(age_i) n_i delta_i / sum_i n_i``. Freed
-slots go at once to idle clients chosen at random (reproducibly from the seed), with the newest
-version. Its settings are run-wide fields (``concurrency``, ``buffer_size``, ``staleness``,
-``staleness_a``, ``staleness_b``, ``max_staleness``, ``server_lr``), checked by
-:class:`BufferedConfig`; the slots, versions and staleness rules here serve FedAsync too
+upload is a delta ``delta_i`` against the version it started from. ``buffer_size`` accepted deltas
+(plus any already streaming into the buffer when it filled) make the next version:
+
+* ``weighting = "uniform"`` (the default; the paper's Algorithm 1 and FLSim's default equal
+  example weight): ``x + server_lr * sum_i s(age_i) delta_i / K``, ``K`` the number of deltas in
+  the buffer (``buffer_size``; more only when uploads were streaming as it filled);
+* ``weighting = "samples"`` (wafl's earlier rule, a departure from the paper, which averages the K
+  deltas uniformly): ``x + server_lr * sum_i s(age_i) n_i delta_i / sum_i n_i``, ``n_i`` the
+  upload's sample count.
+
+``age_i`` (``t - tau_i`` in the paper) is the versions between the one the update was trained
+from and the one its buffer is applied to: an upload that arrives after a buffer closed but before
+its version is built goes into the next buffer, which is applied to that new version, so it is
+already one version old. ``s`` is the run's ``staleness`` rule (FedBuff's ``sqrt``
+``1/sqrt(1+age)``; FedAsync's ``constant``, ``poly``, ``hinge``). Freed slots go at once to idle
+clients chosen at random (reproducibly from the seed), with the newest version. Its settings are
+run-wide fields (``concurrency``, ``buffer_size``, ``staleness``, ``staleness_a``,
+``staleness_b``, ``max_staleness``, ``server_lr``), checked by :class:`BufferedConfig`, and its own
+``aggregation_params.weighting``; the slots, versions and staleness rules here serve FedAsync too
 (``fedasync.py``).
 """
 
@@ -16,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -87,14 +99,21 @@ class AsyncConfig(RuleConfig):
         return cfg.concurrency or cfg.training_clients, weight, cfg.max_staleness
 
 
+WEIGHTINGS = ("uniform", "samples")
+
+
 @dataclass(frozen=True)
 class BufferedConfig(AsyncConfig):
     buffer_size: int  # accepted updates per new version
     server_lr: float  # step size of the averaged update
+    weighting: str = "uniform"  # "uniform": sum_i s_i delta_i / K (the paper); "samples": by sample counts
+
+    PARAMS: ClassVar[dict[str, Any]] = {"weighting": "uniform"}
 
     @classmethod
     def of(cls, cfg: RunConfig) -> BufferedConfig:
-        cls.own_params(cfg)
+        weighting = cls.own_params(cfg)["weighting"]
+        one_of("aggregation_params.weighting", weighting, WEIGHTINGS)
         concurrency, staleness, max_staleness = cls.async_fields(cfg)
         if cfg.buffer_size is not None:
             int_at_least("buffer_size", cfg.buffer_size, 1)
@@ -105,7 +124,7 @@ class BufferedConfig(AsyncConfig):
                 )
         positive("server_lr", cfg.server_lr)
         buffer_size = cfg.buffer_size or max(1, concurrency // 2)
-        return cls(concurrency, staleness, max_staleness, buffer_size, cfg.server_lr)
+        return cls(concurrency, staleness, max_staleness, buffer_size, cfg.server_lr, weighting)
 
     def uploads_per_aggregation(self, cfg: RunConfig) -> int:
         return self.buffer_size
@@ -161,6 +180,12 @@ class BufferedStrategy(Strategy):
     def staleness_weight(self, staleness: int) -> float:
         return self.weight_of(staleness)
 
+    def fold_weight(self, num_samples: int, metrics: Mapping[str, float], staleness: int) -> float:
+        """``s(age)`` (``weighting = "uniform"``) or ``s(age) n_i`` (``"samples"``)."""
+        if self.config.weighting == "uniform":
+            return self.staleness_weight(staleness)
+        return super().fold_weight(num_samples, metrics, staleness)
+
     def _open_collections(self) -> tuple[Collection, ...]:
         return tuple(self.closing)
 
@@ -174,7 +199,9 @@ class BufferedStrategy(Strategy):
                 + ("" if given is None else f" (it trains on version {given[0]})"),
                 Code.FAILED_PRECONDITION,
             )
-        staleness = self.version - version
+        # its age against the version its collection is applied to: after a close and before the
+        # next model is built (drain, aggregation) that is the version being built, self.version + 1
+        staleness = self.current.version - version
         if staleness > self.config.max_staleness:
             self.assigned.pop(client_id, None)
             raise Refused(
@@ -226,8 +253,9 @@ class BufferedStrategy(Strategy):
         if acc.rule.keeps_uploads:  # a robust center of the deltas, unweighted
             mean, scale = acc.center(), self.config.server_lr
         else:
-            mean = acc.mean()  # sum_i w_i delta_i / sum_i w_i, w_i = s(age_i) n_i
-            scale = self.config.server_lr * acc.total_weight / collection.samples
+            mean = acc.mean()  # sum_i w_i delta_i / sum_i w_i, w_i = s(age_i) (uniform) or s(age_i) n_i
+            per = acc.count if self.config.weighting == "uniform" else collection.samples  # K or sum_i n_i
+            scale = self.config.server_lr * acc.total_weight / per
         out: dict[str, torch.Tensor] = {}
         for k, x in prev.items():
             step = mean[k].to(torch.float64) * scale
