@@ -79,7 +79,7 @@ def test_two_clones_at_different_commits_each_run_their_own_code(tmp_path: Path)
     deps = Path((venv_a / ".deps").read_text().strip())
     assert deps == Path((venv_b / ".deps").read_text().strip())
     found = subprocess.run(
-        [str(deps / "bin" / "python"), "-c", "import importlib.util as u; print(u.find_spec('wafl.common'))"],
+        [str(deps / "bin" / "python"), "-c", "import importlib.util as u; print(u.find_spec('wafl'))"],
         check=True,
         capture_output=True,
         text=True,
