@@ -1,7 +1,8 @@
 """The client's round protocol: wait-free or compute-and-wait, one code path.
 
-Per broadcast: evaluate the PM trained in the round that just closed (and report it), then,
-if selected, train the GM for ``local_epochs`` and
+Per broadcast: evaluate the PM trained in the round that just closed (and report it; a PM
+evaluated on the received global part, ``pm_on_received`` as FedRep's, once the broadcast is
+loaded), then, if selected, train the GM for ``local_epochs`` and
 
 * wait-free: start the upload in the background at once and train the PM batch after batch
   until the next broadcast has been received in full (the PM keeps training while the broadcast
@@ -180,6 +181,8 @@ class RoundProtocol:
         seen, heads = self.arrived, self.headers
         selected = model.train
         await self.compute.run(t.begin_round, r, model.state, model.knowledge, selected)
+        if t.algorithm.pm_on_received:  # the PM of the round just closed, on the global part just loaded
+            await self._evaluate_pm(model, loaded=True)
         # the upload's reference when the server asks for differences (its header says), else nothing to keep
         base = model.state if model.upload_delta else None
         model.state = {}  # loaded into the local model: the received copy is freed during the round
@@ -242,17 +245,27 @@ class RoundProtocol:
             n = await self.session.upload(r, state, self.trainer.num_samples, metrics, knowledge)
         self.bytes_up += n
 
-    async def _evaluate_pm(self, model: ReceivedModel) -> None:
+    async def _evaluate_pm(self, model: ReceivedModel, loaded: bool = False) -> None:
         """After a broadcast: the PM trained in the round it closes is evaluated and reported (in a
-        round that ``eval_every`` evaluates, and after the final model)."""
+        round that ``eval_every`` evaluates, and after the final model).
+
+        An algorithm whose PM is evaluated on the received global part (``pm_on_received``, FedRep's
+        global body with its personal head) is evaluated once ``begin_round`` has loaded the model
+        (``loaded``, from :meth:`_round`); the final model, which begins no round, is loaded by the
+        evaluation itself."""
+        t = self.trainer
         r = self.pm_trained_round
-        if r is None or self.trainer.pm is None:
+        if r is None or t.pm is None:
             return
-        if not (model.final or self.trainer.cfg.evaluates_locally(r)):
+        on_received = t.algorithm.pm_on_received
+        if on_received and not (loaded or model.final):
+            return  # evaluated in _round, right after begin_round
+        if not (model.final or t.cfg.evaluates_locally(r)):
             self.pm_trained_round = None
             return
+        received = model.state if on_received and not loaded else None
         with self.timeline.phase("evaluate", r):
-            acc, n = await self.compute.run(self.trainer.evaluate_personal)
+            acc, n = await self.compute.run(t.evaluate_personal, received)
         self.pm_trained_round = None
         if not n:  # an empty local test set has no accuracy to report
             return

@@ -135,10 +135,7 @@ class Trainer:
         self, round: int, global_state: Mapping[str, torch.Tensor], knowledge: Any = None, selected: bool = True
     ) -> RoundContext:
         self._round_start(round)
-        state, extras = split_payload({k: v.to(self.device) for k, v in global_state.items()})
-        missing, unexpected = self.gm.load_state_dict(state, strict=False)
-        if unexpected or sorted(missing) != sorted(self.local_keys):
-            raise ValueError(f"received model tensors do not match the algorithm's: {missing} {unexpected}")
+        state, extras = self._load_received(global_state)
         if self.pm is not None and self.separate_pm and (not self.pm_initialized or self.algorithm.pm_from_global):
             self.pm.load_state_dict(self.gm.state_dict())  # the PM starts equal to the (first) global model
             self.pm_initialized = True
@@ -161,6 +158,16 @@ class Trainer:
         )
         self.algorithm.hooks.begin(self.ctx)
         return self.ctx
+
+    def _load_received(
+        self, global_state: Mapping[str, torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Loads a received model's shared tensors into the local model; returns ``(model tensors, extras)``."""
+        state, extras = split_payload({k: v.to(self.device) for k, v in global_state.items()})
+        missing, unexpected = self.gm.load_state_dict(state, strict=False)
+        if unexpected or sorted(missing) != sorted(self.local_keys):
+            raise ValueError(f"received model tensors do not match the algorithm's: {missing} {unexpected}")
+        return state, extras
 
     def _optimizer(self, params: list[torch.nn.Parameter], phase: Phase | None = None) -> torch.optim.Optimizer:
         if phase is not None and phase.optimizer is not None:
@@ -308,7 +315,18 @@ class Trainer:
         model = self.pm if self.pm is not None else self.gm
         return self.algorithm.pm_view(model) if self.algorithm.pm_view is not None else model
 
-    def evaluate_personal(self) -> tuple[float, int]:
+    def evaluate_personal(self, received: Mapping[str, torch.Tensor] | None = None) -> tuple[float, int]:
+        """The personal model's accuracy on the local test split and that split's size.
+
+        ``received``: a global model whose shared tensors are loaded into the local model first, for an
+        algorithm whose PM is evaluated on the received global part (``pm_on_received``, FedRep: the
+        global body with the personal head). The round protocol evaluates such a PM right after
+        :meth:`begin_round` has loaded the next model, and passes the final model here (no round
+        begins with it)."""
+        if received is not None:
+            if not self.algorithm.pm_on_received:
+                raise InvariantError(f"algorithm {self.algorithm.name!r} evaluates its PM on its own model")
+            self._load_received(received)
         return self.evaluate_local(self.personal_model())
 
     def knowledge(self) -> Any:

@@ -28,9 +28,12 @@ runtime (:mod:`wafl.client.trainer`, :mod:`wafl.client.protocol`) and one server
   never travels, as Ditto's and SCD's PM). A personal phase (``pm_phase``) trains it batch after
   batch until the next broadcast (wait-free) or for ``pm_epochs`` (compute-and-wait);
   ``pm_from_global`` restarts it from each received global model (FedBABU's fine-tuning),
-  ``pm_view`` picks what is evaluated (FedRoD's generic + personal logits), and
-  ``pm_when_unselected`` says whether a client that was not selected for a round trains its
-  personal part on the model it received (README, "Partial participation");
+  ``pm_view`` picks what is evaluated (FedRoD's generic + personal logits),
+  ``pm_on_received`` evaluates a local PM with the next received global model's shared tensors
+  loaded (FedRep: the received global body with the client's personal head) instead of the
+  client's own trained ones, and ``pm_when_unselected`` says whether a client that was not
+  selected for a round trains its personal part on the model it received (README, "Partial
+  participation");
 * **the knowledge** it shares per class (FedHKD, FedProto), weighted by counts or uniformly
   over the clients that hold the class (``knowledge_weighting``).
 """
@@ -329,6 +332,8 @@ class Algorithm:
     pm_phase: Phase | None = None
     pm_from_global: bool = False
     pm_view: Callable[[SplitModel], nn.Module] | None = None
+    # True: the PM trained in a round is evaluated once the next global model's shared tensors are loaded
+    pm_on_received: bool = False
     pm_when_unselected: bool = False
     knowledge_weighting: Literal["count", "uniform"] = "count"
 
@@ -348,6 +353,10 @@ class Algorithm:
             self.local_model_is_personal = True
         if self.phases is None:
             self.phases = [Phase("gm", terms=self.gm_terms)]  # the same list: composed terms join it
+        if self.pm_on_received and not (self.personal == "local" and self.pm_phase is not None):
+            raise ValueError(
+                f"algorithm {self.name!r}: pm_on_received needs a local personal model trained by a personal phase"
+            )
 
     @property
     def personalized(self) -> bool:
