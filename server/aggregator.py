@@ -18,7 +18,8 @@ subtracting the excess back out from its spill file. With ``center`` ``trimmed_m
 ``median`` the committed uploads' chunks are kept until the round is aggregated and read back one
 tensor at a time (memory O(uploads x largest tensor) beyond the budget, the rest stays on disk):
 coordinate-wise median, or mean after dropping the ``floor(trim * k)`` largest and smallest
-values of each coordinate; these two ignore the weights. Without ``clip_norm`` the bound is
+values of each coordinate; these two ignore the weights (unless the algorithm's updates are
+scaled by them: :meth:`Accumulator.robust`). Without ``clip_norm`` the bound is
 adaptive by default (:class:`NormBound`, ``norm_bound`` in the configuration): a multiple of the
 median norm of recently accepted updates: an upload within the bound is folded exactly as
 without one, and one whose running norm goes beyond it is taken back out of the sums at that
@@ -40,6 +41,7 @@ from typing import IO
 import numpy as np
 import torch
 from wafl.common.algorithms.base import EXTRA_PREFIX
+from wafl.common.algorithms.server_updates import is_statistic
 from wafl.common.codec import (
     FLOAT_WIRE_DTYPES,
     ChunkError,
@@ -409,19 +411,29 @@ class Accumulator:
             f.rollback()
         return len(folds)
 
-    def center(self) -> dict[str, torch.Tensor]:
-        """What the rule makes of the committed uploads: the weighted mean, or a robust center."""
-        return self.mean() if not self.rule.keeps_uploads else self.robust()
+    def center(self, scaled: bool = False) -> dict[str, torch.Tensor]:
+        """What the rule makes of the committed uploads: the weighted mean, or a robust center
+        (``scaled``: of the weight-scaled updates, see :meth:`robust`)."""
+        return self.mean() if not self.rule.keeps_uploads else self.robust(scaled)
 
-    def robust(self) -> dict[str, torch.Tensor]:
-        """Coordinate-wise median or trimmed mean of the (clipped) committed uploads, tensor by tensor."""
+    def robust(self, scaled: bool = False) -> dict[str, torch.Tensor]:
+        """Coordinate-wise median or trimmed mean of the (clipped) committed uploads, tensor by tensor.
+
+        The weights are ignored, except with ``scaled`` (``ServerUpdate.robust_scaled``): then each
+        upload's update of a trained tensor (floating, not normalization statistics nor an extra tensor)
+        enters multiplied by its weight, the center of ``ref + w_i (x_i - ref)`` (FedNova's normalized
+        updates ``(x_i - ref) / a_i`` with ``w_i = 1 / a_i``)."""
         if not self.kept:
             raise ValueError("no upload was aggregated")
         out: dict[str, torch.Tensor] = {}
         k = len(self.kept)
         cut = int(math.floor(self.rule.trim * k)) if self.rule.center == Center.TRIMMED_MEAN else 0
+        factors = np.array([[f.weight] for f in self.kept]) if scaled else None  # (k, 1)
         for s in self.manifest:
             values = np.stack([f.values(s.name, s.numel) for f in self.kept])  # (k, numel) float64
+            if factors is not None and s.dtype in FLOAT_WIRE_DTYPES and bounded(s.name) and not is_statistic(s.name):
+                ref = 0.0 if self.reference is None else self.reference[s.name]
+                values = ref + factors * (values - ref)
             if self.rule.center == Center.MEDIAN:
                 c = np.median(values, axis=0)
             else:

@@ -257,6 +257,9 @@ class ServerUpdate:
     """
 
     buffered_ok = True
+    # under a robust center (median, trimmed mean; sync rounds), each upload's update of the trained tensors
+    # enters it multiplied by the upload's weight (FedNova's normalized updates); False: the center ignores them
+    robust_scaled = False
 
     def weight(self, num_samples: int, metrics: Mapping[str, float] | None = None) -> float:
         """An upload's weight in the mean, from its sample count and declared metrics."""

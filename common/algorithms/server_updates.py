@@ -1,4 +1,5 @@
-"""Server-update machinery shared by several methods: which tensors are weights (:func:`is_weight`),
+"""Server-update machinery shared by several methods: which tensors are weights (:func:`is_weight`,
+:func:`is_statistic`),
 how many clients train (:func:`training_clients`), and FedAvgM's momentum (state across rounds,
 checkpointed)."""
 
@@ -14,9 +15,14 @@ from wafl.common.algorithms.regularizers import fedavgm_update
 _BUFFER_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
 
 
+def is_statistic(name: str) -> bool:
+    """Whether a tensor is a normalization statistic (BatchNorm's running mean, variance, count)."""
+    return name.endswith(_BUFFER_SUFFIXES)
+
+
 def is_weight(name: str, t: torch.Tensor) -> bool:
     """Floating tensors that are trained (not normalization statistics)."""
-    return t.is_floating_point() and not name.endswith(_BUFFER_SUFFIXES)
+    return t.is_floating_point() and not is_statistic(name)
 
 
 def training_clients(run: Mapping[str, Any]) -> int:

@@ -131,7 +131,7 @@ class SyncStrategy(Strategy):
         acc = collection.accumulator
         server = self.algorithm.server
         server.collected([(collection.samples_of[cid], m) for cid, m in collection.metrics.items()])
-        return server.finalize(prev, acc.center(), acc.count)
+        return server.finalize(prev, acc.center(server.robust_scaled), acc.count)
 
     def row(self, c: Collection) -> dict[str, Any]:
         return {**super().row(c), "selected": len(self.selected)}
