@@ -10,6 +10,7 @@ refused with ``INVALID_ARGUMENT`` and a fixed message.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from wafl.server.upload import receive_upload
 
 SERVICE = "wafl.v1.Federation"
 MAX_DETAILS = 300  # characters of a status's details
+WRITE_SETTLE_S = 10.0  # a replaced stream's write under way may finish within this before its status is sent
 log = structlog.get_logger("server")
 
 
@@ -43,6 +45,20 @@ def _credential(ctx: grpc.aio.ServicerContext) -> str:
         if key == CREDENTIAL_KEY:
             return value if isinstance(value, str) else ""
     return ""
+
+
+async def _write(ctx: grpc.aio.ServicerContext, msg: object) -> None:
+    """``ctx.write(msg)``, shielded: when the call's task is cancelled (a newer stream replaced it) the
+    write already under way goes on, for at most :data:`WRITE_SETTLE_S`, before the cancellation
+    goes on. The status that ends the call can only follow a finished write: gRPC refuses to send
+    it while a message is still pending (``GRPC_CALL_ERROR_TOO_MANY_OPERATIONS``), and the call
+    would stay open."""
+    write = asyncio.ensure_future(ctx.write(msg))
+    try:
+        await asyncio.shield(write)
+    except asyncio.CancelledError:
+        await asyncio.wait({write}, timeout=WRITE_SETTLE_S)
+        raise
 
 
 @dataclass
@@ -115,7 +131,12 @@ class FederationService:
             await _abort(ctx, e)
             raise
 
-    async def broadcasts(self, req: pb.BroadcastRequest, ctx: grpc.aio.ServicerContext) -> AsyncIterator[object]:
+    async def broadcasts(self, req: pb.BroadcastRequest, ctx: grpc.aio.ServicerContext) -> None:
+        """Writes the client's models with ``ctx.write`` rather than yielding them: a newer stream of the
+        same client cancels this one's task (:meth:`ClientCalls.stream`), and a cancellation that lands
+        in a write must reach this code, which ends the call with ``CANCELLED``. Yielded from an async
+        generator, the write is gRPC's own, which swallows the cancellation and leaves the call open
+        and idle until the client gives up."""
         try:
             _well_formed(req)
             self._certificate_bound(ctx)
@@ -125,8 +146,9 @@ class FederationService:
                     f"run_id {req.run_id[:64]!r} is not this run ({self.engine.run_id!r})", Code.FAILED_PRECONDITION
                 )
             async with self.calls.stream(self.engine.credential_holder(_credential(ctx))):
-                async for msg in self.engine.deliveries(req.client_id, _credential(ctx)):
-                    yield msg
+                async with contextlib.aclosing(self.engine.deliveries(req.client_id, _credential(ctx))) as models:
+                    async for msg in models:
+                        await _write(ctx, msg)
         except Refused as e:
             await _abort(ctx, e)
 
