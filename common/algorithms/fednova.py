@@ -17,8 +17,8 @@ rho^m) / (1 - rho)`` (the paper's momentum case). ``tau_i`` is what the upload d
 is the formula above, on the trained tensors. Adam has no such normalization and is refused, as is
 asynchronous aggregation (its steps are a round's).
 
-Server momentum (the paper's Section 5 and the authors' ``gmf``; ``server_momentum = beta``, 0 by
-default, which is the update above): with ``Delta = tau_eff sum_i p_i d_i``,
+Server momentum (the paper also runs FedNova with it, the authors' ``gmf``; ``server_momentum =
+beta``, 0 by default, which is the update above): with ``Delta = tau_eff sum_i p_i d_i``,
 
     v <- beta v + Delta,    x <- x - v                           (v zero at first, checkpointed)
 
