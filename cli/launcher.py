@@ -32,6 +32,7 @@ from typing import Any
 from wafl.common.balance import balanced_groups
 from wafl.common.config import RunConfig
 from wafl.common.errors import UsageError
+from wafl.common.plateau import ran_to_end
 
 
 @dataclass
@@ -247,7 +248,7 @@ def launch(
                 p.terminate()
             _mark_exits(groups, hosts, procs)
         summary.client_codes = [p.poll() for p in procs[1:]]
-        summary.ok = server.returncode == 0 and len(summary.rows) == cfg.rounds
+        summary.ok = server.returncode == 0 and ran_to_end(summary.rows, cfg.rounds)  # or flattened
         if server.returncode != 0:
             print(
                 f"wafl: the server exited with code {server.returncode}; last lines of "
@@ -516,7 +517,8 @@ def final_table(s: RunSummary, cfg: RunConfig) -> str:
     down = sum(r.get("bytes_down", 0) for r in s.rows)
     lines = [
         f"{'run':<16}{cfg.algorithm} / {cfg.protocol} / {cfg.dataset} / {cfg.num_clients} clients / {cfg.partition}",
-        f"{'rounds':<16}{len(s.rows)} of {cfg.rounds}",
+        f"{'rounds':<16}{len(s.rows)} of {cfg.rounds}"
+        + (f" (stopped: {f['stop_reason']})" if f.get("stop_reason") else ""),
         f"{'gm_accuracy':<16}{_fmt(f.get('gm_accuracy'))}",
         f"{'pm_accuracy':<16}{_fmt(f.get('pm_accuracy'))}",
         f"{'local_accuracy':<16}{_fmt(f.get('local_accuracy'))}",

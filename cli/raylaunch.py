@@ -36,6 +36,7 @@ from typing import Any
 from wafl.cli.launcher import Progress, RunSummary, check_workers, client_sizes, default_out, finish_run, split_clients
 from wafl.common.config import RunConfig
 from wafl.common.errors import UsageError
+from wafl.common.plateau import ran_to_end
 
 LOOPBACK = "127.0.0.1"
 NO_RAY = "--ray needs Ray, an optional extra of wafl: pip install 'wafl[ray]'"
@@ -464,7 +465,7 @@ def launch_ray(
         (out / "server.json").unlink(missing_ok=True)  # the ready file: an address on another node
         summary.server_code = code
         summary.client_codes = [r["code"] for r in record["workers"]]
-        summary.ok = code == 0 and len(rows) == cfg.rounds
+        summary.ok = code == 0 and ran_to_end(rows, cfg.rounds)  # or flattened (plateau_window)
         if error:
             record["server_error"] = error
     finally:

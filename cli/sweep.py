@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from wafl.common.config import ConfigError, RunConfig, load_config
+from wafl.common.plateau import ran_to_end
 
 DONE = "point.json"
 
@@ -131,14 +132,16 @@ def run_point(cfg_json: str, folder: str, network: bool, slot_processes: int = 0
     if network:
         from wafl.cli.launcher import launch
 
-        ok = launch(cfg, out, show_progress=False).ok
+        summary = launch(cfg, out, show_progress=False)
+        ok, rows = summary.ok, summary.rows
     else:
         from wafl.cli.simulate import simulate, trains_in_processes
         from wafl.common.logs import configure_logging
 
         configure_logging("sweep", out / "logs" / "run.jsonl", level="INFO", console=False)
         processes = slot_processes if trains_in_processes(cfg) else 0  # a wait-free point trains in threads
-        ok = len(simulate(cfg, out, slot_processes=processes)) == cfg.rounds
+        rows = simulate(cfg, out, slot_processes=processes)
+        ok = ran_to_end(rows, cfg.rounds)
     from wafl.cli.provenance import git_commit
 
     result = {
@@ -148,6 +151,8 @@ def run_point(cfg_json: str, folder: str, network: bool, slot_processes: int = 0
         "commit": git_commit(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the kernels it ran (see KERNEL_ENV)
     }
+    if cfg.plateau_window and rows:  # why it stopped (wafl.common.plateau), and when
+        result.update(stop_reason=rows[-1].get("stop_reason"), rounds_run=int(rows[-1]["round"]))
     if ok:
         (out / DONE).write_text(json.dumps(result) + "\n")
     return result

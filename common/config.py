@@ -116,6 +116,11 @@ class RunConfig:
     # evaluate every N rounds (0: only after the last): the global model, and under sync the clients'
     # local and personal models (RunConfig.evaluates)
     eval_every: int = 1
+    # stop once the watched accuracy flattened (wafl.common.plateau): its mean over the last plateau_window
+    # rounds lies within plateau_delta points of the window before; rounds stays the maximum (0: never)
+    plateau_window: int = 0
+    plateau_delta: float = 0.3
+    plateau_metric: str = "auto"  # auto (the PM of a method with one, else the GM), gm_accuracy, pm_accuracy
     # every N rounds (0: never) record the clients' gradient dissimilarity G_d at the global model (in process only)
     grad_dissimilarity_every: int = 0
     checkpoint: bool = True
@@ -196,10 +201,44 @@ class RunConfig:
         ):
             raise ConfigError(f"device={self.device!r} is not one of auto, cpu, cuda, cuda:N")
         try:
-            self.params = registry.resolve(self.algorithm, self.params, dataclasses.asdict(self)).params
+            algorithm = registry.resolve(self.algorithm, self.params, dataclasses.asdict(self))
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        self.params = algorithm.params
+        self._validate_plateau(algorithm)
         return self
+
+    def _validate_plateau(self, algorithm: Any) -> None:
+        """The plateau rule's fields (``wafl.common.plateau``), for the run's resolved algorithm."""
+        from wafl.common.plateau import GM, METRICS, PM, watched_metric
+
+        _int_at_least("plateau_window", self.plateau_window, 0)
+        _in_range("plateau_delta", self.plateau_delta, 0.0, 100.0)
+        _one_of("plateau_metric", self.plateau_metric, METRICS)
+        w = self.plateau_window
+        if not w:
+            return
+        if self.rounds < 2 * w:
+            raise ConfigError(
+                f"plateau_window={w} with rounds={self.rounds}: the rule compares two windows of rounds, "
+                f"so rounds must be at least 2 * plateau_window = {2 * w}"
+            )
+        if not 1 <= self.eval_every <= w:
+            raise ConfigError(
+                f"plateau_window={w} with eval_every={self.eval_every}: every window of rounds must hold an "
+                "evaluated round, so eval_every must lie in 1..plateau_window"
+            )
+        watched = watched_metric(self.plateau_metric, algorithm)
+        if watched == PM and algorithm.personal == "none":
+            raise ConfigError(
+                f"plateau_metric={self.plateau_metric!r} with algorithm={self.algorithm!r}: it has no personalized "
+                "model to watch"
+            )
+        if watched == GM and not algorithm.evaluates_global:
+            raise ConfigError(
+                f"plateau_metric={self.plateau_metric!r} with algorithm={self.algorithm!r}: its global model is "
+                "not evaluated (gm_accuracy is empty); watch pm_accuracy"
+            )
 
     def _validate_aggregation(self) -> None:
         """The aggregator's fields, then every registered section check; the round policies' fields
@@ -224,8 +263,11 @@ class RunConfig:
 
     def evaluates(self, round: int) -> bool:
         """Whether the model of ``round`` (a version under asynchronous aggregation) is evaluated: every
-        ``eval_every`` rounds, and the last."""
-        return round == self.rounds or bool(self.eval_every and round % self.eval_every == 0)
+        ``eval_every`` rounds, and the last; with the plateau rule (``plateau_window``), every one of the
+        last ``2 * plateau_window`` rounds before the maximum too."""
+        if round == self.rounds or bool(self.eval_every and round % self.eval_every == 0):
+            return True
+        return bool(self.plateau_window) and round > self.rounds - 2 * self.plateau_window
 
     def evaluates_locally(self, round: int) -> bool:
         """Whether the clients that train in ``round`` evaluate their models on their local test sets

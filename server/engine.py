@@ -39,6 +39,7 @@ from wafl.common.jsonsafe import dumps
 from wafl.common.knowledge import ClassKnowledge, Knowledge, to_proto, validate_knowledge
 from wafl.common.models import build_model
 from wafl.common.partition import run_shards
+from wafl.common.plateau import PlateauWatch
 from wafl.common.proto import federation_pb2 as pb
 from wafl.common.training import evaluate
 from wafl.common.wire import ChunkBatch, PreEncoded, encode_tensors, write_transfer
@@ -158,6 +159,11 @@ class RoundEngine:
             self.results.listeners.append(self.tensorboard.row)
         if resume:
             self._resume()
+        # the plateau rule (plateau_window): watches the accuracy and ends the run once it flattened
+        self.plateau = PlateauWatch.of(
+            cfg, self.algorithm, self.results.listeners, self.results.results_path if resume else None,
+            self.strategy.version - 1,
+        )  # fmt: skip
         self.credentials = Credentials(load_or_create_key(out_dir, self.secrets.material()), self.run_id)
         (out_dir / "config.json").write_text(dumps(json.loads(cfg.to_json()), indent=2))
         if self.algorithm.privacy is not None:
@@ -366,6 +372,8 @@ class RoundEngine:
             collection = self.strategy.close(loop.time())
             await self._drain(collection)
             await self._finish_version(collection)
+            if self.plateau is not None and self.plateau.stop:
+                break  # flattened: the final model now, as after the last round
             deliveries = self.strategy.published(loop.time())
             if self.adapt_due and not self.strategy.done:  # the final model reaches them anyway
                 deliveries = {**deliveries, **{cid: False for cid in self.new_clients}}
@@ -476,6 +484,8 @@ class RoundEngine:
             row["knowledge_classes"] = len(self.global_knowledge)  # travels with the next model
         if self.algorithm.privacy is not None:
             row["epsilon"] = self.algorithm.privacy(n)["epsilon_per_run"]  # a client that took part every time
+        if self.plateau is not None:  # the line's own (rounded) GM accuracy; its gap and, where the run ends, why
+            row.update(self.plateau.end_of_round(r, row["gm_accuracy"], evaluated, self.strategy.done))
         if self.algorithm.local_model_is_personal:
             for cid, m in c.metrics.items():
                 if M.PM_ACCURACY in m:
