@@ -15,11 +15,13 @@ them, so ``wafl sweep`` skips those points; ``run`` restores, runs the rest, the
     python benchmarks/real_data.py summary configs/sweeps/scd_fmnist.toml
 
 ``summary`` unpacks the records into ``runs/real-data/<sweep>`` (a scratch folder, rewritten each time)
-and writes ``table.md`` (the commands, the commits, the points done and missing, then ``wafl table``'s
-markdown), ``table.json`` and ``curves.png`` / ``curves.json`` (accuracy against rounds, mean and
-min-max over the seeds) beside ``records.json``. The table's ``--by`` and ``--baseline`` are the ones
-the sweep file's header gives (its ``#   wafl table ...`` line); while the baseline's points are not
-all done the paired differences are left out and the text says so. Each ``#   wafl analyze curves ...``
+and writes ``table.md`` (the commands, the commits, the points done and missing, the plateau rule the
+points ran with, if any, then ``wafl table``'s markdown: the last-10 means, how the points stopped, the
+paired differences with their 95 % intervals and verdicts), ``table.json`` and ``curves.png`` /
+``curves.json`` (accuracy against rounds, mean and min-max over the seeds) beside ``records.json``. The
+table's ``--by`` and ``--baseline`` are the ones the sweep file's header gives (its ``#   wafl table ...``
+line); while the baseline's points are not all done the paired differences are left out and the text
+says so. Each ``#   wafl analyze curves ...``
 command of the header (a figure the sweep exists for: new-client accuracy, G_d against rounds or
 lambda, a sensitivity curve) is run too, on the unpacked records, its ``--out`` and ``--json`` files
 written beside ``records.json`` under their own names.
@@ -259,6 +261,7 @@ def summary(sweep_file: Path, kept: Path, work: Path | None = None) -> Path:
         f"Points done: {len(done)} of {len(names)}."
         + (f" Not yet run: {', '.join(f'`{m}`' for m in missing)}." if missing else ""),
         "",
+        *plateau_note(records[done[0]]["config"]),
         note + res.stdout.strip(),
         "",
     ]
@@ -269,15 +272,33 @@ def summary(sweep_file: Path, kept: Path, work: Path | None = None) -> Path:
     return here
 
 
+def plateau_note(config: dict[str, Any]) -> list[str]:
+    """A paragraph on the plateau rule a sweep's points ran with (none without one)."""
+    w = config.get("plateau_window") or 0
+    if not w:
+        return []
+    metric = config.get("plateau_metric", "auto")
+    watched = "watched accuracy (the PM of a method with one, else the GM)" if metric == "auto" else f"`{metric}`"
+    return [
+        f"Each point stopped once its {watched} flattened (its mean over the last {w} rounds within "
+        f"{config.get('plateau_delta', 0.3):g} points of the {w} before; `common/plateau.py`) or at round "
+        f"{config.get('rounds')}, the maximum: the `stopped` column says which. Accuracies are evaluated "
+        f"every {config.get('eval_every', 1)} round(s) and every round over the last {2 * w} before the maximum.",
+        "",
+    ]
+
+
 SMOKE_SWEEP = """\
-# a two-point digits sweep for the smoke run
+# a two-point digits sweep for the smoke run: each point stops on the plateau after round 2 of at most 3
 #   wafl table runs/sweep-smoke --baseline fedavg   # a trailing comment is not an argument
 #   wafl analyze curves runs/sweep-smoke --metrics train_loss \\
 #       --out runs/sweep-smoke/loss.png --json runs/sweep-smoke/loss.json
 out = "runs/sweep-smoke"
 [base]
 num_clients = 3
-rounds = 2
+rounds = 3
+plateau_window = 1
+plateau_delta = 100.0
 protocol = "compute-and-wait"
 round_deadline_s = 3600.0
 checkpoint = false

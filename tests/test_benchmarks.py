@@ -97,6 +97,9 @@ def _real_data(d: dict[str, Any]) -> None:
     }
     assert "Points done: 2 of 2." in d["table_md"] and d["curves_png_bytes"] > 0
     assert d["table"]["rows"]["fedavg"]["final_gm"]["mean"] > 0.2  # above chance on 10 classes
+    # the smoke sweep's points stop on the plateau after round 2 of 3 (delta 100 points): said in the table
+    assert d["table"]["rows"]["fedavg"]["stopped"] == {"plateau": 1, "max_rounds": 0, "runs": 1, "plateau_rounds": [2]}
+    assert "| plateau 1/1 (round 2) |" in d["table_md"] and "Each point stopped once" in d["table_md"]
     # the header's curves command (two comment lines) ran on the unpacked records, its files beside them
     groups = d["figure"]["groups"]
     assert set(groups) == {"fedavg", "fedprox mu=0.01"} and d["figure"]["metrics"] == ["train_loss"]
