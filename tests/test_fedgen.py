@@ -20,6 +20,7 @@ from wafl.common.algorithms.fedgen import (
     load_generator,
     teacher_loss,
 )
+from wafl.common.config import ConfigError, load_config
 from wafl.common.datasets import load_dataset
 
 
@@ -129,3 +130,10 @@ def test_client_term_and_upload_rows(digits) -> None:
     gen = load_generator({k[len(extra_name("")) :]: v for k, v in g.items() if k.startswith(extra_name(GEN))}, 4, 10)
     want = 0.7 * F.cross_entropy(t.gm.classifier(generate(gen, zz, yy, 10)), yy)
     assert value.item() == pytest.approx(want.item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("aggregator", ["median", "trimmed_mean"])
+def test_a_robust_center_is_refused_at_start(aggregator: str) -> None:
+    """A coordinate-wise center of the per-client rows is zero: the first aggregation would find no head."""
+    with pytest.raises(ConfigError, match=rf"algorithm='fedgen' with aggregator='{aggregator}'"):
+        load_config(overrides={"algorithm": "fedgen", "aggregator": aggregator, "num_clients": 4})

@@ -24,7 +24,9 @@ Client ``i`` trains its model with
 averaged as FedAvg; the generator, the label counts and each client's head travel as extra
 tensors. A head and its label counts reach the server in a per-client row of a summed tensor
 (row ``i`` of the upload is client ``i``'s, the other rows zero, plus a 1 in ``mark[i]``), so the
-server recovers each one exactly from the weighted mean: ``head_i = mean[i] / mark[i]``.
+server recovers each one exactly from the weighted mean: ``head_i = mean[i] / mark[i]``. A robust
+center (``aggregator`` median or trimmed mean) would zero those rows, so FedGen runs with the mean only
+(refused at start otherwise).
 """
 
 from __future__ import annotations
@@ -191,6 +193,13 @@ class GeneratorServer(ServerUpdate):
 
 
 def build(p: dict[str, Any], run: Mapping[str, Any]) -> Algorithm:
+    aggregator = run.get("aggregator", "mean")
+    if aggregator != "mean":  # refused at start: the rows below are recovered from the weighted mean only
+        raise ValueError(
+            f"algorithm='fedgen' with aggregator={aggregator!r}: the server recovers each client's head and "
+            "label counts from the weighted mean of per-client rows, and a coordinate-wise median or trimmed "
+            "mean of those rows is zero; use aggregator='mean' (the default norm bound still applies)"
+        )
     n = int(run.get("num_clients", 1))
 
     def extras(model: SplitModel) -> dict[str, torch.Tensor]:
