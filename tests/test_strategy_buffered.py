@@ -1,13 +1,17 @@
 """Buffered aggregation (server/strategies/buffered.py), transport-free: its versions against a
 numpy re-computation, staleness rules, refusals, slots, and its configuration section."""
 
+import json
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 from strategy_checks import IDS, SAMPLES, make, state, upload
 from wafl.common.config import ConfigError, load_config
 from wafl.common.errors import AlreadyAccepted, Code, Refused
+from wafl.server.strategies.base import RunAborted
 from wafl.server.strategies.buffered import BufferedConfig, BufferedStrategy, staleness_function
 
 
@@ -159,3 +163,45 @@ def test_buffered_default_sizes() -> None:
     config = BufferedConfig.of(load_config(None, {"num_clients": 8, "aggregation": "buffered"}))
     assert (config.concurrency, config.buffer_size) == (8, 4)
     assert np.isclose(config.staleness(0), 1.0)
+
+
+def test_a_buffer_no_client_can_fill_closes_with_what_it_holds() -> None:
+    """Clients that were given version 1 and dropped out are not given it again: once their slots
+    expire nobody can add to the buffer, so it closes short (one update of buffer_size 2) and every
+    client gets version 2; versions with no update at all are the previous model again, and
+    ``max_round_retries + 1`` of them in a row abort the run."""
+    s = make(aggregation="buffered", buffer_size=2, round_deadline_s=10.0, max_round_retries=1)
+    assert s.start(0.0) == {"a": True, "b": True, "c": True}
+    x1, da = state(0), state(1)
+    upload(s, "a", 1, da, now=1.0)  # b and c went offline
+    assert s.tick(5.0) == {} and not s.ready()
+    assert s.tick(10.0) == {} and s.ready()  # b's and c's slots expired; a was given version 1 already
+    x2, _, row = s.aggregate(x1, s.close(10.0))
+    assert row["clients"] == 1 and row["version"] == 2
+    assert_model(x2, fedbuff(x1, [(da, 10, 0)], 1.0, "uniform"))
+    assert s.published(11.0) == {"a": True, "b": True, "c": True}
+    assert s.tick(21.0) == {} and s.ready()  # everyone dropped out of version 2
+    x3, _, row = s.aggregate(x2, s.close(21.0))
+    assert x3 is None and row["clients"] == 0 and s.version == 3  # the engine publishes version 2's model again
+    assert s.published(22.0) == {"a": True, "b": True, "c": True}
+    with pytest.raises(RunAborted, match="no client uploaded for 2 versions in a row"):
+        s.tick(32.0)
+
+
+@pytest.mark.slow
+def test_buffered_run_with_dropouts_keeps_making_versions(tmp_path) -> None:
+    """Real processes over gRPC (issue 51): 6 clients, half of them dropping out of each version,
+    buffer_size 3. Before, a version that fewer than 3 clients survived was never made and the run
+    stalled for good (seed 0: after 4 versions)."""
+    out = tmp_path / "run"
+    args = ["--aggregation", "buffered", "--clients", "6", "--dropout", "0.5", "--set", "round_deadline_s=3"]
+    args += ["--rounds", "6", "--seed", "0", "--timeout", "100", "--out", str(out), "--quiet"]
+    p = subprocess.run(
+        [sys.executable, "-m", "wafl.cli.main", "run", *args], capture_output=True, text=True, timeout=200
+    )
+    log = (out / "logs" / "server.jsonl").read_text() if (out / "logs" / "server.jsonl").exists() else ""
+    assert p.returncode == 0, p.stderr[-2000:] + log[-2000:]
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == list(range(1, 7))
+    events = [json.loads(line)["event"] for line in log.splitlines()]
+    assert "version.short" in events or "version.empty" in events  # what happened is logged

@@ -17,11 +17,19 @@ from and the one its buffer is applied to: an upload that arrives after a buffer
 its version is built goes into the next buffer, which is applied to that new version, so it is
 already one version old. ``s`` is the run's ``staleness`` rule (FedBuff's ``sqrt``
 ``1/sqrt(1+age)``; FedAsync's ``constant``, ``poly``, ``hinge``). Freed slots go at once to idle
-clients chosen at random (reproducibly from the seed), with the newest version. Its settings are
-run-wide fields (``concurrency``, ``buffer_size``, ``staleness``, ``staleness_a``,
-``staleness_b``, ``max_staleness``, ``server_lr``), checked by :class:`BufferedConfig`, and its own
-``aggregation_params.weighting``; the slots, versions and staleness rules here serve FedAsync too
-(``fedasync.py``).
+clients chosen at random (reproducibly from the seed), with the newest version; a client is never
+given one version twice, and a slot held longer than ``round_deadline_s`` goes to another client.
+When nobody trains and no client may be asked (every client was given the newest version and
+dropped out, timed out or was refused), the buffer can never fill: it closes with the updates it
+holds, ``K`` fewer than ``buffer_size`` (logged as ``version.short``; a departure from the paper,
+whose buffer always holds ``K`` updates), or with none (``version.empty``: the previous model again,
+as a new version that every client is offered); ``max_round_retries + 1`` empty versions in a row
+abort the run, as a sync round with no upload does.
+
+Its settings are run-wide fields (``concurrency``, ``buffer_size``, ``staleness``, ``staleness_a``,
+``staleness_b``, ``max_staleness``, ``server_lr``, ``round_deadline_s``, ``max_round_retries``),
+checked by :class:`BufferedConfig`, and its own ``aggregation_params.weighting``; the slots,
+versions and staleness rules here serve FedAsync too (``fedasync.py``).
 """
 
 from __future__ import annotations
@@ -33,10 +41,23 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
+import structlog
 import torch
 from wafl.common.config import ConfigError, RunConfig, int_at_least, one_of, positive
 from wafl.common.errors import Code, Refused
-from wafl.server.strategies.base import Collection, Deliveries, Drain, RuleConfig, State, Strategy, Ticket, register
+from wafl.server.strategies.base import (
+    Collection,
+    Deliveries,
+    Drain,
+    RuleConfig,
+    RunAborted,
+    State,
+    Strategy,
+    Ticket,
+    register,
+)
+
+log = structlog.get_logger("server")
 
 STALENESS = ("sqrt", "constant", "poly", "hinge")
 
@@ -147,6 +168,8 @@ class BufferedStrategy(Strategy):
         self.assigned: dict[str, tuple[int, float]] = {}  # client -> (version it trains on, when asked)
         self.trained: dict[str, int] = {}  # client -> the version it was last asked to train on
         self.draws = 0
+        self.short = False  # the current buffer closes with fewer than buffer_size updates (see _starved)
+        self.empty = 0  # versions in a row that were made with no update
 
     def _assign(self, now: float) -> Deliveries:
         """Hands free slots to idle clients (random, reproducible), with the newest version; a client
@@ -224,11 +247,37 @@ class BufferedStrategy(Strategy):
         self.closing = [c for c in self.closing if c.in_flight]
 
     def ready(self) -> bool:
-        return len(self.collecting().metrics) >= self.buffer_size
+        return self.short or len(self.collecting().metrics) >= self.buffer_size
 
     def next_deadline(self) -> float | None:
+        if not self.assigned and not self.done and self.current is not None:
+            return self.current.opened_at  # nobody trains: a tick now hands out the slots or closes the buffer
         first = min((t for _, t in self.assigned.values()), default=None)
         return None if first is None else first + self.cfg.round_deadline_s
+
+    def _starved(self) -> None:
+        """Nobody trains and no client may be asked (each was given this version already: it dropped
+        out, its slot expired or its update was refused): the buffer can never fill, so it closes with
+        the updates it holds (none: the version is the previous model again, which gives every client a
+        new version to train on). ``max_round_retries + 1`` versions in a row with no update abort the
+        run, as a sync round with no upload does."""
+        c = self.current
+        if c is None or self.done or self.short or c.version != self.version or len(c.metrics) >= self.buffer_size:
+            return
+        got = len(c.metrics)
+        if not got and self.empty >= self.cfg.max_round_retries:
+            raise RunAborted(
+                f"aggregation={self.name!r}: no client uploaded for {self.empty + 1} versions in a row "
+                f"(versions {self.version - self.empty}..{self.version}; round_deadline_s={self.cfg.round_deadline_s})"
+            )
+        self.short = True
+        log.warning(
+            "version.short" if got else "version.empty",
+            round=c.version,
+            uploads=got,
+            buffer_size=self.buffer_size,
+            reason="every client was given this version and none trains on it now (dropped out, expired or refused)",
+        )
 
     def tick(self, now: float) -> Deliveries:
         expired = [c for c, (_, t) in self.assigned.items() if now - t >= self.cfg.round_deadline_s]
@@ -238,11 +287,16 @@ class BufferedStrategy(Strategy):
                 self.assigned[cid] = (self.assigned[cid][0], now)  # streaming: it gets another deadline
             else:
                 del self.assigned[cid]  # its slot goes to someone else; a late upload is refused
-        return self._assign(now) if expired else {}
+        out = self._assign(now) if expired or not self.assigned else {}
+        if not self.assigned:
+            self._starved()
+        return out
 
     def close(self, now: float) -> Collection:
         closing = self.collecting()
         closing.closed = True
+        self.short = False
+        self.empty = 0 if closing.metrics else self.empty + 1
         if closing.in_flight:
             self.closing.append(closing)
         self.current = self._collection(self.version + 1, now)
