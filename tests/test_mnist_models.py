@@ -137,5 +137,7 @@ def test_short_federation_learns(fmnist_slice, model, algorithm):
     rows = simulate(cfg)
     final = rows[-1]
     accuracies = [a for a in (final["gm_accuracy"], final["pm_accuracy"]) if a is not None]
-    assert accuracies and min(accuracies) > 0.4, final  # chance: 0.1
+    # chance: 0.1; FedRep's PM is the global body with the personal head (0.39 after these 3 rounds), not the
+    # client's own trained body it was scored on before
+    assert accuracies and min(accuracies) > (0.3 if algorithm == "fedrep" else 0.4), final
     assert np.isfinite(final["gm_accuracy"] if final["gm_accuracy"] is not None else 0.0)

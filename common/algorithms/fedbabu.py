@@ -11,6 +11,16 @@ is fine-tuned on the local data (the whole network by default, as the paper's ma
 ``finetune = head`` fine-tunes the head only), wait-free until the next broadcast or for
 ``pm_epochs`` under compute-and-wait, with a fresh optimizer each time. Any client fine-tunes
 the model it received, selected or not.
+
+Evaluation: the PM of round ``t`` is the global model received at the start of round ``t``
+fine-tuned in the round's personal phase, tested on the local test split when the next broadcast
+arrives (before the PM restarts from it). The paper fine-tunes the *final* global model for
+``tau_f`` epochs and tests that; during training (``main_fed.py`` of the code, read in the fork
+junhyeog/FedBABU) it tests the global model, not fine-tuned, on each client's test split.
+Departures: the per-round PM curve is of fine-tuned models (the paper's per-round curve is not);
+the fine-tuning lasts the wait-free window or ``pm_epochs``, not ``tau_f``; and the final PM is
+the fine-tuning of the last global model a client trained on (version ``rounds``), not of the
+final average (version ``rounds + 1``), which no client fine-tunes.
 """
 
 from __future__ import annotations

@@ -15,6 +15,17 @@ hypernetwork). The generic model is ``g(f(x))`` (tested on the global test set);
 personal model predicts ``g(f(x)) + p_i(f(x))``. The personal phase trains ``p_i`` alone (the
 second term), wait-free until the next broadcast or ``pm_epochs`` under compute-and-wait, also
 for a client that was not selected. ``p_i`` persists across restarts.
+
+Evaluation: the PM of round ``t`` is the client's own model at the end of its round, ``f_i`` and
+``g_i`` as its local training left them with ``p_i`` as its personal phase left it, tested on the
+local test split when the next broadcast arrives and before it is loaded (not the received
+``f, g``: unlike FedRep, ``pm_on_received`` is off). This is the paper's P-FL protocol as we read
+it: personalized models are tested after local training (the paper reports FedAvg's local models
+after local training as its P-FL baseline the same way). The authors' repository
+(hongyouc/Fed-RoD) publishes no code, so no released evaluation script confirms the step.
+Departure: ``p_i`` has also trained in wafl's personal phase (wait-free: until the next
+broadcast) after the round's local epochs. The final PM is the model of the last round, tested
+when the final model arrives (the final ``f, g`` are not loaded into it).
 """
 
 from __future__ import annotations
