@@ -199,3 +199,14 @@ def test_a_resumed_run_reads_the_watched_values_its_checkpoint_holds_back(tmp_pa
     pm = PlateauWatch.of(_tiny(algorithm="ditto"), registry.resolve("ditto"), listeners, path, resumed_through=5)
     assert pm is not None and pm.values == pytest.approx({1: 0.05, 3: 0.15, 5: 0.25}) and listeners == [pm.row]
     assert PlateauWatch.of(_tiny(plateau_window=0), registry.resolve("fedavg"), [], path) is None
+
+
+def test_the_final_model_of_a_run_stopped_on_the_plateau_is_the_stopping_rounds(tmp_path: Path) -> None:
+    """The final model of a run that stopped after round s is version s + 1 (as version rounds + 1 ends a run that
+    reaches its maximum): the clients' final reports and the new clients' adaptation of it name round s, so the
+    stopping round's line gets its new-client accuracy."""
+    rows = simulate(_tiny(num_clients=4, new_clients=1, plateau_delta=100.0), tmp_path / "run")
+    assert [r["round"] for r in rows] == [1, 2, 3, 4] and rows[-1]["stop_reason"] == PLATEAU
+    assert all(r["new_client_accuracy"] is not None for r in rows)
+    reports = [json.loads(x) for x in (tmp_path / "run" / "reports.jsonl").read_text().splitlines()]
+    assert {r["round"] for r in reports if r.get("final") == 1.0} == {4}
