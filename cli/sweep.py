@@ -18,6 +18,10 @@ run folder (``config.json``, ``results.jsonl``, ...). Points run in process (the
 client code as ``wafl run``, one thread each) or, with ``--network``, as a server and client
 processes over localhost; ``--jobs`` runs several at once. A finished point leaves ``point.json``
 and is skipped when the sweep runs again, so an interrupted sweep resumes where it stopped.
+
+``plateau_window`` (and ``plateau_delta``, ``plateau_metric``) in ``[base]`` stops each point once its curve
+flattened (:mod:`wafl.common.plateau`; ``rounds`` is then the maximum): the point is finished all the same,
+and its ``point.json`` records ``stop_reason`` (``"plateau"`` or ``"max_rounds"``) and ``rounds_run``.
 """
 
 from __future__ import annotations
