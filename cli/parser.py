@@ -294,8 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
     tb.add_argument("--json", help="also write the table as JSON here")
     tb.add_argument(
         "--metrics",
-        help="columns shown, comma-separated (default: all with values): final_gm, best_gm, final_pm, best_pm, "
-        "final_local, best_local, time_to_target, mbytes, epsilon",
+        help="columns shown, comma-separated (default: all with values): final_gm, best_gm, mean_last_gm, final_pm, "
+        "best_pm, mean_last_pm, final_local, best_local, mean_last_local, time_to_target, mbytes, epsilon "
+        "(mean_last_*: the mean over the last 10 evaluated rounds)",
     )
     tb.set_defaults(fn=cmd_table)
 
