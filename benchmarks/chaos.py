@@ -30,7 +30,9 @@ absent from that server incarnation's accepted uploads), doubled updates (one cl
 accepted twice by one incarnation, or accepted again after a resume from a checkpoint that already held it),
 tracebacks in any process's output or log, and for each restart the versions made until the client's next
 accepted upload. Targets: no stall longer than two round deadlines, none lost or doubled, no traceback,
-every restarted client that stayed alive back within one version of its restart.
+every restarted client that stayed alive back within one round of its restart (sync: one version; buffered:
+``ceil(concurrency / buffer_size)`` versions, those in which every training client uploads once; a restart
+faulted again before its return is not judged).
 
 The server logs no idempotency keys with its accepted uploads, so uploads are matched by (client, round):
 the strategy accepts at most one upload per client and round (``Strategy.accepted``), which is the same key.
@@ -256,8 +258,9 @@ class Federation:
         cfg = RunConfig(**sets).validate()
         self.cfg = cfg
         (self.out / "run.json").write_text(cfg.to_json())
-        enroll = Proc("enroll", ["enroll", "--clients", str(self.n), "--out", str(self.out / "enroll.txt"),
-                                 "--secrets-dir", str(self.out / "secrets")], self.out / "logs" / "enroll.out", None, None)  # fmt: skip
+        argv = ["enroll", "--clients", str(self.n), "--out", str(self.out / "enroll.txt"),
+                "--secrets-dir", str(self.out / "secrets")]  # fmt: skip
+        enroll = Proc("enroll", argv, self.out / "logs" / "enroll.out", None, None)
         while enroll.poll() is None:
             time.sleep(0.05)
         if enroll.returncode != 0:
@@ -293,7 +296,8 @@ class Federation:
         self.incarnation += 1
         argv = ["server", "--config", str(self.out / "run.json"), "--host", self.host, "--port", str(self.port),
                 "--out", str(self.out / "server"), "--enrollment", str(self.out / "enroll.txt"),
-                "--log-file", str(self.out / "logs" / f"server-{self.incarnation}.jsonl"), "--threads", "1", "--quiet"]  # fmt: skip
+                "--log-file", str(self.out / "logs" / f"server-{self.incarnation}.jsonl"),
+                "--threads", "1", "--quiet"]  # fmt: skip
         if resume:
             argv.append("--resume")
         ns = self.star.namespace("server") if self.star else None
@@ -315,8 +319,14 @@ class Federation:
         _ip("-n", self.star._bridge_ns, "link", "set", f"c{i}", "up" if up else "down")
 
     def live_clients(self) -> list[int]:
-        return [i for i in range(self.n) if (p := self.procs.get(f"client-{i}")) and p.poll() is None
-                and not any(a in ("restart", "link_up") and arg[0] == i for _, a, arg in self.pending)]  # fmt: skip
+        """Clients running with their link up and no fault of theirs in progress."""
+        busy = {arg[0] for _, a, arg in self.pending if a != "server_resume"}
+        return [i for i in range(self.n) if (p := self.procs.get(f"client-{i}")) and p.poll() is None and i not in busy]
+
+    def kill_client(self, i: int, kind: str) -> None:
+        self.procs[f"client-{i}"].kill()
+        (self.out / "flags" / f"client-{i}").unlink(missing_ok=True)  # a fault order the dead process left unread
+        self.log("client.kill", client=i, kind=kind)
 
     # -- faults
     def fire(self, f: Fault, rng: random.Random) -> None:
@@ -339,8 +349,7 @@ class Federation:
         f.target = f"client-{i}"
         f.done = {"t": now}
         if f.kind in ("client_kill_state", "client_kill_nostate"):
-            self.procs[f"client-{i}"].kill()
-            self.log("client.kill", client=i, kind=f.kind)
+            self.kill_client(i, f.kind)
             self.pending.append((now + f.down_s, "restart", (i, f.kind == "client_kill_state", f.kind)))
         elif f.kind == "mid_upload_stop":
             (self.out / "flags" / f"client-{i}").write_text("stop")
@@ -380,8 +389,7 @@ class Federation:
             if p.poll() is not None:
                 return
             if p.stopped():
-                p.kill()
-                self.log("client.kill", client=i, kind="mid_upload_stop")
+                self.kill_client(i, "mid_upload_stop")
                 self.pending.append((now + down, "restart", (i, True, "mid_upload_stop")))
             elif now < give_up:
                 self.pending.append((now + 0.1, action, arg))
@@ -418,7 +426,7 @@ class Federation:
                     self.fire(queue.pop(0), rng)
                 due = [p for p in self.pending if p[0] <= now]
                 self.pending = [p for p in self.pending if p[0] > now]
-                for t, action, arg in sorted(due, key=lambda p: p[0]):
+                for _t, action, arg in sorted(due, key=lambda p: p[0]):
                     self.act(now, action, arg)
                 for name, p in self.procs.items():
                     if p.poll() is not None and not getattr(p, "_seen", False):
@@ -434,6 +442,8 @@ class Federation:
                 p.kill()
             if self.star is not None:
                 self.star.close()
+            with open(self.out / "driver.jsonl", "w") as f:
+                f.writelines(json.dumps(e) + "\n" for e in self.timeline)
         return analyse(self, faults)
 
     def _wait_first_join(self) -> float:
@@ -469,6 +479,13 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
 def analyse(fed: Federation, faults: list[Fault]) -> dict[str, Any]:
     out, t0, t_end, n = fed.out, fed.t0, fed.t_end, fed.n
     deadline = fed.a.deadline
+    cfg = fed.cfg
+    if cfg.aggregation == "sync":
+        per_round = 1
+    else:  # the versions in which every training client uploads once: concurrency / buffer_size (FedAsync: each)
+        concurrency = cfg.concurrency or n
+        size = 1 if cfg.aggregation == "fedasync" else cfg.buffer_size or max(1, concurrency // 2)
+        per_round = -(-concurrency // size)
     incs = []
     for k in range(1, fed.incarnation + 1):
         ev = _jsonl(out / "logs" / f"server-{k}.jsonl")
@@ -519,8 +536,15 @@ def analyse(fed: Federation, faults: list[Fault]) -> dict[str, Any]:
         next_resume = resumed_at[k + 1] if k + 1 < len(incs) else None
         done_t = [(e["t"], int(e["round"])) for e in incs[k] if e["event"] == "round.done"]
         for c, r, ta in acc:
-            # durable: a version built after it in this incarnation made it into the checkpoint the next one resumed
-            ok = any(td >= ta and (next_resume is None or v <= next_resume) for td, v in done_t)
+            # durable: held by the checkpoint the next incarnation resumed from. Sync: its round is at most the
+            # resumed round. Buffered (which version folds it is not logged): a version built after it and the
+            # one after that both checkpointed (conservative: a double at the boundary goes unseen)
+            if next_resume is None:
+                ok = any(td >= ta for td, _ in done_t)
+            elif fed.aggregation == "sync":
+                ok = r <= next_resume
+            else:
+                ok = any(td >= ta and v < next_resume for td, v in done_t)
             if ok:
                 durable.setdefault((c, r), k + 1)
             elif next_resume is not None:
@@ -546,25 +570,43 @@ def analyse(fed: Federation, faults: list[Fault]) -> dict[str, Any]:
         if kills and not any(kills[-1] < s <= t_r for s in server_up):
             t_r = min((s for s in server_up if s > t_r), default=t_r)
         back = next((t for t, cc in all_acc if cc == c and t > t_r), None)
+        # killed again (or its link cut) before it was back: this restart was not given its chance
+        again = next((x["t"] for x in fed.timeline if x["event"] in ("client.kill", "link.down")
+                      and x.get("client") == e["client"] and x["t"] > e["t"]), None)  # fmt: skip
+        interrupted = again is not None and (back is None or again < back)
+        if interrupted:
+            back = None
         proc = fed.procs.get(c)
         alive = (
             proc is not None
             and proc.returncode in (None, -9)
             and not any(x["event"] == "process.exit" and x.get("process") == c for x in fed.timeline)
         )
-        made = sum(1 for t in vtimes if t_r < t <= (back or t_end))
+        made = sum(1 for t in vtimes if t_r < t <= (back or (again if interrupted else None) or t_end))
         restarts.append({"client": c, "kind": e["kind"], "at_s": round(e["t"] - t0, 2), "alive_at_end": alive,
+                         "interrupted": interrupted,
                          "back_s": None if back is None else round(back - e["t"], 2),
                          "versions_until_back": made if back is not None else None,
                          "versions_after_without_return": None if back is not None else made})  # fmt: skip
-    # tracebacks
-    tracebacks = []
+    # tracebacks: printed ones in any output or log, and exceptions a JSON log recorded with their frames
+    tracebacks, errors = [], []
     for f in sorted((out / "logs").iterdir()):
         text = f.read_text(errors="replace")
         if "Traceback" in text:
             lines = text.splitlines()
             first = next(j for j, x in enumerate(lines) if "Traceback" in x)
             tracebacks.append({"file": f.name, "count": text.count("Traceback"), "excerpt": lines[first : first + 40]})
+        if f.suffix == ".jsonl":
+            logged = [e for e in _jsonl(f) if e.get("exception") or e.get("level") in ("error", "critical")]
+            for e in logged:
+                exc = e.get("exception")
+                top = exc[-1] if isinstance(exc, list) and exc and isinstance(exc[-1], dict) else {}
+                errors.append({"file": f.name, "event": str(e.get("event"))[:200], "exc_type": top.get("exc_type"),
+                               "exc_value": str(top.get("exc_value"))[:300] if top else None})  # fmt: skip
+            excs = [x for x in errors if x["file"] == f.name and x["exc_type"]]
+            if excs:
+                kinds = sorted({f"{x['exc_type']}: {x['exc_value']}" for x in excs})
+                tracebacks.append({"file": f.name, "count": len(excs), "excerpt": kinds[:10]})
     exits = [e for e in fed.timeline if e["event"] == "process.exit"]
     minutes = (t_end - t0) / 60
     made_in_run = [t for t in vtimes if t0 <= t <= t_end]
@@ -572,11 +614,11 @@ def analyse(fed: Federation, faults: list[Fault]) -> dict[str, Any]:
         "no_stall_over_two_deadlines": longest <= 2 * deadline,
         "no_update_lost_or_doubled": not lost and not doubled,
         "no_traceback": not tracebacks,
-        "clients_back_within_one_version": all(
-            (r["versions_until_back"] is not None and r["versions_until_back"] <= 1)
-            or (r["versions_until_back"] is None and (r["versions_after_without_return"] or 0) <= 1)
+        "clients_back_within_one_round": all(
+            (r["versions_until_back"] is not None and r["versions_until_back"] <= per_round)
+            or (r["versions_until_back"] is None and (r["versions_after_without_return"] or 0) <= per_round)
             for r in restarts
-            if r["alive_at_end"]
+            if r["alive_at_end"] and not r["interrupted"]
         ),
         "no_process_died": not exits,
     }
@@ -595,6 +637,7 @@ def analyse(fed: Federation, faults: list[Fault]) -> dict[str, Any]:
         "longest_stall_s": round(longest, 2),
         "longest_stall_at_s": round(where, 1),
         "stall_limit_s": 2 * deadline,
+        "versions_per_round": per_round,
         "client_share": share,
         "uploads_acked": len(acks),
         "uploads_accepted": sum(len(a) for a in accepted),
@@ -602,6 +645,8 @@ def analyse(fed: Federation, faults: list[Fault]) -> dict[str, Any]:
         "doubled": doubled,
         "forgotten_in_server_crash": len(forgotten),
         "tracebacks": tracebacks,
+        "logged_errors": len(errors),
+        "logged_error_kinds": sorted({f"{x['file'].split('-')[0]}: {x['event']}" for x in errors})[:20],
         "process_exits": exits,
         "restarts": restarts,
         "faults": [
@@ -622,14 +667,14 @@ def analyse(fed: Federation, faults: list[Fault]) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------------- main
-def _commit() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True).stdout.strip()  # fmt: skip
-        return head.strip() + ("+dirty" if dirty else "")
-    except OSError:
-        return "unknown"
+def _commit() -> tuple[str, bool]:
+    """The commit measured (40 hex digits) and whether tracked files differed from it."""
+    from wafl.cli.provenance import git_commit
+
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True
+    ).stdout.strip()
+    return git_commit() or "unknown", bool(dirty)
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -680,7 +725,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     minutes = a.minutes / len(combos)
     per_kind = a.per_kind or max(1, round(minutes / 1.5))
     a.per_kind = per_kind
-    commit = _commit()
+    commit, dirty = _commit()
     results = []
     for agg, proto in combos:
         print(f"chaos: {agg} / {proto}: {a.clients} clients, {minutes:g} min, seed {a.seed}", flush=True)
@@ -690,6 +735,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _print(r)
     doc = {
         "commit": commit,
+        "uncommitted_changes": dirty,
         "seed": a.seed,
         "minutes": a.minutes,
         "smoke": a.smoke,
@@ -701,8 +747,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "passed": all(r["passed"] for r in results),
     }
     a.out.mkdir(parents=True, exist_ok=True)
-    name = f"chaos-{'smoke-' if a.smoke else ''}{'all' if a.all else f'{a.aggregation}-{a.protocol}'}-seed{a.seed}-{commit}.json"
-    path = a.out / name
+    what = "all" if a.all else f"{a.aggregation}-{a.protocol}"
+    path = a.out / f"chaos-{'smoke-' if a.smoke else ''}{what}-seed{a.seed}-{commit[:7]}.json"
     path.write_text(json.dumps(doc, indent=1))
     print(f"chaos: {'PASS' if doc['passed'] else 'FAIL'}; saved {path}")
     return 0 if doc["passed"] else 1
@@ -716,8 +762,15 @@ def _print(r: dict[str, Any]) -> None:
     shares = sorted(r["client_share"].values())
     print(f"  client share of accepted uploads: min {shares[0]}, max {shares[-1]}")
     for x in r["restarts"]:
+        if x["interrupted"]:
+            print(f"  restart {x['client']} ({x['kind']}) at {x['at_s']} s: faulted again before it was back")
+            continue
         print(f"  restart {x['client']} ({x['kind']}) at {x['at_s']} s: back after {x['versions_until_back']} "
               f"versions, {x['back_s']} s")  # fmt: skip
+    for t in r["tracebacks"]:
+        print(f"  traceback in {t['file']} ({t['count']}): {t['excerpt'][-1] if t['excerpt'] else ''}")
+    for x in r["lost"] + r["doubled"]:
+        print(f"  {'lost' if x in r['lost'] else 'doubled'}: {x}")
     for k, v in r["targets"].items():
         print(f"  {'PASS' if v else 'FAIL'} {k}")
 

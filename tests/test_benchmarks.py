@@ -17,6 +17,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 # scripts whose smoke run is tested in a file of its own (with checks of their own)
 ELSEWHERE = {
+    "chaos": "test_chaos.py",
     "gpu_check": "test_gpu_scripts.py",
     "gpu_fleet": "test_gpu_scripts.py",
     "pm_floor": "test_pm_floor_bench.py",
