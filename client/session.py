@@ -52,6 +52,12 @@ CHANNEL_OPTIONS: list[tuple[str, object]] = [
 log = structlog.get_logger("client")
 
 
+def _held_by_former_session(e: grpc.aio.AioRpcError) -> bool:
+    """A Join refused because the index's previous session (this client before a restart, or before its
+    reply was lost) still counts as live: the server takes the token once it has been gone a few seconds."""
+    return e.code() == grpc.StatusCode.PERMISSION_DENIED and "session is live" in (e.details() or "")
+
+
 @dataclass
 class Backoff:
     """Exponential backoff with full jitter; ``deadline_s`` bounds the time since the first failure
@@ -176,11 +182,13 @@ class Session:
                 reply = await self._join(req, timeout=timeout, wait_for_ready=True, metadata=self._metadata())
                 break
             except grpc.aio.AioRpcError as e:
-                if e.code() not in RETRYABLE:
-                    raise
+                if e.code() not in RETRYABLE and not _held_by_former_session(e):  # one line, not a traceback
+                    raise ConnectionError(f"the server refused the join ({e.code().name}): {e.details()}") from None
                 try:
                     await backoff.wait(f"join: {e.code().name}")
                 except ConnectionError as gave_up:
+                    if _held_by_former_session(e):
+                        raise ConnectionError(f"{gave_up}: {e.details()}") from None
                     raise ConnectionError(f"{gave_up}{await self._why_unreachable(req)}") from None
         if self.run_id and reply.run_id != self.run_id:
             log.warning("run.changed", old=self.run_id, new=reply.run_id)

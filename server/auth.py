@@ -22,12 +22,14 @@ connection, is ``PERMISSION_DENIED``, and a certificate without such a name is `
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
+import math
 import os
 import re
 import secrets
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -205,15 +207,25 @@ def _load_or_create_salt(out_dir: Path) -> bytes:
 
 
 class Credentials:
-    """Issues and checks session credentials ``<index>.<hex HMAC-SHA256(key, run_id, index, client_id)>``."""
+    """Issues and checks session credentials ``<index>.<hex HMAC-SHA256(key, run_id, index, client_id[, epoch])>``.
 
-    def __init__(self, key: bytes, run_id: str) -> None:
+    ``epochs`` counts, per index, the sessions that replaced an earlier one (:meth:`renew`); the MAC covers
+    the index's epoch from the first replacement on, so a replaced session's credential stops working
+    (epoch 0 adds nothing: the credentials of a run that never replaced a session are those of before)."""
+
+    def __init__(self, key: bytes, run_id: str, epochs: dict[int, int] | None = None) -> None:
         self.key = key
         self.run_id = run_id
+        self.epochs = {} if epochs is None else epochs  # shared with the engine, which checkpoints it
 
     def _mac(self, index: int, client_id: str) -> str:
-        msg = f"{self.run_id}\0{index}\0{client_id}".encode()
-        return hmac.new(self.key, msg, hashlib.sha256).hexdigest()
+        epoch = self.epochs.get(index, 0)
+        msg = f"{self.run_id}\0{index}\0{client_id}" + (f"\0{epoch}" if epoch else "")
+        return hmac.new(self.key, msg.encode(), hashlib.sha256).hexdigest()
+
+    def renew(self, index: int) -> None:
+        """A new session replaces the index's last one: its credential no longer passes."""
+        self.epochs[index] = self.epochs.get(index, 0) + 1
 
     def issue(self, client_id: str, index: int) -> str:
         return f"{index}.{self._mac(index, client_id)}"
@@ -250,3 +262,43 @@ class Credentials:
         if owner is not None and self.index_of(credential, owner) is not None:
             raise Refused("this session credential belongs to another client", Code.PERMISSION_DENIED)
         raise Refused("invalid session credential", Code.UNAUTHENTICATED)
+
+
+REJOIN_GRACE_S = 10.0  # an index whose session was seen within this is live: no Join without its credential takes it
+
+
+class Presence:
+    """Whether each index's session is live, for a Join that cannot present its credential (a restarted
+    client, or one whose Join reply was lost): live while a Broadcasts stream of it is open, or while it
+    called with its credential within ``grace_s``. A session a Join has just registered is not live until
+    it uses its credential (its reply may never have arrived); the owners a resumed server restored are
+    live for ``grace_s`` from the start, so that they re-claim their index first."""
+
+    def __init__(self, grace_s: float = REJOIN_GRACE_S) -> None:
+        self.grace_s = grace_s
+        self.streams: dict[int, int] = {}  # open Broadcasts streams per index
+        self.last: dict[int, float] = {}  # monotonic time of the last call with the credential, or of its end
+
+    def seen(self, index: int, now: float) -> None:
+        self.last[index] = now
+
+    def fresh(self, index: int) -> None:
+        """A Join registered a new session for ``index``: live once it uses its credential."""
+        self.last.pop(index, None)
+
+    @contextlib.contextmanager
+    def streaming(self, index: int, clock: Callable[[], float]) -> Iterator[None]:
+        self.streams[index] = self.streams.get(index, 0) + 1
+        self.last[index] = clock()
+        try:
+            yield
+        finally:
+            left = self.streams[index] - 1
+            if left:
+                self.streams[index] = left
+            else:
+                del self.streams[index]
+            self.last[index] = clock()
+
+    def live(self, index: int, now: float) -> bool:
+        return self.streams.get(index, 0) > 0 or now - self.last.get(index, -math.inf) < self.grace_s

@@ -44,7 +44,7 @@ from wafl.common.proto import federation_pb2 as pb
 from wafl.common.training import evaluate
 from wafl.common.wire import ChunkBatch, PreEncoded, encode_tensors, write_transfer
 from wafl.server.aggregator import Accumulator, NormBound, RetainedBytes, Rule, bounded
-from wafl.server.auth import ID_PATTERN, Credentials, JoinSecrets, check_id, load_or_create_key
+from wafl.server.auth import ID_PATTERN, Credentials, JoinSecrets, Presence, check_id, load_or_create_key
 from wafl.server.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from wafl.server.results import ResultsLog, round_
 from wafl.server.strategies import Collection, Deliveries, Drain, RunAborted, make_strategy
@@ -70,7 +70,7 @@ class ClientInfo:
 class Publication:
     """One global model, encoded once for every recipient."""
 
-    version: int  # the version it is (sync: the round it opens); rounds + 1 for the final one
+    version: int  # the version it is (sync: the round it opens); rounds + 1 (or plateau stop + 1) for the final one
     final: bool
     messages: list[object]  # the transfer after the header: chunk messages, knowledge, trailer
     nbytes: int
@@ -121,6 +121,8 @@ class RoundEngine:
         self.new_clients: set[str] = set()
         self.adapt_due = False  # the model about to be published was evaluated: the new clients adapt it
         self.index_owner: dict[int, str] = {}
+        self.index_epoch: dict[int, int] = {}  # sessions that replaced an earlier one, per index (Credentials)
+        self.presence = Presence()  # whether each index's session is live (a Join without its credential)
         self.accumulators: list[Accumulator] = []  # zeroed sums, ready for the next collection
         adaptive = cfg.norm_bound if cfg.clip_norm is None else 0.0
         self.rule = Rule(cfg.aggregator, cfg.trim_fraction, cfg.clip_norm, adaptive)
@@ -164,7 +166,9 @@ class RoundEngine:
             cfg, self.algorithm, self.results.listeners, self.results.results_path if resume else None,
             self.strategy.version - 1,
         )  # fmt: skip
-        self.credentials = Credentials(load_or_create_key(out_dir, self.secrets.material()), self.run_id)
+        self.credentials = Credentials(
+            load_or_create_key(out_dir, self.secrets.material()), self.run_id, self.index_epoch
+        )
         (out_dir / "config.json").write_text(dumps(json.loads(cfg.to_json()), indent=2))
         if self.algorithm.privacy is not None:
             report = {"per_release": self.algorithm.privacy(1), "per_run": self.algorithm.privacy(cfg.rounds)}
@@ -233,6 +237,7 @@ class RoundEngine:
         try:
             self.norm_bound.load_state_dict(ck.get("norm_history", []))
             owners = {int(i): str(c) for i, c in ck.get("index_owner", {}).items()}
+            epochs = {int(i): int(e) for i, e in ck.get("index_epoch", {}).items()}
         except (TypeError, ValueError, AttributeError):
             raise CheckpointError(f"checkpoint {path}: its norm history or index owners are malformed") from None
         for i, c in owners.items():
@@ -241,6 +246,9 @@ class RoundEngine:
             if not ID_PATTERN.fullmatch(c):
                 raise CheckpointError(f"checkpoint {path}: index {i} has a malformed owner")
         self.index_owner = owners
+        self.index_epoch.update((i, e) for i, e in epochs.items() if i in owners and e >= 0)
+        for i in owners:  # restored owners re-claim their index first (Presence)
+            self.presence.seen(i, time.monotonic())
         self.global_state = OrderedDict(state)
         self.algorithm.server.load_state_dict(ck["server_state"])
         self.global_knowledge = knowledge
@@ -266,6 +274,7 @@ class RoundEngine:
                 "uploads": self.strategy.committed_uploads(),
                 "norm_history": self.norm_bound.state_dict(),
                 "index_owner": dict(self.index_owner),  # an owned index stays its client's after --resume
+                "index_epoch": dict(self.index_epoch),  # and a replaced session's credential stays replaced
                 "knowledge": {
                     j: {"count": k.count, "rep": k.rep, "soft": k.soft} for j, k in self.global_knowledge.items()
                 },
@@ -278,8 +287,10 @@ class RoundEngine:
     # ----------------------------------------------------------------- joins
     def join(self, req: pb.JoinRequest, credential: str = "") -> pb.JoinReply:
         """Registers (or re-registers) a client and returns the run's configuration with its session
-        credential; raises :class:`Refused`. A registered index re-joins only with its credential
-        (or its enrollment secret)."""
+        credential; raises :class:`Refused`. A registered index re-joins with its credential, its
+        enrollment secret, or, once its session is not live (:class:`~wafl.server.auth.Presence`: gone,
+        or never confirmed because the Join's reply was lost), with the token by the same client id,
+        which starts a new session whose credential replaces the old one's."""
         check_id("client_id", req.client_id)
         resumes = bool(credential) and self.credentials.index_of(credential, req.client_id) == req.client_index
         # the secret first: an index out of range gets the answer of a bad secret, so that only a
@@ -292,10 +303,11 @@ class RoundEngine:
         owner = self.index_owner.get(req.client_index)
         if owner is not None and owner != req.client_id:
             raise Refused(f"client_index {req.client_index} already belongs to another client", Code.ALREADY_EXISTS)
-        if owner is not None and not resumes and not self.secrets.enrollment and req.num_samples > 0:
+        live = owner is not None and self.presence.live(req.client_index, time.monotonic())
+        if live and not resumes and not self.secrets.enrollment and req.num_samples > 0:
             raise Refused(
-                f"client_index {req.client_index} is registered: re-join with its session credential "
-                f"(metadata {CREDENTIAL_KEY!r})",
+                f"client_index {req.client_index} is registered and its session is live: re-join with its session "
+                f"credential (metadata {CREDENTIAL_KEY!r}), or once it has been gone for {self.presence.grace_s:g} s",
                 Code.PERMISSION_DENIED,
             )
         if req.num_samples < 0:
@@ -310,6 +322,12 @@ class RoundEngine:
                 self.new_clients.add(req.client_id)  # it waits for the evaluated models: never selected
             else:
                 self.strategy.join(req.client_id, req.client_index, samples)
+            if resumes:
+                self.presence.seen(req.client_index, time.monotonic())
+            else:  # a new session; by the token, the one before it (if any) no longer speaks for the index
+                if owner is not None and not self.secrets.enrollment:
+                    self.credentials.renew(req.client_index)
+                self.presence.fresh(req.client_index)
             issued = self.credentials.issue(req.client_id, req.client_index)
             log.info(
                 "client.join",
@@ -339,9 +357,10 @@ class RoundEngine:
         """Checks that ``credential`` is the session credential of the joined client ``client_id``;
         raises :class:`Refused` (UNAUTHENTICATED, PERMISSION_DENIED, NOT_FOUND)."""
         check_id("client_id", client_id)
-        self.credentials.check(credential, client_id, self.index_owner.get)
+        index = self.credentials.check(credential, client_id, self.index_owner.get)
         if client_id not in self.clients:
             raise Refused(f"unknown client_id {client_id!r}: call Join first", Code.NOT_FOUND)
+        self.presence.seen(index, time.monotonic())
 
     def credential_holder(self, credential: str) -> int:
         """The index of the registered client a session credential belongs to; raises :class:`Refused`."""
@@ -505,7 +524,8 @@ class RoundEngine:
     async def _publish(self, deliveries: Deliveries, final: bool = False) -> None:
         """Encodes the global model once (worker thread) and delivers it as the strategy decided."""
         loop = asyncio.get_running_loop()
-        version = self.cfg.rounds + 1 if final else self.strategy.version
+        # the final model: the version after the last one built (rounds + 1, or s + 1 after a plateau stop at s)
+        version = self.strategy.version
         self.publication = await loop.run_in_executor(self.executor, self._encode, version, final)
         self._deliver(deliveries)
 

@@ -145,10 +145,12 @@ class FederationService:
                 raise Refused(
                     f"run_id {req.run_id[:64]!r} is not this run ({self.engine.run_id!r})", Code.FAILED_PRECONDITION
                 )
-            async with self.calls.stream(self.engine.credential_holder(_credential(ctx))):
-                async with contextlib.aclosing(self.engine.deliveries(req.client_id, _credential(ctx))) as models:
-                    async for msg in models:
-                        await _write(ctx, msg)
+            index = self.engine.credential_holder(_credential(ctx))
+            async with self.calls.stream(index):
+                with self.engine.presence.streaming(index, time.monotonic):  # the session is live meanwhile
+                    async with contextlib.aclosing(self.engine.deliveries(req.client_id, _credential(ctx))) as models:
+                        async for msg in models:
+                            await _write(ctx, msg)
         except Refused as e:
             await _abort(ctx, e)
 
