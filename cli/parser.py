@@ -158,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--enrollment",
         default=os.environ.get("WAFL_ENROLLMENT"),
-        help="file of 'INDEX SECRET' lines: each client joins with the secret of its own index (instead of --token)",
+        help="file of 'INDEX sha256:SALT:DIGEST' lines made by 'wafl enroll' (salted hashes, never the secrets): "
+        "each client joins with the secret of its own index (instead of --token)",
     )
     s.add_argument(
         "--allow-open",

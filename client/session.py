@@ -53,8 +53,11 @@ log = structlog.get_logger("client")
 
 
 def _held_by_former_session(e: grpc.aio.AioRpcError) -> bool:
-    """A Join refused because the index's previous session (this client before a restart, or before its
-    reply was lost) still counts as live: the server takes the token once it has been gone a few seconds."""
+    """A Join refused for a while: the index's previous session (this client before a restart, or before its
+    reply was lost) still counts as live, and the server takes the token once it has been gone a few seconds;
+    or this address made too many Joins with a bad secret (another process behind it), which passes too."""
+    if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # too many bad secrets from this address (not ours)
+        return True
     return e.code() == grpc.StatusCode.PERMISSION_DENIED and "session is live" in (e.details() or "")
 
 

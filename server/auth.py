@@ -29,14 +29,17 @@ import math
 import os
 import re
 import secrets
+import stat
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import structlog
 from wafl.common.config import ConfigError
 from wafl.common.contract import CREDENTIAL_KEY
 from wafl.common.errors import Code, Refused
 
+log = structlog.get_logger("server")
 ID_PATTERN = re.compile(r"[A-Za-z0-9._:@-]{1,64}")  # client ids
 KEY_FILE = "server.key"
 MIN_SECRET_CHARS = 16  # run tokens and enrollment secrets alike
@@ -121,12 +124,43 @@ class JoinSecrets:
         return True
 
 
+MIN_DISTINCT_CHARS = 8  # fewer distinct characters in a token: warned of as guessable
+
+
+def weak_secret(secret: str) -> str | None:
+    """Why a secret of an accepted length is still easy to guess (few distinct characters), or None."""
+    distinct = len(set(secret.strip()))
+    if distinct < MIN_DISTINCT_CHARS:
+        return f"it has {distinct} distinct characters (fewer than {MIN_DISTINCT_CHARS}); use a random one"
+    return None
+
+
 def check_token(token: str) -> None:
-    """A run token has the length enrollment secrets must have (whitespace apart); raises :class:`ConfigError`."""
+    """A run token has the length enrollment secrets must have (whitespace apart); raises :class:`ConfigError`.
+    A token of that length but few distinct characters (``aaaaaaaaaaaaaaaa``) is accepted with a warning."""
     if token and not (MIN_SECRET_CHARS <= len(token.strip()) and len(token) <= MAX_SECRET_CHARS):
         raise ConfigError(
             f"the run token (WAFL_TOKEN or --token-file) must have {MIN_SECRET_CHARS} to {MAX_SECRET_CHARS} "
             f"characters other than blanks (got {len(token.strip())}): a short one can be guessed"
+        )
+    why = weak_secret(token) if token else None
+    if why is not None:
+        log.warning("auth.weak_token", reason=f"the run token is easy to guess: {why}")
+
+
+def check_private(path: str, flag: str) -> None:
+    """Warns when the file at ``path`` can be read or written by its group or others."""
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        return
+    if mode & 0o077:
+        log.warning(
+            "auth.file_not_private",
+            flag=flag,
+            path=path,
+            mode=f"{mode:04o}",
+            reason="its group or others can read it; make it the owner's only (chmod 600)",
         )
 
 
@@ -176,6 +210,7 @@ def load_enrollment(path: str, num_clients: int) -> dict[int, str]:
             "make it with 'wafl enroll'"
         )
 
+    check_private(path, "--enrollment")
     return read_index_file(path, num_clients, "--enrollment", "HASH", salted)
 
 

@@ -4,13 +4,18 @@ Every failure is one :class:`CheckpointError` naming the file and what is wrong.
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 from typing import Any
 
+import structlog
 from wafl.common.verified import VerifiedFileError, load_verified, save_verified
 
 MAGIC = b"WAFL-CHECKPOINT-1\n"
 KEYS = ("round", "run_id", "config", "global_state", "server_state", "knowledge")
+TEMPORARY = re.compile(r"(?:checkpoint|round-[0-9]+)\.pt\.tmp[0-9]+")  # save_verified's, before its rename
+log = structlog.get_logger("server")
 
 
 class CheckpointError(VerifiedFileError):
@@ -33,3 +38,24 @@ def load_checkpoint(path: Path) -> dict[str, Any] | None:
     if not isinstance(ck, dict) or any(k not in ck for k in KEYS):
         raise CheckpointError(f"checkpoint {path}: missing entries (expected {', '.join(KEYS)})")
     return ck
+
+
+def remove_stale_temporaries(out_dir: Path) -> list[Path]:
+    """Removes the temporary files a checkpoint write killed before its rename left in ``out_dir`` and
+    ``out_dir/checkpoints`` (``checkpoint.pt.tmp<pid>``, ``round-<n>.pt.tmp<pid>``), except this process's;
+    returns them. A run folder is one server's, so no other process is writing them."""
+    removed = []
+    for folder in (out_dir, out_dir / "checkpoints"):
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            continue
+        for name in names:
+            if TEMPORARY.fullmatch(name) and not name.endswith(f".tmp{os.getpid()}"):
+                try:
+                    (folder / name).unlink()
+                except OSError:
+                    continue
+                removed.append(folder / name)
+                log.info("checkpoint.stale_removed", path=str(folder / name))
+    return removed

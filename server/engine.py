@@ -45,7 +45,7 @@ from wafl.common.training import evaluate
 from wafl.common.wire import ChunkBatch, PreEncoded, encode_tensors, write_transfer
 from wafl.server.aggregator import Accumulator, NormBound, RetainedBytes, Rule, bounded
 from wafl.server.auth import ID_PATTERN, Credentials, JoinSecrets, Presence, check_id, load_or_create_key
-from wafl.server.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from wafl.server.checkpoint import CheckpointError, load_checkpoint, remove_stale_temporaries, save_checkpoint
 from wafl.server.results import ResultsLog, round_
 from wafl.server.strategies import Collection, Deliveries, Drain, RunAborted, make_strategy
 from wafl.server.tensorboard import TensorBoardLog
@@ -152,6 +152,7 @@ class RoundEngine:
             out_dir, self.run_start, latest_pm=self.strategy.latest_pm, new_clients=bool(cfg.new_clients)
         )
         self.checkpoint_path = out_dir / "checkpoint.pt"
+        remove_stale_temporaries(out_dir)  # a write killed before its rename leaves one behind
         # called in a worker thread as each round closes, before aggregation, with the round's number, the
         # global model its clients trained from and its selected clients; its fields join the round's results
         # line (the in-process runs' gradient dissimilarity: wafl.cli.simulate)

@@ -18,6 +18,13 @@ before its first message is read:
   or health check delivers its request with its headers and leaves the lobby at once; callers
   that hold calls open and silent only push each other out.
 
+``Join`` refused for a bad token or enrollment secret (``UNAUTHENTICATED``) is counted per peer
+address (its host, the port apart) by :class:`FailedJoins`: ``burst`` such failures at once and
+``per_s`` more each second; beyond that, every Join from that address is refused at once with
+``RESOURCE_EXHAUSTED`` (before its secret is checked, so guessing runs no faster) until the budget
+refills, and the failures are logged: one ``auth.failed`` line at most every ``log_every_s``,
+with their count since the last line, in all, and the addresses refused meanwhile.
+
 Handlers whose request is a single message are served as streaming-request handlers (the wire
 format is the same), so that the wait for that message happens here, bounded, instead of inside
 gRPC with no limit.
@@ -29,11 +36,14 @@ import asyncio
 import contextlib
 import inspect
 import itertools
+import math
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+import structlog
 from wafl.common.errors import Code, InvariantError, Refused
 
 CREDENTIALED = ("/wafl.v1.Federation/Upload", "/wafl.v1.Federation/Report", "/wafl.v1.Federation/Broadcasts")
@@ -41,6 +51,11 @@ BROADCASTS = "/wafl.v1.Federation/Broadcasts"
 LOBBY_SIZE = 32  # calls without a credential waiting at once (Join, health, reflection), plus one per client
 LOBBY_READ_S = 10.0  # a unary call in the lobby must deliver its request within this
 CLIENT_CALLS = 4  # uploads and reports of one client at once (its Broadcasts stream apart)
+FAILED_JOIN_BURST = 20.0  # Joins with a bad secret one address may make at once ...
+FAILED_JOIN_PER_S = 1.0  # ... and each second after
+FAILED_JOIN_LOG_S = 10.0  # at most one auth.failed line this often
+FAILED_JOIN_PEERS = 10_000  # addresses remembered at once (those whose budget is full are forgotten first)
+log = structlog.get_logger("server")
 
 
 def _current_task(what: str) -> asyncio.Task[Any]:
@@ -129,6 +144,79 @@ class ClientCalls:
             self.replaced.discard(id(task))
             if self.streams.get(index) is task:
                 del self.streams[index]
+
+
+def peer_host(peer: str) -> str:
+    """The address of a gRPC peer (``ipv4:10.0.0.3:51234``) without its port: ``ipv4:10.0.0.3``."""
+    head, sep, port = peer.rpartition(":")
+    return head if sep and port.isdigit() and head not in ("ipv4", "ipv6") else peer
+
+
+class FailedJoins:
+    """Joins refused for a bad secret, per peer address: a token bucket of ``burst`` failures refilled at
+    ``per_s`` a second, and their log lines (see the module docstring)."""
+
+    def __init__(
+        self,
+        burst: float = FAILED_JOIN_BURST,
+        per_s: float = FAILED_JOIN_PER_S,
+        log_every_s: float = FAILED_JOIN_LOG_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.burst, self.per_s, self.log_every_s, self.clock = burst, per_s, log_every_s, clock
+        self.buckets: dict[str, tuple[float, float]] = {}  # address -> (failures left, when)
+        self.total = 0  # failed Joins in all
+        self.throttled = 0  # Joins refused at once, in all
+        self.pending = 0  # failures since the last log line
+        self.pending_throttled = 0
+        self.pending_peers: set[str] = set()
+        self.last_log = -math.inf
+
+    def _left(self, peer: str, now: float) -> float:
+        left, then = self.buckets.get(peer, (self.burst, now))
+        return min(self.burst, left + (now - then) * self.per_s)
+
+    def check(self, peer: str) -> None:
+        """Raises :class:`Refused` (RESOURCE_EXHAUSTED) while ``peer`` has no failures left."""
+        now = self.clock()
+        left = self._left(peer, now)
+        if left >= 1.0:
+            return
+        self.throttled += 1
+        self.pending_throttled += 1
+        self._note(peer, now)
+        wait = (1.0 - left) / self.per_s
+        raise Refused(
+            f"too many joins with a bad token or secret from this address; retry in {math.ceil(wait)} s",
+            Code.RESOURCE_EXHAUSTED,
+        )
+
+    def failed(self, peer: str) -> None:
+        """Counts one Join from ``peer`` refused for its secret."""
+        now = self.clock()
+        if len(self.buckets) >= FAILED_JOIN_PEERS:
+            self.buckets = {p: (n, t) for p, (n, t) in self.buckets.items() if self._left(p, now) < self.burst}
+        self.buckets[peer] = (self._left(peer, now) - 1.0, now)
+        self.total += 1
+        self.pending += 1
+        self._note(peer, now)
+
+    def _note(self, peer: str, now: float) -> None:
+        if len(self.pending_peers) < 100:
+            self.pending_peers.add(peer)
+        if now - self.last_log < self.log_every_s:
+            return
+        log.warning(
+            "auth.failed",
+            failed=self.pending,
+            refused_at_once=self.pending_throttled,
+            failed_total=self.total,
+            addresses=sorted(self.pending_peers)[:10],
+            since_s=None if math.isinf(self.last_log) else round(now - self.last_log, 1),
+        )
+        self.last_log = now
+        self.pending = self.pending_throttled = 0
+        self.pending_peers = set()
 
 
 async def _abort(ctx: grpc.aio.ServicerContext, e: Refused) -> None:

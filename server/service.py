@@ -23,7 +23,7 @@ from wafl.common.proto import federation_pb2 as pb
 from wafl.common.wire import MALFORMED, decode_upload, encode_broadcast, lenient
 from wafl.server.auth import certificate_index, check_certificate
 from wafl.server.engine import RoundEngine
-from wafl.server.limits import ClientCalls
+from wafl.server.limits import ClientCalls, FailedJoins, peer_host
 from wafl.server.upload import receive_upload
 
 SERVICE = "wafl.v1.Federation"
@@ -94,6 +94,7 @@ class FederationService:
         self.calls = calls or ClientCalls()  # each client's budget, shared with the server's Admission
         self.report_rate = RateLimit()  # a client reports about once per round: far below this
         self.client_certificates = client_certificates  # mutual TLS: the peer's certificate names its index
+        self.failed_joins = FailedJoins()  # Joins with a bad secret: counted, logged and limited per address
 
     def _certificate_bound(self, ctx: grpc.aio.ServicerContext, index: int | None = None) -> None:
         """Under mutual TLS, the Join's ``index`` (or, without one, the index of the call's session
@@ -109,7 +110,9 @@ class FederationService:
             check_certificate(peer, int(head), "the session credential's")
 
     async def join(self, req: pb.JoinRequest, ctx: grpc.aio.ServicerContext) -> pb.JoinReply:
+        peer = peer_host(ctx.peer() or "")
         try:
+            self.failed_joins.check(peer)
             _well_formed(req)
             if req.protocol_version not in SUPPORTED_VERSIONS:
                 speaks = " and ".join(str(v) for v in SUPPORTED_VERSIONS)
@@ -128,6 +131,8 @@ class FederationService:
             self._certificate_bound(ctx, req.client_index)
             return self.engine.join(req, _credential(ctx))
         except Refused as e:
+            if e.code == Code.UNAUTHENTICATED:  # a bad token or secret (or no client certificate)
+                self.failed_joins.failed(peer)
             await _abort(ctx, e)
             raise
 
