@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
+from typing import cast
 
 import grpc
 import structlog
@@ -153,7 +154,8 @@ class FederationService:
             index = self.engine.credential_holder(_credential(ctx))
             async with self.calls.stream(index):
                 with self.engine.presence.streaming(index, time.monotonic):  # the session is live meanwhile
-                    async with contextlib.aclosing(self.engine.deliveries(req.client_id, _credential(ctx))) as models:
+                    models = cast(AsyncGenerator[object, None], self.engine.deliveries(req.client_id, _credential(ctx)))
+                    async with contextlib.aclosing(models):
                         async for msg in models:
                             await _write(ctx, msg)
         except Refused as e:
