@@ -9,8 +9,10 @@ looks at the watched accuracy ``a(t)`` of the rounds ``t`` up to ``n = r - lag``
     flat   = 100 * |gap| <= D                 (defined when n >= 2W and both windows hold a value)
 
 and, when ``flat``, ends the run after round ``r`` as it ends after the last one (the final model goes to
-every client); ``rounds`` is the maximum. The round's results line then says ``stop_reason = "plateau"``;
-the last round's line says ``"max_rounds"`` when the rule did not hold there either.
+every client: version ``r + 1``, as version ``rounds + 1`` ends a run that reaches its maximum, so the
+clients' final reports and the new clients' adaptation name round ``r``); ``rounds`` is the maximum. The
+round's results line then says ``stop_reason = "plateau"``; the last round's line says ``"max_rounds"``
+when the rule did not hold there either.
 
 Choices the issue (52) leaves open, made here:
 
