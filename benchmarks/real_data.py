@@ -13,6 +13,8 @@ them, so ``wafl sweep`` skips those points; ``run`` restores, runs the rest, the
     python benchmarks/real_data.py run configs/sweeps/scd_fmnist.toml --out /tmp/sweeps/scd_fmnist --jobs 2
     python benchmarks/real_data.py save configs/sweeps/scd_fmnist.toml --out /tmp/sweeps/scd_fmnist
     python benchmarks/real_data.py summary configs/sweeps/scd_fmnist.toml
+    python benchmarks/real_data.py run configs/sweeps/scd_fmnist.toml --out /tmp/sweeps/scd_fmnist \\
+        --rerun 'algorithm=pfedme,*'     # after a fix that changes those rows: their records are dropped first
 
 ``summary`` unpacks the records into ``runs/real-data/<sweep>`` (a scratch folder, rewritten each time)
 and writes ``table.md`` (the commands, the commits, the points done and missing, the plateau rule the
@@ -30,6 +32,7 @@ written beside ``records.json`` under their own names.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import shlex
 import shutil
@@ -174,6 +177,24 @@ def restore(kept: Path, out: Path) -> int:
         unpack(record, dst)
         n += 1
     return n
+
+
+def drop(sweep_file: Path, out: Path, kept: Path, patterns: list[str]) -> list[str]:
+    """Forgets the points whose names match one of ``patterns`` (``fnmatch``, e.g. ``algorithm=pfedme,*``):
+    their kept records and their folders in ``out``, so that ``run`` runs them again (after a fix that
+    changes their rows). Returns the names dropped; a pattern that matches no point of the sweep is an error."""
+    names = points(sweep_file)
+    for pattern in patterns:
+        if not fnmatch.filter(names, pattern):
+            raise SystemExit(f"real_data: --rerun {pattern!r} matches no point of {_shown(sweep_file)}")
+    chosen = [n for n in names if any(fnmatch.fnmatchcase(n, pat) for pat in patterns)]
+    records = read_records(kept)
+    for name in chosen:
+        records.pop(name, None)
+        if (out / name).exists():
+            shutil.rmtree(out / name)
+    write_records(kept, records)
+    return chosen
 
 
 def save(sweep_file: Path, out: Path, kept: Path) -> int:
@@ -364,7 +385,17 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         help="the kept records' file (default: benchmarks/results/real-data/<sweep>/records.json)",
     )
+    p.add_argument(
+        "--rerun",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="with run: run these points again (names as in records.json, fnmatch patterns such as "
+        "'algorithm=pfedme,*'; repeatable): their kept records and finished folders are dropped first",
+    )
     a = p.parse_args(argv)
+    if a.rerun and a.action != "run":
+        p.error("--rerun goes with the action run")
     if a.smoke:
         if a.out is None:
             p.error("--smoke needs --out, a folder for its sweep")
@@ -378,6 +409,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"sweep file {a.sweep_file} does not exist")
     if a.action != "summary" and a.out is None:
         p.error(f"{a.action} needs --out, the sweep's output folder")
+    if a.rerun:
+        dropped = drop(sweep_file, a.out, kept, a.rerun)
+        print(f"real_data: {len(dropped)} point(s) to run again: {', '.join(dropped)}", file=sys.stderr)
     if a.action in ("run", "restore"):
         print(f"real_data: {restore(kept, a.out)} kept point(s) restored into {a.out}", file=sys.stderr)
     if a.action == "run":

@@ -228,7 +228,10 @@ def test_kept_real_data_records_are_complete_and_tracked() -> None:
         recs = read_records(f)
         bad = {n: incomplete(r) for n, r in recs.items() if incomplete(r) or not r["point"].get("ok")}
         assert recs and not bad, (str(f), bad)
-        assert all(len(r["rows"]) == r["config"]["rounds"] for r in recs.values()), str(f)  # every round's row
+        # every round's row, up to the maximum or to the round a point stopped on the plateau
+        for name, r in recs.items():
+            ran = r["point"].get("rounds_run", r["config"]["rounds"]) if r["point"].get("stop_reason") else None
+            assert len(r["rows"]) == (ran or r["config"]["rounds"]), (str(f), name)
     probe = [str(f.relative_to(REPO)) for f in files] or ["benchmarks/results/real-data/any/records.json"]
     ignored = subprocess.run(["git", "check-ignore", "--no-index", *probe], cwd=REPO, capture_output=True, text=True)
     assert ignored.returncode == 1 and not ignored.stdout, ignored.stdout
@@ -236,6 +239,29 @@ def test_kept_real_data_records_are_complete_and_tracked() -> None:
     run_files = ("results.jsonl", "config.json", "point.json")
     per_point = [t for t in listed.stdout.splitlines() if Path(t).name in run_files]
     assert not per_point, per_point[:5]
+
+
+def test_rerun_drops_the_matching_points_records_and_folders(tmp_path: Path) -> None:
+    """``real_data.py run --rerun GLOB``: the matching points' kept records and finished folders are
+    dropped (so the sweep runs them again), the others kept; a pattern matching no point is an error."""
+    from benchmarks.real_data import drop, read_records, write_records
+
+    sweep = tmp_path / "s.toml"
+    sweep.write_text(
+        'out = "o"\n[base]\nrounds = 1\n[grid]\nseed = [0, 1]\n'
+        '[[points]]\nalgorithm = "fedavg"\n[[points]]\nalgorithm = "pfedme"\n'
+    )
+    names = ["algorithm=fedavg,seed=0", "algorithm=fedavg,seed=1", "algorithm=pfedme,seed=0", "algorithm=pfedme,seed=1"]
+    kept, out = tmp_path / "records.json", tmp_path / "out"
+    write_records(kept, {n: {"config": {"n": n}, "rows": [{}], "point": {"ok": True}} for n in names})
+    for n in names:
+        (out / n).mkdir(parents=True)
+        (out / n / "point.json").write_text("{}")
+    assert drop(sweep, out, kept, ["algorithm=pfedme,*"]) == names[2:]
+    assert sorted(read_records(kept)) == names[:2]
+    assert sorted(p.name for p in out.iterdir()) == names[:2]
+    with pytest.raises(SystemExit, match="matches no point"):
+        drop(sweep, out, kept, ["algorithm=fedrep,*"])
 
 
 def test_sweep_file_figure_commands_run_on_their_sweeps_records() -> None:
