@@ -28,8 +28,8 @@ versions made per minute, the longest stall (time between successive versions, a
 first), every client's share of the versions' accepted uploads, lost updates (acknowledged to a client but
 absent from that server incarnation's accepted uploads), doubled updates (one client's upload for one round
 accepted twice by one incarnation, or accepted again after a resume from a checkpoint that already held it),
-tracebacks in any process's output or log, and for each restart the versions made until the client's next
-accepted upload. Targets: no stall longer than two round deadlines, none lost or doubled, no traceback,
+tracebacks in any process's output or log, and for each restart (or restored link) the versions made until the
+client's next accepted upload. Targets: no stall longer than two round deadlines, none lost or doubled, no traceback,
 every restarted client that stayed alive back within one round of its restart (sync: one version; buffered:
 ``ceil(concurrency / buffer_size)`` versions, those in which every training client uploads once; a restart
 faulted again before its return is not judged).
@@ -561,8 +561,10 @@ def analyse(fed: Federation, faults: list[Fault]) -> dict[str, Any]:
     vtimes = [t for t, _, _ in versions]
     server_up = sorted(starts)
     for e in fed.timeline:
-        if e["event"] != "client.restart":
+        if e["event"] not in ("client.restart", "link.up"):  # a client's return: a new process, or its link back
             continue
+        if e["event"] == "link.up":
+            e = {**e, "kind": "link_restored"}
         c = f"client-{e['client']}"
         t_r = e["t"]
         # a restart while the server was down counts from the server's return
