@@ -30,7 +30,10 @@ absent from that server incarnation's accepted uploads), doubled updates (one cl
 accepted twice by one incarnation, or accepted again after a resume from a checkpoint that already held it),
 tracebacks in any process's output or log, and for each restart (or restored link) the versions made until the
 client's next accepted upload. Targets: no stall longer than two round deadlines, none lost or doubled, no traceback,
-every restarted client that stayed alive back within one round of its restart (sync: one version; buffered:
+every restarted client that stayed alive back within one round of its restart (a restored link is reported the
+same way but not judged: TCP's retransmission backoff alone can keep a connection silent after its link is back;
+a server killed between the restart and the return moves the count's start to the server's return) (sync: one
+version; buffered:
 ``ceil(concurrency / buffer_size)`` versions, those in which every training client uploads once; a restart
 faulted again before its return is not judged).
 
@@ -288,6 +291,10 @@ class Federation:
                     _ip("netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "parent", "1:1", "handle", "10:",
                         "netem", "delay", "20ms", "5ms", "loss", "0.5%")  # fmt: skip
 
+    @property
+    def shaped(self) -> bool:
+        return self.star is not None
+
     def log(self, event: str, **fields: Any) -> None:
         self.timeline.append({"t": time.time(), "event": event, **fields})
 
@@ -419,6 +426,7 @@ class Federation:
             t0 = self._wait_first_join()
             self.t0 = t0
             faults = schedule(self.seed, self.duration_s, kinds, self.a.per_kind, (self.a.down_min, self.a.down_max))
+            self.faults = faults
             rng = random.Random(self.seed + 1)
             queue = list(faults)
             while (now := time.time()) < t0 + self.duration_s:
@@ -444,6 +452,13 @@ class Federation:
                 self.star.close()
             with open(self.out / "driver.jsonl", "w") as f:
                 f.writelines(json.dumps(e) + "\n" for e in self.timeline)
+            meta = {"t0": getattr(self, "t0", None), "t_end": getattr(self, "t_end", None), "seed": self.seed,
+                    "incarnation": self.incarnation, "netem": self.netem, "shaped": self.star is not None,
+                    "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(self.a).items()}}  # fmt: skip
+            (self.out / "driver.json").write_text(json.dumps(meta))
+            faults_done = [{"at_s": f.at_s, "kind": f.kind, "target": f.target, "down_s": f.down_s, "done": f.done}
+                           for f in getattr(self, "faults", [])]  # fmt: skip
+            (self.out / "faults.json").write_text(json.dumps(faults_done))
         return analyse(self, faults)
 
     def _wait_first_join(self) -> float:
@@ -461,6 +476,31 @@ class Federation:
 
 
 # ----------------------------------------------------------------------------------------- analysis
+class Saved(Federation):
+    """A finished run's folder (``driver.json``, ``driver.jsonl``, the logs), to judge again (``--reanalyse``)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        from wafl.common.config import RunConfig
+
+        meta = json.loads((run_dir / "driver.json").read_text())
+        a = argparse.Namespace(**meta["args"])
+        cfg = RunConfig(**json.loads((run_dir / "run.json").read_text()))
+        super().__init__(a, cfg.aggregation, cfg.protocol, run_dir, 0.0, meta["seed"])
+        self.cfg = cfg
+        self.t0, self.t_end, self.incarnation, self.netem = (
+            meta["t0"],
+            meta["t_end"],
+            meta["incarnation"],
+            meta["netem"],
+        )
+        self._shaped = meta["shaped"]
+        self.timeline = _jsonl(run_dir / "driver.jsonl")
+
+    @property
+    def shaped(self) -> bool:
+        return self._shaped
+
+
 def _ts(s: str) -> float:
     return datetime.fromisoformat(s.replace("Z", "+00:00")).timestamp()
 
@@ -578,15 +618,14 @@ def analyse(fed: Federation, faults: list[Fault]) -> dict[str, Any]:
         interrupted = again is not None and (back is None or again < back)
         if interrupted:
             back = None
-        proc = fed.procs.get(c)
-        alive = (
-            proc is not None
-            and proc.returncode in (None, -9)
-            and not any(x["event"] == "process.exit" and x.get("process") == c for x in fed.timeline)
-        )
+        # the server killed after it and before its return: counted from the server's next start
+        down = [x["t"] for x in fed.timeline if x["event"] == "server.kill" and t_r < x["t"] < (back or again or t_end)]
+        if down:
+            t_r = min((s for s in server_up if s > down[-1]), default=t_end)
+        alive = not any(x["event"] == "process.exit" and x.get("process") == c for x in fed.timeline)
         made = sum(1 for t in vtimes if t_r < t <= (back or (again if interrupted else None) or t_end))
         restarts.append({"client": c, "kind": e["kind"], "at_s": round(e["t"] - t0, 2), "alive_at_end": alive,
-                         "interrupted": interrupted,
+                         "interrupted": interrupted, "server_restarted_meanwhile": bool(down),
                          "back_s": None if back is None else round(back - e["t"], 2),
                          "versions_until_back": made if back is not None else None,
                          "versions_after_without_return": None if back is not None else made})  # fmt: skip
@@ -620,7 +659,7 @@ def analyse(fed: Federation, faults: list[Fault]) -> dict[str, Any]:
             (r["versions_until_back"] is not None and r["versions_until_back"] <= per_round)
             or (r["versions_until_back"] is None and (r["versions_after_without_return"] or 0) <= per_round)
             for r in restarts
-            if r["alive_at_end"] and not r["interrupted"]
+            if r["alive_at_end"] and not r["interrupted"] and r["kind"] != "link_restored"
         ),
         "no_process_died": not exits,
     }
@@ -630,7 +669,7 @@ def analyse(fed: Federation, faults: list[Fault]) -> dict[str, Any]:
         "clients": n,
         "seed": fed.seed,
         "round_deadline_s": deadline,
-        "link_rate": fed.a.link_rate if fed.star else None,
+        "link_rate": fed.a.link_rate if fed.shaped else None,
         "netem": fed.netem,
         "duration_s": round(t_end - t0, 1),
         "versions": len(made_in_run),
@@ -697,6 +736,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--set", action="append", metavar="FIELD=VALUE", help="another run configuration field")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "chaos")
     p.add_argument("--runs", type=Path, default=Path("runs") / "chaos", help="the federations' folders")
+    p.add_argument("--reanalyse", type=Path, nargs="+", metavar="RUN_DIR", help="judge finished runs' folders again")
     a = p.parse_args(argv)
     if a.smoke:
         a.clients = 6 if a.clients == 20 else a.clients
@@ -717,6 +757,13 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse(argv)
+    if a.reanalyse:
+        again = [analyse(fed, [Fault(**f) for f in json.loads((d / "faults.json").read_text())])
+                 for d in a.reanalyse for fed in [Saved(d)]]  # fmt: skip
+        for r in again:
+            _print(r)
+        print(json.dumps(again, indent=1), file=sys.stderr)
+        return 0 if all(r["passed"] for r in again) else 1
     from wafl.cli import forking
 
     if not forking.can_fork():
