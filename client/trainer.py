@@ -208,8 +208,9 @@ class Trainer:
             raise InvariantError("no round has begun on this trainer (begin_round was not called)")
         return self.ctx
 
-    def train_gm(self) -> PhaseStats:
-        """The algorithm's local phases, in order, on the local model."""
+    def train_gm(self, num_epochs: float | None = None) -> PhaseStats:
+        """The algorithm's local phases, in order, on the local model; a phase without its own epochs runs
+        ``num_epochs`` (default: the run's ``local_epochs``)."""
         ctx, phases = self._context(), self.algorithm.phases
         if phases is None:
             raise InvariantError(f"algorithm {self.algorithm.name!r} has no local phases to train the local model with")
@@ -217,7 +218,8 @@ class Trainer:
         for phase in phases:
             if phase.when is not None and not phase.when(ctx):
                 continue
-            data = self._data(phase, phase.epochs if phase.epochs is not None else self.cfg.local_epochs)
+            default = num_epochs if num_epochs is not None else self.cfg.local_epochs
+            data = self._data(phase, phase.epochs if phase.epochs is not None else default)
             opt = self._optimizer(parameters_of(self.gm, phase.params), phase)
             stats = stats.add(train_phase(self.gm, phase, ctx, data, opt))
         if self.client_state or self.local_keys:
@@ -260,7 +262,8 @@ class Trainer:
 
         Each adaptation starts afresh from the received model and the client's initial state. With a
         personal phase (SCD, Ditto, FedRep, FedRoD, FedBABU, pFedMe) the PM starts from the global
-        model as in the client's first round and its personal phase trains it; otherwise the global
+        model as in the client's first round and its personal phase trains it (pFedMe, whose local
+        round trains its PM theta, runs that local round: ``pm_by_local_round``); otherwise the global
         model itself is fine-tuned (cross-entropy, every parameter, the run's optimizer). Either runs
         ``num_epochs`` epochs over the local training split (0: the model is tested as received)."""
         if self._fresh_local:
@@ -271,7 +274,9 @@ class Trainer:
         self._pm_optimizer_state = None
         self.begin_round(round, global_state, knowledge, selected=False)
         if self.algorithm.personalized:
-            if num_epochs:
+            if num_epochs and self.algorithm.pm_by_local_round:
+                self.train_gm(float(num_epochs))
+            elif num_epochs:
                 self.train_pm(None, float(num_epochs))
             return self.evaluate_personal()
         if num_epochs:

@@ -78,3 +78,19 @@ def test_pfedme_personal_model_does_not_fall_after_the_local_round_on_fashion_mn
     pm, _ = t.evaluate_personal()  # what the client reports after the next broadcast
     assert n > 1000 and after_local_round > 0.85
     assert pm >= after_local_round
+
+
+def test_a_new_client_adapts_by_a_local_round(digits) -> None:
+    """pFedMe's theta is trained inside the local round, so a new client's adaptation is that round run
+    from the received model (not the empty personal phase, which would test the global model untouched);
+    its accuracy is the one of theta after the same round by hand."""
+    t = client(digits, "pfedme", momentum=0.5)
+    received = global_payload(t)
+    by_hand = client(digits, "pfedme", momentum=0.5)
+    by_hand.begin_round(1, global_payload(by_hand))
+    by_hand.train_gm(1.0)
+    want = by_hand.evaluate_local(by_hand.pm)
+    assert t.adapt(1, received, None, 1) == want
+    untouched = client(digits, "pfedme", momentum=0.5)
+    untouched.begin_round(1, global_payload(untouched))
+    assert want != untouched.evaluate_local(untouched.pm)  # the round changed theta's predictions

@@ -31,7 +31,8 @@ runtime (:mod:`wafl.client.trainer`, :mod:`wafl.client.protocol`) and one server
   ``pm_view`` picks what is evaluated (FedRoD's generic + personal logits),
   ``pm_on_received`` evaluates a local PM with the next received global model's shared tensors
   loaded (FedRep: the received global body with the client's personal head) instead of the
-  client's own trained ones, and ``pm_when_unselected`` says whether a client that was not
+  client's own trained ones, ``pm_by_local_round`` says the local phases train the PM themselves
+  (pFedMe's theta: a new client adapts by running them), and ``pm_when_unselected`` says whether a client that was not
   selected for a round trains its personal part on the model it received (README, "Partial
   participation");
 * **the knowledge** it shares per class (FedHKD, FedProto), weighted by counts or uniformly
@@ -337,6 +338,8 @@ class Algorithm:
     pm_view: Callable[[SplitModel], nn.Module] | None = None
     # True: the PM trained in a round is evaluated once the next global model's shared tensors are loaded
     pm_on_received: bool = False
+    # True: the local phases train the PM (pFedMe's theta), so a new client's adaptation runs them
+    pm_by_local_round: bool = False
     pm_when_unselected: bool = False
     knowledge_weighting: Literal["count", "uniform"] = "count"
 
@@ -356,6 +359,8 @@ class Algorithm:
             self.local_model_is_personal = True
         if self.phases is None:
             self.phases = [Phase("gm", terms=self.gm_terms)]  # the same list: composed terms join it
+        if self.pm_by_local_round and self.personal != "separate":
+            raise ValueError(f"algorithm {self.name!r}: pm_by_local_round needs a separate personal model")
         if self.pm_on_received and not (self.personal == "local" and self.pm_phase is not None):
             raise ValueError(
                 f"algorithm {self.name!r}: pm_on_received needs a local personal model trained by a personal phase"

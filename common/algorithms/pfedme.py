@@ -35,9 +35,11 @@ which ``update_parameters(self.local_model)`` overwrites at the end of ``train``
 published scores ``w_i`` after the local round; wafl scores the paper's ``theta_i``.
 
 An unselected client does not train (the authors' code trains every client and aggregates the
-selected ones). Defaults: ``lambda`` 15, ``personal_lr`` 0.01, ``K`` 5, ``beta`` 1 (the authors'
-README: ``lambda`` 15 with ``personal_lr`` 0.1 or 0.09 on MNIST, ``lambda`` 20 with ``personal_lr``
-0.01 on Synthetic; ``K`` 5, ``beta`` 1, ``eta`` 0.005).
+selected ones). A new client (``new_clients``; the paper has none) adapts a received global model
+as a local round does: ``new_client_epochs`` epochs of the inner solves and outer steps from ``w``, then
+its theta is tested (``Algorithm.pm_by_local_round``). Defaults: ``lambda`` 15, ``personal_lr`` 0.01,
+``K`` 5, ``beta`` 1 (the authors' README: ``lambda`` 15 with ``personal_lr`` 0.1 or 0.09 on MNIST,
+``lambda`` 20 with ``personal_lr`` 0.01 on Synthetic; ``K`` 5, ``beta`` 1, ``eta`` 0.005).
 """
 
 from __future__ import annotations
@@ -118,6 +120,7 @@ def build(p: dict[str, Any], run: Mapping[str, Any]) -> Algorithm:
         personal="separate",
         # the PM is theta as the local round left it: no personal phase trains it further (zero steps)
         pm_phase=Phase("pm", steps=0, main=False),
+        pm_by_local_round=True,  # a new client's theta: the local round's inner solves (Trainer.adapt)
     )
 
 
