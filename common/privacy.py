@@ -14,8 +14,8 @@ sensitivity is 1 (noise std = ``sigma``).
   ``2 * zeta * sqrt(d) / N_j``, so for a guarantee on the whole vector use the noise
   multiplier ``sigma / sqrt(d)`` (:func:`vector_noise_multiplier`).
 * Class counts ``N_j`` and soft predictions are sent without noise and are not covered.
-* ``sigma = 0`` gives no privacy at all; the functions here reject it and callers report
-  ``epsilon = inf``.
+* ``sigma = 0`` gives no privacy at all; the functions here reject it, and FedHKD's
+  ``privacy()`` then reports no epsilon (null) with a note that the knowledge is not private.
 """
 
 from __future__ import annotations

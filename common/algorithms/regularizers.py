@@ -11,7 +11,8 @@ trainable parameters (``requires_grad``) in ``model.parameters()`` order; :func:
 and :func:`params_snapshot` produce such lists and :func:`aligned` pairs and checks them.
 
 The server update :func:`fedavgm_update` works on one tensor at a time and returns new tensors;
-apply it to every floating-point tensor of the model.
+FedAvgM applies it to every trained tensor of the model (``is_weight``: normalization statistics are
+averaged, not given momentum).
 """
 
 from __future__ import annotations

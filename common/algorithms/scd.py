@@ -1,7 +1,7 @@
 """Spectral co-distillation (SCD): GM and PM distil each other through their weight spectra.
 
 Chen, Yang, Quek and Chong, "Spectral Co-Distillation for Personalized Federated Learning",
-NeurIPS 2023; the equations its text lost are restored in ALGORITHMS.md.
+NeurIPS 2023; the equations its text lost are restated below.
 
 GM, starting from the received global model: ``CE + lambda_g * D(trunc_tau s(w_G) || trunc_tau s(w_p^{t-1}))``.
 PM, after the GM update: ``CE + lambda_p * D(s(w_p) || s(w_G,i^t))``. The teacher's spectrum is
