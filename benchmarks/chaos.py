@@ -20,7 +20,8 @@ Faults, drawn from ``--seed`` (kinds in turn, a random target and downtime each)
   restarted with its state (``benchmarks/_chaos_hooks.py``);
 * ``link_drop`` (namespaces only): a client's link taken down (its bridge port) and restored;
 * ``mid_upload_cut`` (namespaces only): a client's link cut while its next upload stream is open (the stream
-  pauses after its first message so the cut lands inside it) and restored.
+  pauses after its first message so the cut lands inside it) and restored;
+* ``client_away``: a client SIGKILLed and restarted with its state three round deadlines later.
 
 Measured from the server's JSON-lines logs (one per incarnation: ``upload.accepted`` client/round,
 ``round.done``, ``resume``) and each client's events file (``upload.ack``: the uploads it saw acknowledged):
@@ -66,7 +67,15 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 COMBOS = [(a, p) for a in ("sync", "buffered") for p in ("wait-free", "compute-and-wait")]
-KINDS = ["client_kill_state", "client_kill_nostate", "server_kill", "mid_upload_stop", "link_drop", "mid_upload_cut"]
+KINDS = [
+    "client_kill_state",
+    "client_kill_nostate",
+    "server_kill",
+    "mid_upload_stop",
+    "link_drop",
+    "mid_upload_cut",
+    "client_away",
+]
 LINK_KINDS = {"link_drop", "mid_upload_cut"}
 CLONE_NEWNET = 0x40000000
 TOKEN_ENV = "WAFL_TOKEN"
@@ -355,9 +364,10 @@ class Federation:
         i = rng.choice(live)
         f.target = f"client-{i}"
         f.done = {"t": now}
-        if f.kind in ("client_kill_state", "client_kill_nostate"):
+        if f.kind in ("client_kill_state", "client_kill_nostate", "client_away"):
             self.kill_client(i, f.kind)
-            self.pending.append((now + f.down_s, "restart", (i, f.kind == "client_kill_state", f.kind)))
+            down = 3 * self.a.deadline if f.kind == "client_away" else f.down_s  # away for longer than a round
+            self.pending.append((now + down, "restart", (i, f.kind != "client_kill_nostate", f.kind)))
         elif f.kind == "mid_upload_stop":
             (self.out / "flags" / f"client-{i}").write_text("stop")
             self.pending.append((now + 0.2, "await_stop", (i, now + 4 * self.a.deadline, f.down_s)))
@@ -418,7 +428,7 @@ class Federation:
     # -- the run
     def run(self) -> dict[str, Any]:
         self.setup()
-        kinds = [k for k in KINDS if self.star or k not in LINK_KINDS]
+        kinds = [k for k in self.a.kinds if self.star or k not in LINK_KINDS]
         try:
             self.start_server(resume=False)
             for i in range(self.n):
@@ -680,6 +690,8 @@ def analyse(fed: Federation, faults: list[Fault]) -> dict[str, Any]:
         "stall_limit_s": 2 * deadline,
         "versions_per_round": per_round,
         "client_share": share,
+        # accepted uploads per version made: under sync the share of rounds each client took part in
+        "client_rounds": {c: round(v / max(1, len(made_in_run)), 3) for c, v in per_client.items()},
         "uploads_acked": len(acks),
         "uploads_accepted": sum(len(a) for a in accepted),
         "lost": lost,
@@ -733,6 +745,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--per-kind", type=int, default=0, help="faults of each kind (default: one per 1.5 minutes)")
     p.add_argument("--down-min", type=float, default=1.0, help="shortest downtime of a fault, seconds")
     p.add_argument("--down-max", type=float, default=6.0)
+    p.add_argument(
+        "--kinds", default=",".join(KINDS), help=f"faults to draw, comma-separated (default: {','.join(KINDS)})"
+    )
     p.add_argument("--set", action="append", metavar="FIELD=VALUE", help="another run configuration field")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "chaos")
     p.add_argument("--runs", type=Path, default=Path("runs") / "chaos", help="the federations' folders")
@@ -744,6 +759,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         a.per_kind = a.per_kind or 2
         a.deadline = 10.0 if a.deadline == 20.0 else a.deadline
         a.eval_every = 1000 if a.eval_every == 5 else a.eval_every
+    a.kinds = [k.strip() for k in a.kinds.split(",") if k.strip()]
+    if not a.kinds or set(a.kinds) - set(KINDS):
+        p.error(f"--kinds {','.join(a.kinds)!r}: choose among {', '.join(KINDS)}")
     if a.minutes <= 0:
         p.error("--minutes must be positive")
     if a.clients < 2:
@@ -809,7 +827,9 @@ def _print(r: dict[str, Any]) -> None:
           f"lost {len(r['lost'])}, doubled {len(r['doubled'])}, tracebacks {len(r['tracebacks'])}, "
           f"server incarnations {r['server_incarnations']}, netem {r['netem']}")  # fmt: skip
     shares = sorted(r["client_share"].values())
-    print(f"  client share of accepted uploads: min {shares[0]}, max {shares[-1]}")
+    rounds = sorted(r["client_rounds"].values())
+    print(f"  client share of accepted uploads: min {shares[0]}, max {shares[-1]}; uploads per version made: "
+          f"min {rounds[0]}, max {rounds[-1]}")  # fmt: skip
     for x in r["restarts"]:
         if x["interrupted"]:
             print(f"  restart {x['client']} ({x['kind']}) at {x['at_s']} s: faulted again before it was back")
