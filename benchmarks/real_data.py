@@ -27,6 +27,18 @@ says so. Each ``#   wafl analyze curves ...``
 command of the header (a figure the sweep exists for: new-client accuracy, G_d against rounds or
 lambda, a sensitivity curve) is run too, on the unpacked records, its ``--out`` and ``--json`` files
 written beside ``records.json`` under their own names.
+
+The claim-family figure, ``claims.png`` (and ``claims.json``, the numbers drawn), is drawn from the header's
+``#   claims panel "TITLE" METRIC ROW [ROW ...]`` lines (a trailing backslash continues one), a panel each:
+METRIC a results field (``gm_accuracy``, ``pm_accuracy``, ``local_accuracy``, ``new_client_accuracy``), each ROW
+``[NAME:]SELECTOR`` a curve, SELECTOR comma-separated ``FIELD=VALUE`` conditions (as ``wafl analyze curves
+--where``) or bare words (the algorithm), e.g. ``"SCD-GM only:scd,params.lambda_p=0.0"``; a row must pick the runs
+of one table row, the first row (the claim's subject) is drawn in black. ``#   claims columns FIELD`` draws each
+panel once per value of FIELD (``num_clients``), side by side. Each curve is the mean over its seeds (those that
+reached the round) with the min-max band, its legend gives the table's final accuracy (the mean of each seed's
+last 10 evaluated rounds) and how its seeds stopped; a seed that stopped on the plateau gets a triangle at its
+last value and a dotted line at its round, one that reached the maximum without flattening a cross; where every
+run of a panel ends on the same rounds (a sweep without the plateau rule) the last 10 are shaded.
 """
 
 from __future__ import annotations
@@ -38,6 +50,8 @@ import shlex
 import shutil
 import subprocess
 import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +120,13 @@ def points(sweep_file: Path) -> list[str]:
     from wafl.cli.sweep import load_sweep
 
     return [name for name, _ in load_sweep(sweep_file)[1]]
+
+
+def load_sweep_configs(sweep_file: Path) -> list[tuple[str, dict[str, Any]]]:
+    """Every point of the sweep file as (name, its configuration as ``config.json`` holds it)."""
+    from wafl.cli.sweep import load_sweep
+
+    return [(name, json.loads(cfg.to_json())) for name, cfg in load_sweep(sweep_file)[1]]
 
 
 def load_out(sweep_file: Path) -> Path:
@@ -272,6 +293,11 @@ def summary(sweep_file: Path, kept: Path, work: Path | None = None) -> Path:
         if res_fig.returncode != 0:
             raise SystemExit(f"real_data: wafl analyze curves {shlex.join(fig_args)} failed: {res_fig.stderr.strip()}")
         figures.append(f"`wafl analyze curves {shlex.join(fig_args)}`")
+    if claims_figure(sweep_file, {n: records[n] for n in done}, by.split(","), here):
+        figures.append(
+            f"`{CLAIMS_FIGURE}`, `{CLAIMS_JSON}`: one panel per claim family (the header's `claims panel` lines), "
+            "the plateau marked"
+        )
     sweep = _shown(sweep_file)
     text = [
         f"`wafl table {rel} {shlex.join(args)}` over the points of `{_shown(kept)}` "
@@ -309,11 +335,294 @@ def plateau_note(config: dict[str, Any]) -> list[str]:
     ]
 
 
+# The claim-family figure (claims.png): the sweep file's ``#   claims panel "TITLE" METRIC ROW [ROW ...]`` lines
+CLAIMS_FIGURE, CLAIMS_JSON = "claims.png", "claims.json"
+
+
+@dataclass
+class ClaimRow:
+    """A curve of a claims panel: its name in the legend and the ``FIELD=VALUE`` conditions that pick its runs."""
+
+    name: str
+    spec: str
+    where: list[str]
+
+
+@dataclass
+class ClaimPanel:
+    title: str
+    metric: str
+    rows: list[ClaimRow]
+
+
+def claim_row(spec: str) -> ClaimRow:
+    """``[NAME:]SELECTOR``: the selector's comma-separated conditions are ``FIELD=VALUE`` (as ``wafl analyze
+    curves --where``: a configuration field, ``params.NAME`` or ``base_algorithm``) or a bare word, the
+    algorithm; the name is the selector's text unless given before a colon."""
+    head, sep, tail = spec.partition(":")
+    name, selector = (head, tail) if sep and "=" not in head and head.strip() else (spec, spec)
+    where = [c.strip() if "=" in c else f"algorithm={c.strip()}" for c in selector.split(",") if c.strip()]
+    if not where:
+        raise SystemExit(f"real_data: claims row {spec!r} selects nothing (give FIELD=VALUE or an algorithm)")
+    return ClaimRow(name.strip(), spec, where)
+
+
+def claim_panels(sweep_file: Path) -> tuple[list[ClaimPanel], str | None]:
+    """The header's claims panels, in order, and its ``#   claims columns FIELD`` (None without one)."""
+    panels = []
+    for args in header_commands(sweep_file, "claims panel"):
+        if len(args) < 3:
+            raise SystemExit(f'real_data: {_shown(sweep_file)}: a claims panel needs "TITLE" METRIC ROW...: {args}')
+        title, metric, *specs = args
+        panels.append(ClaimPanel(title, metric, [claim_row(s) for s in specs]))
+    columns = header_commands(sweep_file, "claims columns")
+    if len(columns) > 1 or (columns and len(columns[0]) != 1):
+        raise SystemExit(f"real_data: {_shown(sweep_file)}: one '#   claims columns FIELD' line at most")
+    return panels, (columns[0][0] if columns else None)
+
+
+def _stop(run: Any, metric: str) -> dict[str, Any]:
+    """How a run ended (its last results line's ``stop_reason``: ``plateau``, ``max_rounds`` or None without
+    the plateau rule), the round it ended at and its last value of ``metric`` (%)."""
+    from wafl.cli.curves import _number
+
+    end = run.rows[-1] if run.rows else {}
+    valued = [r for r in run.rows if _number(r.get(metric))]
+    return {
+        "seed": int(run.config.get("seed", 0)),
+        "stop_reason": end.get("stop_reason"),
+        "round": int(end.get("round", 0)),
+        "value_round": int(valued[-1]["round"]) if valued else None,
+        "value": 100.0 * float(valued[-1][metric]) if valued else None,
+    }
+
+
+def claims_data(
+    panels: Sequence[ClaimPanel],
+    columns: str | None,
+    records: Mapping[str, Mapping[str, Any]],
+    by: Sequence[str],
+    sweep_configs: Sequence[Mapping[str, Any]] = (),
+) -> list[dict[str, Any]]:
+    """The numbers a claims figure draws: per panel and column value (``columns``' values, or one ``None``),
+    per row the mean, min and max over its runs (seeds) of ``metric`` at every round (in %), how each run
+    stopped (:func:`_stop`), the mean of the runs' means over their last :data:`~wafl.cli.table.LAST`
+    evaluated rounds (the table's final accuracy) and, where every run of the subplot ends on the same
+    rounds, that common window. A row must pick the runs of one table row (``by``) per column; a row that
+    picks no finished run is listed under ``missing`` when some point of the sweep (``sweep_configs``)
+    matches it, and refused when none does."""
+    from wafl.cli.curves import curves, field, select
+    from wafl.cli.table import LAST, Run, label
+
+    runs = [Run(Path(n), dict(r["config"]), list(r["rows"])) for n, r in sorted(records.items())]
+    values = sorted({field(r.config, columns) for r in runs}, key=lambda v: (str(type(v)), v)) if columns else [None]
+    probes = [Run(Path("sweep"), dict(c), []) for c in sweep_configs]
+    out: list[dict[str, Any]] = []
+    for panel in panels:
+        for value in values:
+            here = [r for r in runs if columns is None or field(r.config, columns) == value]
+            sub: dict[str, Any] = {"title": panel.title, "metric": panel.metric, "column": columns, "value": value}
+            sub["rows"], sub["missing"] = [], []
+            for row in panel.rows:
+                chosen = select(here, row.where)
+                tables = sorted({label(r.config, by) for r in chosen})
+                if len(tables) > 1:
+                    raise SystemExit(
+                        f"real_data: claims panel {panel.title!r}: row {row.spec!r} picks {len(tables)} table rows "
+                        f"({'; '.join(tables)}): add a FIELD=VALUE that tells them apart"
+                    )
+                if not chosen:
+                    if not select(runs, row.where) and not select(probes, row.where):
+                        raise SystemExit(
+                            f"real_data: claims panel {panel.title!r}: row {row.spec!r} matches no point of the sweep"
+                        )
+                    sub["missing"].append(row.name)
+                    continue
+                (curve,) = curves(chosen, by, [panel.metric]).values()
+                c = curve[panel.metric]
+                if not c["round"]:
+                    raise SystemExit(
+                        f"real_data: claims panel {panel.title!r}: row {row.spec!r} has no {panel.metric} values"
+                    )
+                lasts = [
+                    t
+                    for r in chosen
+                    if (
+                        t := [(int(x["round"]), float(x[panel.metric])) for x in r.rows if _finite(x.get(panel.metric))]
+                    )
+                ]
+                lasts = [t[-LAST:] for t in lasts]
+                sub["rows"].append(
+                    {
+                        "name": row.name,
+                        "spec": row.spec,
+                        "table_row": tables[0],
+                        "seeds": curve["seeds"],
+                        "points": sorted(str(r.path) for r in chosen),
+                        "round": c["round"],
+                        "mean": [100.0 * v for v in c["mean"]],
+                        "min": [100.0 * v for v in c["min"]],
+                        "max": [100.0 * v for v in c["max"]],
+                        "runs_per_round": c["runs_per_round"],
+                        "stops": sorted((_stop(r, panel.metric) for r in chosen), key=lambda s: s["seed"]),
+                        "mean_last": 100.0 * sum(sum(v for _, v in t) / len(t) for t in lasts) / len(lasts),
+                        "last_rounds": [[t[0][0], t[-1][0]] for t in lasts],
+                    }
+                )
+            windows = {tuple(w) for row_ in sub["rows"] for w in row_["last_rounds"]}
+            sub["window"] = list(windows.pop()) if len(windows) == 1 else None
+            out.append(sub)
+    return out
+
+
+def _finite(v: Any) -> bool:
+    from wafl.cli.curves import _number
+
+    return _number(v)
+
+
+METRIC_NAMES = {
+    "gm_accuracy": "GM accuracy (%)",
+    "pm_accuracy": "PM accuracy (%)",
+    "local_accuracy": "local accuracy (%)",
+    "new_client_accuracy": "new-client accuracy (%)",
+}
+
+
+def plot_claims(
+    subplots: Sequence[Mapping[str, Any]], columns: str | None, path: Path, title: str
+) -> list[dict[str, Any]]:
+    """One panel per claim family (with ``columns``, a row of them per family, a column per value): each
+    row's mean over its seeds with the min-max band, the first row (the claim's subject) in black; the
+    plateau marked per seed (a dotted line and a triangle at the round a seed stopped on it; a cross at the
+    last round of a seed that reached the maximum without flattening) and, where all the runs of a panel end
+    on the same rounds, those last 10 evaluated rounds shaded (their mean is the table's final accuracy).
+    Returns what each panel shows, read back from its drawing (:func:`_drawn`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import MaxNLocator
+
+    ncol = len({json.dumps(s["value"]) for s in subplots}) if columns else _grid_columns(len(subplots))
+    nrow = -(-len(subplots) // ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(max(4.6 * ncol, 9.0), 3.7 * nrow + 0.7), squeeze=False)
+    seen = {"plateau": False, "max_rounds": False, "window": False, "no_rule": False}
+    for ax, sub in zip(axes.flat, subplots):
+        if sub["window"]:
+            ax.axvspan(sub["window"][0] - 0.5, sub["window"][1] + 0.5, color="0.85", alpha=0.6, lw=0, zorder=0)
+            seen["window"] = True
+        for i, row in enumerate(sub["rows"]):
+            color = "black" if i == 0 else f"C{(i - 1) % 10}"
+            stops = row["stops"]
+            plateau = [s for s in stops if s["stop_reason"] == "plateau"]
+            maxed = [s for s in stops if s["stop_reason"] == "max_rounds"]
+            seen["no_rule"] |= any(s["stop_reason"] is None for s in stops)
+            how = f"{len(stops)} seed{'s' if len(stops) > 1 else ''}"
+            if plateau or maxed:
+                how += f"; flat {len(plateau)}, max {len(maxed)}"
+            text = f"{row['name']}: {row['mean_last']:.1f} ({how})"
+            ax.plot(row["round"], row["mean"], color=color, lw=2.0 if i == 0 else 1.2, label=text)
+            if any(n > 1 for n in row["runs_per_round"]):
+                ax.fill_between(row["round"], row["min"], row["max"], color=color, alpha=0.12, lw=0)
+            for s in plateau:
+                ax.axvline(s["round"], color=color, ls=":", lw=1.0, alpha=0.8)
+                if s["value"] is not None:
+                    ax.plot([s["value_round"]], [s["value"]], marker="v", ms=7, color=color, mec="white", mew=0.5)
+                seen["plateau"] = True
+            for s in maxed:
+                if s["value"] is not None:
+                    ax.plot([s["value_round"]], [s["value"]], marker="x", ms=7, mew=1.5, color=color)
+                seen["max_rounds"] = True
+        head = sub["title"] if not columns else f"{sub['title']}, {columns}={sub['value']}"
+        if sub["missing"]:
+            head += f"\n(not yet run: {', '.join(sub['missing'])})"
+        ax.set_title(head, fontsize=9)
+        ax.set_xlabel("round")
+        ax.set_ylabel(METRIC_NAMES.get(sub["metric"], sub["metric"]))
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        if sub["rows"]:
+            ax.legend(fontsize=7, loc="best", frameon=True, framealpha=0.8)
+    for ax in list(axes.flat)[len(subplots) :]:
+        ax.set_visible(False)
+    drawn = [_drawn(ax) for ax in list(axes.flat)[: len(subplots)]]
+    final = "after a name: the table's final accuracy (the mean of each seed's last 10 evaluated rounds)"
+    keys: list[Any] = [Line2D([], [], ls="", label=final)]
+    if seen["window"]:
+        keys.append(Patch(color="0.85", label="the last 10 evaluated rounds"))
+    if seen["plateau"]:
+        keys.append(
+            Line2D(
+                [],
+                [],
+                color="0.3",
+                ls=":",
+                marker="v",
+                label="a seed stopped on the plateau (round); the mean goes on over the others",
+            )
+        )
+    if seen["max_rounds"]:
+        keys.append(Line2D([], [], color="0.3", ls="", marker="x", label="a seed reached the maximum, not flat"))
+    if seen["no_rule"]:
+        keys.append(Line2D([], [], ls="", label="no plateau rule: a fixed number of rounds, curves may still climb"))
+    fig.legend(handles=keys, loc="lower center", ncol=2, fontsize=7.5, frameon=False, handlelength=1.5)
+    fig.suptitle(title, fontsize=10)
+    height = 3.7 * nrow + 0.7
+    fig.tight_layout(rect=(0, 0.45 / height, 1, 1 - 0.25 / height))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return drawn
+
+
+def _drawn(ax: Any) -> dict[str, Any]:
+    """A panel's contents as drawn: its title, its curves' legend texts, the plateau triangles and the
+    maximum's crosses (round, value), the dotted lines' rounds and the shaded window (None without one)."""
+
+    def at(marker: str) -> list[list[float]]:
+        return [[float(x), float(y)] for ln in ax.lines if ln.get_marker() == marker for x, y in ln.get_xydata()]
+
+    dotted = [float(ln.get_xdata()[0]) for ln in ax.lines if ln.get_linestyle() == ":"]
+    spans = [p.get_bbox() for p in ax.patches]  # axvspan's rectangle (x in rounds)
+    legend = ax.get_legend()
+    return {
+        "title": ax.get_title(),
+        "curves": [t.get_text() for t in legend.get_texts()] if legend else [],
+        "plateau": at("v"),
+        "max_rounds": at("x"),
+        "dotted": dotted,
+        "shaded": [float(spans[0].x0), float(spans[0].x1)] if spans else None,
+    }
+
+
+def _grid_columns(n: int) -> int:
+    """Columns of a grid of ``n`` panels: a row up to 3, 2 x 2 for 4, then 3 or 4 wide."""
+    return n if n <= 3 else 2 if n == 4 else min(4, -(-n // 2))
+
+
+def claims_figure(sweep_file: Path, records: Mapping[str, Mapping[str, Any]], by: Sequence[str], here: Path) -> bool:
+    """``claims.png`` and ``claims.json`` in ``here`` from the finished ``records`` when the sweep file's header
+    declares claims panels; returns whether it did."""
+    panels, columns = claim_panels(sweep_file)
+    if not panels:
+        return False
+    configs = [c for _, c in load_sweep_configs(sweep_file)]
+    subplots = claims_data(panels, columns, records, by, configs)
+    title = f"{sweep_file.stem}: the claims' comparisons (mean over seeds, min-max band)"
+    plot_claims(subplots, columns, here / CLAIMS_FIGURE, title)
+    doc = {"sweep": _shown(sweep_file), "by": list(by), "columns": columns, "unit": "%", "panels": subplots}
+    (here / CLAIMS_JSON).write_text(json.dumps(doc, indent=1) + "\n")
+    return True
+
+
 SMOKE_SWEEP = """\
 # a two-point digits sweep for the smoke run: each point stops on the plateau after round 2 of at most 3
 #   wafl table runs/sweep-smoke --baseline fedavg   # a trailing comment is not an argument
 #   wafl analyze curves runs/sweep-smoke --metrics train_loss \\
 #       --out runs/sweep-smoke/loss.png --json runs/sweep-smoke/loss.json
+#   claims panel "GM: FedProx against FedAvg" gm_accuracy FedProx:fedprox FedAvg:fedavg
 out = "runs/sweep-smoke"
 [base]
 num_clients = 3
@@ -368,6 +677,8 @@ def smoke(out: Path) -> dict[str, object]:
         "table": json.loads((here / "table.json").read_text()),
         "curves_png_bytes": (here / "curves.png").stat().st_size,
         "figure": json.loads((here / "loss.json").read_text()),
+        "claims": json.loads((here / CLAIMS_JSON).read_text()),
+        "claims_png_bytes": (here / CLAIMS_FIGURE).stat().st_size,
     }
     (out / "smoke.json").write_text(json.dumps(doc, indent=1) + "\n")
     return doc

@@ -106,6 +106,14 @@ def _real_data(d: dict[str, Any]) -> None:
     assert set(groups) == {"fedavg", "fedprox mu=0.01"} and d["figure"]["metrics"] == ["train_loss"]
     assert all(g["train_loss"]["round"] == [1, 2] and "/work/algorithm=" in g["runs"][0] for g in groups.values())
     assert "--json" in d["table_md"] and "/kept/loss.json" in d["table_md"]
+    # the header's claims panel: claims.png / claims.json beside the records, each seed's stop on the plateau
+    (panel,) = d["claims"]["panels"]
+    assert panel["title"] == "GM: FedProx against FedAvg" and [r["name"] for r in panel["rows"]] == [
+        "FedProx",
+        "FedAvg",
+    ]
+    assert all(r["stops"] == [{**r["stops"][0], "stop_reason": "plateau", "round": 2}] for r in panel["rows"])
+    assert d["claims_png_bytes"] > 0 and "`claims.png`, `claims.json`" in d["table_md"]
 
 
 def _waitfree_crossover(d: dict[str, Any]) -> None:

@@ -1,0 +1,152 @@
+"""The claim-family figure of ``benchmarks/real_data.py summary`` (``claims.png`` / ``claims.json``): the sweep
+file's ``#   claims panel`` lines, the numbers drawn against a re-computation from the records, and the
+plateau marked (a triangle and a dotted line where a seed stopped on it, a cross where it reached the maximum)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.real_data import claim_panels, claim_row, claims_data, claims_figure, plot_claims
+
+SWEEP = """\
+# a synthetic sweep: two methods, three seeds, the plateau rule over at most 30 rounds
+#   wafl table runs/claims --by algorithm,params
+#   claims panel "GM: FedProx against FedAvg" gm_accuracy FedProx:fedprox \\
+#       "FedAvg:algorithm=fedavg"
+#   claims panel "PM" pm_accuracy fedprox fedavg
+out = "runs/claims"
+[base]
+num_clients = 3
+rounds = 30
+plateau_window = 5
+[grid]
+seed = [0, 1, 2]
+algorithm = ["fedavg", "fedprox"]
+"""
+
+# seed -> (the round it stopped at, why): fedprox flattens on every seed, fedavg's seed 2 reaches the maximum
+ENDS = {"fedprox": {0: (18, "plateau"), 1: (22, "plateau"), 2: (20, "plateau")},
+        "fedavg": {0: (16, "plateau"), 1: (24, "plateau"), 2: (30, "max_rounds")}}  # fmt: skip
+
+
+def _acc(algorithm: str, seed: int, t: int) -> float:
+    return 0.9 - 0.5 * 0.8**t - (0.03 if algorithm == "fedavg" else 0.0) + 0.01 * seed
+
+
+def _records(sweep: Path, ends: dict[str, dict[int, tuple[int, str | None]]] = ENDS) -> dict[str, Any]:
+    from benchmarks.real_data import load_sweep_configs
+
+    records = {}
+    for name, config in load_sweep_configs(sweep):
+        alg, seed = config["algorithm"], int(config["seed"])
+        last, why = ends[alg][seed]
+        rows = []
+        for t in range(1, last + 1):
+            row: dict[str, Any] = {"round": t, "gm_accuracy": _acc(alg, seed, t)}
+            row["pm_accuracy"] = _acc(alg, seed, t - 1) + 0.1 if t > 1 else None  # a round late, as the PM's is
+            if why is not None and t == last:
+                row["stop_reason"] = why
+            rows.append(row)
+        records[name] = {"config": config, "rows": rows, "point": {"ok": True, "stop_reason": why}}
+    return records
+
+
+def test_claim_rows_and_panels_from_the_header(tmp_path: Path) -> None:
+    assert claim_row("SCD:scd,params.lambda_p=0.4").__dict__ == {
+        "name": "SCD",
+        "spec": "SCD:scd,params.lambda_p=0.4",
+        "where": ["algorithm=scd", "params.lambda_p=0.4"],
+    }
+    wf = claim_row("scd,protocol=wait-free")  # no name: the selector names the curve
+    assert (wf.name, wf.where) == ("scd,protocol=wait-free", ["algorithm=scd", "protocol=wait-free"])
+    sweep = tmp_path / "s.toml"
+    sweep.write_text(SWEEP)
+    panels, columns = claim_panels(sweep)
+    assert columns is None and [(p.title, p.metric) for p in panels] == [
+        ("GM: FedProx against FedAvg", "gm_accuracy"),
+        ("PM", "pm_accuracy"),
+    ]
+    assert [r.name for r in panels[0].rows] == ["FedProx", "FedAvg"]  # the continued line's row too
+    assert [r.where for r in panels[1].rows] == [["algorithm=fedprox"], ["algorithm=fedavg"]]
+
+
+def test_claims_numbers_and_plateau_markers(tmp_path: Path) -> None:
+    sweep = tmp_path / "s.toml"
+    sweep.write_text(SWEEP)
+    records = _records(sweep)
+    by = ["algorithm", "params"]
+    assert claims_figure(sweep, records, by, tmp_path)
+    doc = json.loads((tmp_path / "claims.json").read_text())
+    assert (tmp_path / "claims.png").stat().st_size > 10_000 and doc["unit"] == "%"
+    gm, pm = doc["panels"]
+    assert [r["name"] for r in gm["rows"]] == ["FedProx", "FedAvg"] and not gm["missing"]
+    for panel in (gm, pm):
+        metric = panel["metric"]
+        for row in panel["rows"]:
+            alg = row["spec"].split(":")[-1].removeprefix("algorithm=")
+            # the mean, min and max over the seeds that reached each round, in %, recomputed from the rows
+            for i, t in enumerate(row["round"]):
+                vals = [100 * r[metric] for n, rec in records.items() if rec["config"]["algorithm"] == alg
+                        for r in rec["rows"] if r["round"] == t and r[metric] is not None]  # fmt: skip
+                assert row["mean"][i] == pytest.approx(sum(vals) / len(vals))
+                assert (row["min"][i], row["max"][i], row["runs_per_round"][i]) == (
+                    pytest.approx(min(vals)), pytest.approx(max(vals)), len(vals))  # fmt: skip
+            # the table's final: each seed's mean over its last 10 evaluated rounds, then the mean over seeds
+            finals = []
+            for seed, (last, _) in ENDS[alg].items():
+                ts = [t for t in range(1, last + 1) if metric == "gm_accuracy" or t > 1][-10:]
+                finals.append(sum(100 * (_acc(alg, seed, t if metric == "gm_accuracy" else t - 1)
+                                         + (0.1 if metric == "pm_accuracy" else 0)) for t in ts) / len(ts))  # fmt: skip
+            assert row["mean_last"] == pytest.approx(sum(finals) / 3)
+            assert [(s["seed"], s["round"], s["stop_reason"]) for s in row["stops"]] == [
+                (seed, last, why) for seed, (last, why) in sorted(ENDS[alg].items())
+            ]
+        assert panel["window"] is None  # the seeds end on different rounds: no common window to shade
+    drawn = plot_claims(doc["panels"], None, tmp_path / "again.png", "t")
+    gm_drawn = drawn[0]
+    assert gm_drawn["title"] == "GM: FedProx against FedAvg" and gm_drawn["shaded"] is None
+    assert [c.split(":")[0] for c in gm_drawn["curves"]] == ["FedProx", "FedAvg"]
+    assert "flat 3, max 0" in gm_drawn["curves"][0] and "flat 2, max 1" in gm_drawn["curves"][1]
+    # a triangle at each seed's stop on the plateau (its last value), a dotted line at that round
+    stops = sorted(
+        (last, 100 * _acc(a, s, last)) for a in ENDS for s, (last, why) in ENDS[a].items() if why == "plateau"
+    )
+    assert sorted((x, pytest.approx(y)) for x, y in gm_drawn["plateau"]) == stops
+    assert sorted(gm_drawn["dotted"]) == [x for x, _ in stops]
+    assert gm_drawn["max_rounds"] == [[30.0, pytest.approx(100 * _acc("fedavg", 2, 30))]]
+
+
+def test_claims_without_plateau_shade_the_common_last_rounds(tmp_path: Path) -> None:
+    """Records of a fixed-round sweep (no stop_reason): no markers, the common last 10 rounds shaded."""
+    sweep = tmp_path / "s.toml"
+    sweep.write_text(SWEEP)
+    fixed = {a: {s: (15, None) for s in range(3)} for a in ENDS}
+    records = _records(sweep, fixed)
+    subplots = claims_data(*claim_panels(sweep), records, ["algorithm", "params"])
+    assert [s["window"] for s in subplots] == [[6, 15], [6, 15]]
+    drawn = plot_claims(subplots, None, tmp_path / "c.png", "t")
+    for d in drawn:
+        assert d["plateau"] == [] and d["max_rounds"] == [] and d["dotted"] == []
+        assert d["shaded"] == [5.5, 15.5]
+
+
+def test_claims_rows_must_pick_one_table_row_and_exist(tmp_path: Path) -> None:
+    sweep = tmp_path / "s.toml"
+    sweep.write_text(SWEEP)
+    records = _records(sweep)
+    panels, _ = claim_panels(sweep)
+    with pytest.raises(SystemExit, match="picks 2 table rows"):
+        claims_data([type(panels[0])("t", "gm_accuracy", [claim_row("seed=0")])], None, records, ["algorithm"])
+    with pytest.raises(SystemExit, match="matches no point of the sweep"):
+        claims_data([type(panels[0])("t", "gm_accuracy", [claim_row("moon")])], None, records, ["algorithm"])
+    # a point of the sweep that has not finished yet: named as missing, not refused
+    from benchmarks.real_data import load_sweep_configs
+
+    configs = [c for _, c in load_sweep_configs(sweep)]
+    some = {n: r for n, r in records.items() if r["config"]["algorithm"] == "fedavg"}
+    (sub, _) = claims_data(panels, None, some, ["algorithm", "params"], configs)
+    assert sub["missing"] == ["FedProx"] and [r["name"] for r in sub["rows"]] == ["FedAvg"]
