@@ -13,6 +13,10 @@ The file::
     [[points]]                      # or/and: explicit points (overrides of base)
     algorithm = "feddyn"
 
+A file may start from another: ``extends = "scd_fmnist.toml"`` takes that sweep's ``base``, ``grid`` and
+``points``, with this file's ``base`` fields over them and its ``grid`` lists and ``points`` (if any) in
+their place (the same comparison run longer, for example).
+
 A point's folder is named by the values that vary (``algorithm=fedavg,seed=0``) and is a normal
 run folder (``config.json``, ``results.jsonl``, ...). Points run in process (the same engine and
 client code as ``wafl run``, one thread each) or, with ``--network``, as a server and client
@@ -77,9 +81,12 @@ def load_sweep(path: Path) -> tuple[Path, list[tuple[str, RunConfig]]]:
         spec = tomllib.loads(path.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"sweep file {str(path)!r} is not valid TOML: {e}") from None
-    unknown = sorted(set(spec) - {"out", "base", "grid", "points"})
+    unknown = sorted(set(spec) - {"out", "base", "grid", "points", "extends"})
     if unknown:
-        raise ConfigError(f"sweep file {str(path)!r}: unknown section(s) {unknown}; known: base, grid, points, out")
+        raise ConfigError(
+            f"sweep file {str(path)!r}: unknown section(s) {unknown}; known: base, grid, points, out, extends"
+        )
+    spec = _extended(path, spec, [path.resolve()])
     base = dict(spec.get("base", {}))
     grid = dict(spec.get("grid", {}))
     for k, v in grid.items():
@@ -115,6 +122,38 @@ def load_sweep(path: Path) -> tuple[Path, list[tuple[str, RunConfig]]]:
         raise ConfigError(f"sweep file {str(path)!r}: two points have the same settings")
     out = Path(spec.get("out") or Path("runs") / f"sweep-{path.stem}")
     return out, points
+
+
+def _extended(path: Path, spec: dict[str, Any], seen: list[Path]) -> dict[str, Any]:
+    """``extends = "other.toml"`` (relative to this file): the other sweep's ``base``, ``grid`` and
+    ``points``, this file's ``base`` fields over its ``base``, this file's ``grid`` lists in place of
+    its lists of the same names, and this file's ``points`` (when it has any) in place of its points.
+    ``out`` is never inherited (each file has its own folder)."""
+    parent_name = spec.get("extends")
+    if parent_name is None:
+        return spec
+    if not isinstance(parent_name, str) or not parent_name:
+        raise ConfigError(f"sweep file {str(path)!r}: extends must name a sweep file (got {parent_name!r})")
+    parent_path = (path.parent / parent_name).resolve()
+    if parent_path in seen:
+        raise ConfigError(f"sweep file {str(path)!r}: extends {parent_name!r} makes a loop")
+    if not parent_path.is_file():
+        raise ConfigError(f"sweep file {str(path)!r}: extends {parent_name!r}, which does not exist")
+    try:
+        parent = tomllib.loads(parent_path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"sweep file {str(parent_path)!r} is not valid TOML: {e}") from None
+    parent = _extended(parent_path, parent, [*seen, parent_path])
+    base = {**parent.get("base", {}), **spec.get("base", {})}
+    if "params" in parent.get("base", {}) and "params" in spec.get("base", {}):
+        base["params"] = {**parent["base"]["params"], **spec["base"]["params"]}
+    merged: dict[str, Any] = {"base": base, "grid": {**parent.get("grid", {}), **spec.get("grid", {})}}
+    points = spec.get("points") or parent.get("points")
+    if points:
+        merged["points"] = points
+    if "out" in spec:
+        merged["out"] = spec["out"]
+    return merged
 
 
 def _short(v: Any) -> str:

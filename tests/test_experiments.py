@@ -271,6 +271,31 @@ def test_sweep_point_params_table_and_dotted_keys_merge(tmp_path: Path) -> None:
         load_sweep(spec)
 
 
+def test_a_sweep_file_extends_another(tmp_path: Path) -> None:
+    """``extends``: the other file's base, grid and points, this file's base fields over them, its grid lists
+    and points in their place, its own out; a loop or a missing file is one line naming it."""
+    from wafl.cli.sweep import load_sweep
+
+    (tmp_path / "short.toml").write_text(
+        'out = "runs/short"\n[base]\nnum_clients = 3\nrounds = 15\nparams = { mu = 0.5 }\n'
+        "[grid]\nseed = [0, 1]\n"
+        '[[points]]\nalgorithm = "fedprox"\n[[points]]\nalgorithm = "ditto"\n'
+    )
+    long = tmp_path / "long.toml"
+    long.write_text('extends = "short.toml"\n[base]\nrounds = 300\nparams = { mu = 0.1 }\n[grid]\nseed = [0, 1, 2]\n')
+    out, points = load_sweep(long)
+    assert out == Path("runs/sweep-long")
+    assert [n for n, _ in points] == [f"algorithm={a},seed={s}" for a in ("fedprox", "ditto") for s in (0, 1, 2)]
+    assert {(c.rounds, c.num_clients) for _, c in points} == {(300, 3)}
+    assert {c.params["mu"] for _, c in points} == {0.1}
+    long.write_text('extends = "long.toml"\n')
+    with pytest.raises(ConfigError, match="makes a loop"):
+        load_sweep(long)
+    long.write_text('extends = "gone.toml"\n')
+    with pytest.raises(ConfigError, match="gone.toml.*does not exist"):
+        load_sweep(long)
+
+
 def test_table_reads_a_missing_config_field_as_its_default(tmp_path: Path) -> None:
     """A run recorded before a configuration field existed compares as if it held the default."""
     for name, seed in (("old", 0), ("new", 1)):
