@@ -240,7 +240,6 @@ class Federation:
         self.incarnation = 0
         self.timeline: list[dict[str, Any]] = []  # driver events: starts, kills, faults
         self.pending: list[tuple[float, str, Any]] = []  # (time, action, argument)
-        self.nostate: set[int] = set()
 
     # -- setup
     def setup(self) -> None:
@@ -392,11 +391,13 @@ class Federation:
             self.start_server(resume=True)
         elif action == "restart":
             i, state, kind = arg
+            folder = self.out / "clients" / f"client-{i}"
             if not state:
-                shutil.rmtree(self.out / "clients" / f"client-{i}", ignore_errors=True)
-                self.nostate.add(i)
-            self.start_client(i, state=state and i not in self.nostate)
-            self.log("client.restart", client=i, kind=kind, state=state)
+                shutil.rmtree(folder, ignore_errors=True)
+            # after a restart without its folder, the next one with it finds the folder empty
+            files = len(list(folder.iterdir())) if state and folder.is_dir() else 0
+            self.start_client(i, state=state)
+            self.log("client.restart", client=i, kind=kind, state=state, state_files=files)
         elif action == "link_up":
             self.link(arg[0], True)
             self.log("link.up", client=arg[0])
@@ -415,7 +416,7 @@ class Federation:
                 self.log("fault.missed", client=i, kind="mid_upload_stop")
         elif action == "await_held":
             i, give_up, down = arg
-            if self._held(i, now - 4 * self.a.deadline - 1):
+            if self._held(i, give_up - 4 * self.a.deadline):  # since the fault was fired
                 self.link(i, False)
                 self.log("link.down", client=i, kind="mid_upload_cut")
                 self.pending.append((now + down, "link_up", (i,)))
@@ -636,6 +637,7 @@ def analyse(fed: Federation, faults: list[Fault]) -> dict[str, Any]:
         made = sum(1 for t in vtimes if t_r < t <= (back or (again if interrupted else None) or t_end))
         restarts.append({"client": c, "kind": e["kind"], "at_s": round(e["t"] - t0, 2), "alive_at_end": alive,
                          "interrupted": interrupted, "server_restarted_meanwhile": bool(down),
+                         "state_files": e.get("state_files"),
                          "back_s": None if back is None else round(back - e["t"], 2),
                          "versions_until_back": made if back is not None else None,
                          "versions_after_without_return": None if back is not None else made})  # fmt: skip
