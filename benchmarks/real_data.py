@@ -50,6 +50,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,7 +85,8 @@ def table_args(sweep_file: Path) -> list[str]:
 
 def header_commands(sweep_file: Path, command: str = "wafl analyze curves") -> list[list[str]]:
     """The header's ``#   <command> ...`` lines (a trailing backslash continues one on the next comment
-    line), each split into its arguments after ``command``."""
+    line), each split into its arguments after ``command``; a file without any takes those of the sweep it
+    extends (``extends = "other.toml"``: the same table and claim families, run longer)."""
     found: list[str] = []
     current: str | None = None
     for line in sweep_file.read_text().splitlines():
@@ -99,6 +101,10 @@ def header_commands(sweep_file: Path, command: str = "wafl analyze curves") -> l
             found.append(current)
             current = None
     n = len(shlex.split(command))
+    if not found:
+        parent = tomllib.loads(sweep_file.read_text()).get("extends")
+        if isinstance(parent, str):
+            return header_commands(sweep_file.parent / parent, command)
     return [shlex.split(c, comments=True)[n:] for c in found]
 
 
