@@ -31,7 +31,7 @@ from typing import Any
 
 from wafl.common.balance import balanced_groups
 from wafl.common.config import RunConfig
-from wafl.common.errors import UsageError
+from wafl.common.errors import RunAborted, UsageError
 from wafl.common.plateau import ran_to_end
 
 
@@ -232,10 +232,10 @@ def launch(
             _mark_exits(groups, hosts, procs)
             progress.update(_read_rows(results), time.monotonic() - t0)
             if time.monotonic() > deadline:
-                raise TimeoutError(f"run exceeded --timeout {timeout_s}s")
+                raise RunAborted(f"the run exceeded --timeout {timeout_s:g} s and was stopped; its logs: {logs}")
             dead = [i for i, p in enumerate(procs[1:]) if p.poll() not in (None, 0)]
             if dead and len(dead) == len(procs) - 1:
-                raise RuntimeError(f"every client process exited with an error; see {logs}/*.log")
+                raise RunAborted(f"every client process exited with an error; see {logs}/*.log")
             time.sleep(0.2)
         summary.rows = _read_rows(results)
         progress.update(summary.rows, time.monotonic() - t0)
@@ -439,7 +439,7 @@ def _wait_ready(ready: Path, server: Any, log: Path, timeout_s: float = 120.0) -
         if server.poll() is not None:
             raise RuntimeError(f"the server exited with code {server.returncode} before listening:\n{_tail(log)}")
         time.sleep(0.05)
-    raise TimeoutError(f"the server did not start listening within {timeout_s}s:\n{_tail(log)}")
+    raise RunAborted(f"the server did not start listening within {timeout_s:g} s:\n{_tail(log)}")
 
 
 def _stop(procs: list[Any]) -> None:

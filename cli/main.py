@@ -11,7 +11,7 @@ from wafl.cli.netns import LinkShapingUnavailable
 from wafl.cli.parser import build_parser
 from wafl.common.config import ConfigError
 from wafl.common.datasets.base import DatasetNotFoundError
-from wafl.common.errors import UsageError
+from wafl.common.errors import RunAborted, UsageError
 from wafl.server import strategies as _strategies  # noqa: F401  (the rules validate their configuration sections)
 
 __all__ = ["build_parser", "main"]
@@ -30,6 +30,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DatasetNotFoundError as e:  # names the dataset, the folder searched and how to get the files
         print(f"wafl: {e}", file=sys.stderr)
         return 2
+    except RunAborted as e:  # wafl run stopped before its end (--timeout, every client failed)
+        print(f"wafl: {e}", file=sys.stderr)
+        return 1
     except ConnectionError as e:  # a client that gave up on the server (--reconnect-s)
         print(f"wafl: {e}", file=sys.stderr)
         return 1

@@ -35,7 +35,7 @@ from typing import Any
 
 from wafl.cli.launcher import Progress, RunSummary, check_workers, client_sizes, default_out, finish_run, split_clients
 from wafl.common.config import RunConfig
-from wafl.common.errors import UsageError
+from wafl.common.errors import RunAborted, UsageError
 from wafl.common.plateau import ran_to_end
 
 LOOPBACK = "127.0.0.1"
@@ -132,7 +132,7 @@ class ServerActor:
             if self.code is not None:
                 raise RuntimeError(f"the server exited with code {self.code} before listening: {self.error}")
             if time.monotonic() - t0 > timeout_s:
-                raise TimeoutError(f"the server did not start listening within {timeout_s}s")
+                raise RunAborted(f"the server did not start listening within {timeout_s:g} s")
             time.sleep(0.05)
         self.info = {
             **where,
@@ -452,7 +452,7 @@ def launch_ray(
                 if not (pending or retry_at) or time.monotonic() > server_end + 30:  # the workers' reports, logs
                     break
             if time.monotonic() > deadline:
-                raise TimeoutError(f"run exceeded --timeout {timeout_s}s")
+                raise RunAborted(f"the run exceeded --timeout {timeout_s:g} s and was stopped")
             if code is None and all(r["code"] not in (None, 0) for r in record["workers"]):
                 raise RuntimeError(f"every worker failed: {[r.get('error') for r in record['workers']]}")
         summary.rows = rows

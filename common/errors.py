@@ -45,6 +45,12 @@ class UsageError(Exception):
     for the user, printed without a traceback."""
 
 
+class RunAborted(RuntimeError):
+    """A whole run on this machine stopped before its end (``wafl run --timeout`` passed, every client
+    process failed, the server never listened); its message is one line for the user, with where the
+    run's logs are, printed without a traceback (exit status 1)."""
+
+
 class AlreadyAccepted(Exception):
     """A retry of an upload that was already committed (same client, version and idempotency key)."""
 

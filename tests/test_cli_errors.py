@@ -111,3 +111,17 @@ def test_an_unreachable_server_is_named_within_the_retry_limit(capsys: pytest.Ca
     assert err.count("\n") == 1 and "Connection refused" in err, err
     given_up = re.search(r"gave up after (\d+) s", err)
     assert given_up and int(given_up.group(1)) < 10, err  # the join's 10 s attempt no longer outlasts the limit
+
+
+def test_a_run_past_its_timeout_ends_in_one_line(tmp_path: Path) -> None:
+    """``wafl run --timeout``: the run's processes are stopped and the command ends with exit status 1 and
+    one line naming the limit and the logs, not a traceback."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "wafl.cli.main", "run", "--rounds", "200", "--timeout", "4", "--out", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert "exceeded --timeout 4 s" in p.stderr and str(out / "logs") in p.stderr
+    assert "Traceback" not in p.stderr
