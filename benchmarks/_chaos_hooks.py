@@ -66,4 +66,4 @@ def install(events: Path, flag: Path) -> None:
 
     S.upload_header = upload_header
     S.upload_messages = upload_messages
-    S.Session.upload = upload  # type: ignore[method-assign]
+    S.Session.upload = upload

@@ -642,7 +642,8 @@ def analyse(fed: Federation, faults: list[Fault]) -> dict[str, Any]:
                          "versions_until_back": made if back is not None else None,
                          "versions_after_without_return": None if back is not None else made})  # fmt: skip
     # tracebacks: printed ones in any output or log, and exceptions a JSON log recorded with their frames
-    tracebacks, errors = [], []
+    tracebacks: list[dict[str, Any]] = []
+    errors: list[dict[str, Any]] = []
     for f in sorted((out / "logs").iterdir()):
         text = f.read_text(errors="replace")
         if "Traceback" in text:
@@ -701,7 +702,7 @@ def analyse(fed: Federation, faults: list[Fault]) -> dict[str, Any]:
         "forgotten_in_server_crash": len(forgotten),
         "tracebacks": tracebacks,
         "logged_errors": len(errors),
-        "logged_error_kinds": sorted({f"{x['file'].split('-')[0]}: {x['event']}" for x in errors})[:20],
+        "logged_error_kinds": sorted({f"{str(x['file']).split('-')[0]}: {x['event']}" for x in errors})[:20],
         "process_exits": exits,
         "restarts": restarts,
         "faults": [
