@@ -49,7 +49,7 @@ def provenance() -> dict[str, object]:
     import os
     from datetime import UTC, datetime
 
-    from wafl.cli.provenance import git_commit
+    from wafl.cli.report.provenance import git_commit
 
     return {
         "commit": git_commit(),

@@ -278,7 +278,7 @@ class Federation:
             raise RuntimeError("wafl enroll failed: " + (self.out / "logs" / "enroll.out").read_text())
         self.host, self.port = "127.0.0.1", _free_port()
         if self.a.link_rate != "none" and os.geteuid() == 0:
-            from wafl.cli.netns import Star, check_permissions
+            from wafl.cli.launch.netns import Star, check_permissions
 
             check_permissions()
             from wafl.common.rates import parse_rate
@@ -289,7 +289,7 @@ class Federation:
             self.host, self.port = self.star.server_address, 50051
             self.netem = _netem_available()
             if self.netem:
-                from wafl.cli.netns import tbf_command
+                from wafl.cli.launch.netns import tbf_command
 
                 for i in range(self.n):  # loss and delay on each client's upload link, under its tbf
                     ns = self.star.namespace(f"client{i}")
@@ -725,7 +725,7 @@ def analyse(fed: Federation, faults: list[Fault]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------- main
 def _commit() -> tuple[str, bool]:
     """The commit measured (40 hex digits) and whether tracked files differed from it."""
-    from wafl.cli.provenance import git_commit
+    from wafl.cli.report.provenance import git_commit
 
     dirty = subprocess.run(
         ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True
@@ -787,7 +787,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             _print(r)
         print(json.dumps(again, indent=1), file=sys.stderr)
         return 0 if all(r["passed"] for r in again) else 1
-    from wafl.cli import forking
+    from wafl.cli.launch import forking
 
     if not forking.can_fork():
         print("chaos: this process cannot fork its federation (threads or gRPC already started)", file=sys.stderr)

@@ -5,7 +5,7 @@ Run from the repository root (over an hour on a 2-core machine; the paper run al
 
     python benchmarks/fleet.py        # writes benchmarks/results/fleet/fleet.json and fleet.md
 
-Every point is a real ``wafl run`` (``wafl.cli.launcher.launch``: a server process and client
+Every point is a real ``wafl run`` (``wafl.cli.launch.launcher.launch``: a server process and client
 processes over localhost gRPC) of the ``cnn`` on the embedded digits data, FedAvg, wait-free,
 ``iid`` shards (at 1,000 clients a shard holds one or two of the 1,438 training images), every
 client selected every round:
@@ -42,7 +42,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from wafl.cli.launcher import launch, split_clients, worker_slots  # noqa: E402
+from wafl.cli.launch.launcher import launch, split_clients, worker_slots  # noqa: E402
 from wafl.common.config import load_config  # noqa: E402
 
 from benchmarks._machine import Sampler, cpu_name, provenance  # noqa: E402
@@ -108,7 +108,7 @@ def measure(name: str, cfg: Any, workers: int | None, run_dir: Path, timeout_s: 
         try:
             s = launch(cfg, run_dir, show_progress=False, timeout_s=timeout_s, workers=workers)
         except (TimeoutError, RuntimeError) as e:  # recorded as a run that did not finish
-            from wafl.cli.launcher import RunSummary, _read_rows
+            from wafl.cli.launch.launcher import RunSummary, _read_rows
 
             error = f"{type(e).__name__}: {e}"
             s = RunSummary(run_dir, ok=False, rows=_read_rows(run_dir / "results.jsonl"))
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         a.points, a.rounds, a.repeats, a.no_paper = "4", 2, 0, True
     out, runs = Path(a.out), Path(a.runs)
     out.mkdir(parents=True, exist_ok=True)
-    from wafl.cli.launcher import default_workers
+    from wafl.cli.launch.launcher import default_workers
 
     rows: list[dict[str, Any]] = []
 

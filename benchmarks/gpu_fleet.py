@@ -8,7 +8,7 @@ environment and stops this script after 290 s), or directly::
     python benchmarks/gpu_fleet.py --device cpu --clients 4 --workers 2 --slots 1 --model cnn \\
         --dataset synthetic-cifar10 --rounds 2              # smoke check of the script itself
 
-One real ``wafl run --workers`` (``wafl.cli.launcher.launch``: a server process and worker
+One real ``wafl run --workers`` (``wafl.cli.launch.launcher.launch``: a server process and worker
 processes over localhost gRPC), FedAvg, wait-free, every client selected every round, on
 ``synthetic-cifar10-50k`` (generated data of CIFAR-10's shapes and sizes: 50,000 training and
 10,000 test images). Measured: every round's time (the median over the rounds after the first is
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             f"gpu_fleet: device {a.device} requested but CUDA is not available here; nothing measured", file=sys.stderr
         )
         return 2
-    from wafl.cli.launcher import launch
+    from wafl.cli.launch.launcher import launch
     from wafl.common.config import load_config
 
     cfg = load_config(
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             s = launch(cfg, run_dir, show_progress=False, timeout_s=a.timeout, workers=a.workers, slots=a.slots)
         except (TimeoutError, RuntimeError) as e:
-            from wafl.cli.launcher import RunSummary, _read_rows
+            from wafl.cli.launch.launcher import RunSummary, _read_rows
 
             error = f"{type(e).__name__}: {e}"
             s = RunSummary(run_dir, ok=False, rows=_read_rows(run_dir / "results.jsonl"))

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 from _machine import provenance
-from wafl.cli.simulate import simulate
+from wafl.cli.sim.simulate import simulate
 from wafl.common.config import RunConfig
 from wafl.common.logs import configure_logging
 from wafl.server.checkpoint import load_checkpoint

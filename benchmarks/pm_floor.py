@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from _machine import cpu_name
-from wafl.cli.provenance import git_commit
-from wafl.cli.run_records import read_jsonl
+from wafl.cli.report.provenance import git_commit
+from wafl.cli.report.run_records import read_jsonl
 
 RESULTS = Path(__file__).resolve().parent / "results" / "pm_floor"
 EXAMPLE = ["--algorithm", "scd", "--clients", "4", "--alpha", "0.1"]

@@ -123,21 +123,21 @@ def figure_args(args: list[str], sweep_out: str, work: str, here: Path) -> list[
 
 
 def points(sweep_file: Path) -> list[str]:
-    from wafl.cli.sweep import load_sweep
+    from wafl.cli.experiments.sweep import load_sweep
 
     return [name for name, _ in load_sweep(sweep_file)[1]]
 
 
 def load_sweep_configs(sweep_file: Path) -> list[tuple[str, dict[str, Any]]]:
     """Every point of the sweep file as (name, its configuration as ``config.json`` holds it)."""
-    from wafl.cli.sweep import load_sweep
+    from wafl.cli.experiments.sweep import load_sweep
 
     return [(name, json.loads(cfg.to_json())) for name, cfg in load_sweep(sweep_file)[1]]
 
 
 def load_out(sweep_file: Path) -> Path:
     """The sweep file's ``out`` folder (as it names it)."""
-    from wafl.cli.sweep import load_sweep
+    from wafl.cli.experiments.sweep import load_sweep
 
     return load_sweep(sweep_file)[0]
 
@@ -390,7 +390,7 @@ def claim_panels(sweep_file: Path) -> tuple[list[ClaimPanel], str | None]:
 def _stop(run: Any, metric: str) -> dict[str, Any]:
     """How a run ended (its last results line's ``stop_reason``: ``plateau``, ``max_rounds`` or None without
     the plateau rule), the round it ended at and its last value of ``metric`` (%)."""
-    from wafl.cli.curves import _number
+    from wafl.cli.report.curves import _number
 
     end = run.rows[-1] if run.rows else {}
     valued = [r for r in run.rows if _number(r.get(metric))]
@@ -412,13 +412,13 @@ def claims_data(
 ) -> list[dict[str, Any]]:
     """The numbers a claims figure draws: per panel and column value (``columns``' values, or one ``None``),
     per row the mean, min and max over its runs (seeds) of ``metric`` at every round (in %), how each run
-    stopped (:func:`_stop`), the mean of the runs' means over their last :data:`~wafl.cli.table.LAST`
+    stopped (:func:`_stop`), the mean of the runs' means over their last :data:`~wafl.cli.report.table.LAST`
     evaluated rounds (the table's final accuracy) and, where every run of the subplot ends on the same
     rounds, that common window. A row must pick the runs of one table row (``by``) per column; a row that
     picks no finished run is listed under ``missing`` when some point of the sweep (``sweep_configs``)
     matches it, and refused when none does."""
-    from wafl.cli.curves import curves, field, select
-    from wafl.cli.table import LAST, Run, label
+    from wafl.cli.report.curves import curves, field, select
+    from wafl.cli.report.table import LAST, Run, label
 
     runs = [Run(Path(n), dict(r["config"]), list(r["rows"])) for n, r in sorted(records.items())]
     values = sorted({field(r.config, columns) for r in runs}, key=lambda v: (str(type(v)), v)) if columns else [None]
@@ -482,7 +482,7 @@ def claims_data(
 
 
 def _finite(v: Any) -> bool:
-    from wafl.cli.curves import _number
+    from wafl.cli.report.curves import _number
 
     return _number(v)
 
@@ -646,7 +646,7 @@ algorithm = ["fedavg", "fedprox"]
 def smoke(out: Path) -> dict[str, object]:
     """The whole cycle on a tiny digits sweep in ``out``: run, keep, restore into a fresh folder (where the
     sweep then has nothing left to run), and the summary; returns (and writes to smoke.json) what it saw."""
-    from wafl.cli.provenance import git_commit
+    from wafl.cli.report.provenance import git_commit
 
     out.mkdir(parents=True, exist_ok=True)
     sweep_file = out / "smoke.toml"

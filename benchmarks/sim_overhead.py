@@ -11,7 +11,7 @@ Run from the repository root::
 For each point (algorithm, clients, rounds; digits, Dirichlet 0.5, the ``cnn``, or the settings of
 ``--base``; compute-and-wait so that every round's PM trains a fixed ``pm_epochs``, seed 0):
 
-* **simulation**: :func:`wafl.cli.simulate.simulate` with the clients trained in ``--cores`` forked
+* **simulation**: :func:`wafl.cli.sim.simulate.simulate` with the clients trained in ``--cores`` forked
   processes (``--slots processes``, the default: :class:`~wafl.client.process_slots.ProcessSlots`;
   the engine, the client protocol and the transport stay in the benchmark's process) or in
   ``--cores`` threads of its own process (``--slots threads``: :class:`~wafl.client.compute.SharedSlots`,
@@ -65,7 +65,7 @@ from typing import Any
 
 import torch
 from _machine import provenance
-from wafl.cli.simulate import simulate
+from wafl.cli.sim.simulate import simulate
 from wafl.client.compute import SharedSlots
 from wafl.client.process_slots import ProcessSlots
 from wafl.client.trainer import Trainer

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 from _machine import cpu_name
-from wafl.cli.provenance import git_commit
+from wafl.cli.report.provenance import git_commit
 from wafl.common.algorithms import registry
 from wafl.common.algorithms.base import RoundContext
 from wafl.common.models import build_model

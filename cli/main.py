@@ -6,8 +6,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from wafl.cli.cgroups import CpuQuotaUnavailable
-from wafl.cli.netns import LinkShapingUnavailable
+from wafl.cli.launch.cgroups import CpuQuotaUnavailable
+from wafl.cli.launch.netns import LinkShapingUnavailable
 from wafl.cli.parser import build_parser
 from wafl.common.config import ConfigError
 from wafl.common.datasets.base import DatasetNotFoundError
@@ -19,6 +19,9 @@ __all__ = ["build_parser", "main"]
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # the entry point a run's forked processes run (wafl.cli.launch.forking): handed down to the command, so that
+    # the launch room never imports this module (which imports the commands, which import the launcher)
+    args.entry = main
     try:
         return int(args.fn(args) or 0)
     except ConfigError as e:

@@ -9,14 +9,15 @@ import os
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from wafl.cli.commands.analyze import add_analyze_parser
 from wafl.cli.commands.bench import ASYNC_DEFAULTS, cmd_bench, cmd_bench_async
 from wafl.cli.commands.clients import cmd_client, cmd_worker
+from wafl.cli.commands.enroll import add_enroll_parser
 from wafl.cli.commands.health import cmd_health
 from wafl.cli.commands.results import cmd_sweep, cmd_table
 from wafl.cli.commands.run import cmd_run
 from wafl.cli.commands.serve import cmd_server
 from wafl.cli.config_flags import add_config_args
-from wafl.cli.enroll import add_enroll_parser
 from wafl.cli.tokens import add_token_args
 
 
@@ -301,9 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tb.set_defaults(fn=cmd_table)
 
-    from wafl.cli.analyze import add_parser as add_analyze
-
-    add_analyze(sub, POSITIVE_INT, POSITIVE_SECONDS)
+    add_analyze_parser(sub, POSITIVE_INT, POSITIVE_SECONDS)
     add_enroll_parser(sub)
     h = sub.add_parser("health", help="gRPC health check of a server (exit 0 when SERVING)")
     h.add_argument("--server", default=os.environ.get("WAFL_SERVER", "localhost:50051"))

@@ -70,7 +70,7 @@ _stdlib_log = logging.getLogger("client")  # the logger structlog writes ``log``
 
 class Transport(Protocol):
     """What the protocol needs from its connection to the server: the gRPC
-    :class:`~wafl.client.session.Session` or the in-process :class:`~wafl.cli.local_transport.LocalSession`."""
+    :class:`~wafl.client.session.Session` or the in-process :class:`~wafl.cli.sim.local_transport.LocalSession`."""
 
     client_id: str
     on_header: Callable[[], None] | None  # set by the protocol: called as each broadcast's header arrives

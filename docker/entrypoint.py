@@ -28,7 +28,7 @@ The arguments are the wafl CLI's, unchanged; the process finally exec'd is
    The index goes to the CLI as ``WAFL_CLIENT_INDEX``. No index: exit 2. A client without
    ``--server`` and ``WAFL_SERVER`` dials ``127.0.0.1:$WAFL_PORT`` (default 50051).
 2. ``WAFL_LINK_RATE`` (e.g. ``20mbit``): ``server`` and ``client`` limit the egress of
-   ``WAFL_LINK_DEV`` (default eth0) with ``python -m wafl.cli.netns shape`` (tc tbf). That needs
+   ``WAFL_LINK_DEV`` (default eth0) with ``python -m wafl.cli.launch.netns shape`` (tc tbf). That needs
    a network namespace of the container's own (not ``WAFL_HOST_NETWORK=1``, which says the
    container shares the host's: its eth0 is the host's interface) and CAP_NET_ADMIN, i.e. a
    container started as root with ``cap_add: [NET_ADMIN]``; without either the entrypoint exits

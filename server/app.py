@@ -90,7 +90,7 @@ def check_networked(cfg: RunConfig) -> None:
     if cfg.grad_dissimilarity_every:
         raise ConfigError(
             f"grad_dissimilarity_every={cfg.grad_dissimilarity_every} is measured in process only (wafl sweep "
-            "without --network, wafl.cli.simulate): over the network each client would have to send its full "
+            "without --network, wafl.cli.sim.simulate): over the network each client would have to send its full "
             "gradient, which the protocol does not carry; set it to 0"
         )
 

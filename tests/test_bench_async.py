@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
-from wafl.cli.bench_async import compare, summarize
+from wafl.cli.experiments.bench_async import compare, summarize
 
 
 def _run(folder: Path, points: list[tuple[float, float]], round_s: float = 1.0) -> Path:

@@ -204,7 +204,7 @@ def test_sim_overhead_replays_the_same_training_in_either_order(monkeypatch: pyt
     client on the broadcasts it received in the same per-client order: the same steps, the same models."""
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
     from sim_overhead import Recorder, _replay, workload
-    from wafl.cli.simulate import simulate
+    from wafl.cli.sim.simulate import simulate
     from wafl.client.compute import SharedSlots
     from wafl.client.trainer import Trainer
     from wafl.common.datasets import load_dataset

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from wafl.cli.cgroups import CpuGroups, CpuQuotaUnavailable, detect
+from wafl.cli.launch.cgroups import CpuGroups, CpuQuotaUnavailable, detect
 from wafl.common.config import RunConfig
 from wafl.common.heterogeneity import host_cpus
 
@@ -103,7 +103,7 @@ def test_fake_v2_groups_use_cpu_max(tmp_path):
 
 
 def test_slowdown_becomes_a_cpu_share(tmp_path, monkeypatch):
-    from wafl.cli.launcher import _cpu_groups
+    from wafl.cli.launch.launcher import _cpu_groups
 
     monkeypatch.setenv("WAFL_CGROUP_ROOT", str(_fake_v1(tmp_path)))
     cfg = RunConfig(num_clients=2, slowdown="1,4")
@@ -117,7 +117,7 @@ def test_slowdown_becomes_a_cpu_share(tmp_path, monkeypatch):
 
 
 def test_optional_quotas_only_warn(tmp_path, monkeypatch, capsys):
-    from wafl.cli.launcher import _cpu_groups
+    from wafl.cli.launch.launcher import _cpu_groups
 
     monkeypatch.setenv("WAFL_CGROUP_ROOT", str(tmp_path))
     assert _cpu_groups(RunConfig(num_clients=2), "auto", optional=True) == (None, {})

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 from wafl.cli.main import main
-from wafl.cli.simulate import dissimilarity_probe, simulate
+from wafl.cli.sim.simulate import dissimilarity_probe, simulate
 from wafl.common.algorithms import registry
 from wafl.common.analysis.dissimilarity import full_gradient, gradient_dissimilarity
 from wafl.common.config import ConfigError, load_config

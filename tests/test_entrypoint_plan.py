@@ -53,7 +53,7 @@ def test_dry_run_server_shaping_command() -> None:
         "--set",
         "lr=0.01",
     ]
-    assert p["shape"]["cmd"] == [sys.executable, "-m", "wafl.cli.netns", "shape", "--dev", "eth1", "--rate", "20mbit"]
+    assert p["shape"]["cmd"] == [sys.executable, "-m", "wafl.cli.launch.netns", "shape", "--dev", "eth1", "--rate", "20mbit"]
     assert p["shape"]["tc"] == EXPECTED_TC.format(dev="eth1")
     assert p["health"] == "127.0.0.1:50099"
     assert p["run_as"] == "wafl"
@@ -134,7 +134,7 @@ def test_shaping_runs_the_cli_then_starts_wafl(tmp_path: Path) -> None:
     env = {"WAFL_LINK_RATE": "20mbit", "WAFL_ROLE_FILE": str(tmp_path / "role.json"), "WAFL_RUN_AS": ""}
     code, execs, runs, _ = _main(["server"], env, net_admin=True)
     assert code == 0
-    assert runs == [[sys.executable, "-m", "wafl.cli.netns", "shape", "--dev", "eth0", "--rate", "20mbit"]]
+    assert runs == [[sys.executable, "-m", "wafl.cli.launch.netns", "shape", "--dev", "eth0", "--rate", "20mbit"]]
     assert execs == [[sys.executable, "-m", "wafl.cli.main", "server"]]
     assert json.loads((tmp_path / "role.json").read_text()) == {"command": "server", "health": "127.0.0.1:50051"}
     # the CLI says shaping is unavailable (exit 77): so does the entrypoint, and nothing starts

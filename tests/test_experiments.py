@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from wafl.cli.simulate import simulate
-from wafl.cli.table import TableError, build, find_runs, markdown
+from wafl.cli.sim.simulate import simulate
+from wafl.cli.report.table import TableError, build, find_runs, markdown
 from wafl.common.config import ConfigError, load_config
 
 SWEEP = """
@@ -134,7 +134,7 @@ def test_tensorboard_files_read_back_by_tensorboard(tmp_path: Path) -> None:
 
 
 def test_learning_check_sweep_files_load(repo: Path) -> None:
-    from wafl.cli.sweep import load_sweep
+    from wafl.cli.experiments.sweep import load_sweep
 
     files = sorted((repo / "configs" / "sweeps").glob("*.toml"))
     assert {f.stem for f in files} >= {"fedhkd_digits", "asd_digits", "asd_digits_uniform", "scd_digits"}
@@ -164,7 +164,7 @@ def test_learning_check_sweep_files_load(repo: Path) -> None:
 
 
 def test_fashion_mnist_sweep_files_hold_the_papers_settings(repo: Path) -> None:
-    from wafl.cli.sweep import load_sweep
+    from wafl.cli.experiments.sweep import load_sweep
 
     def load(name: str) -> list:
         return [c for _, c in load_sweep(repo / "configs" / "sweeps" / f"{name}.toml")[1]]
@@ -229,7 +229,7 @@ def test_fashion_mnist_analysis_sweeps_run_the_comparison_tables_settings(repo: 
     but for what they measure, so their accuracies are the table's and the runs check each other."""
     import dataclasses
 
-    from wafl.cli.sweep import load_sweep
+    from wafl.cli.experiments.sweep import load_sweep
 
     def load(name: str) -> dict[str, Any]:
         return dict(load_sweep(repo / "configs" / "sweeps" / f"{name}.toml")[1])
@@ -260,7 +260,7 @@ def test_fashion_mnist_analysis_sweeps_run_the_comparison_tables_settings(repo: 
 
 
 def test_sweep_point_params_table_and_dotted_keys_merge(tmp_path: Path) -> None:
-    from wafl.cli.sweep import load_sweep
+    from wafl.cli.experiments.sweep import load_sweep
 
     spec = tmp_path / "p.toml"
     spec.write_text(
@@ -277,7 +277,7 @@ def test_sweep_point_params_table_and_dotted_keys_merge(tmp_path: Path) -> None:
 def test_a_sweep_file_extends_another(tmp_path: Path) -> None:
     """``extends``: the other file's base, grid and points, this file's base fields over them, its grid lists
     and points in their place, its own out; a loop or a missing file is one line naming it."""
-    from wafl.cli.sweep import load_sweep
+    from wafl.cli.experiments.sweep import load_sweep
 
     (tmp_path / "short.toml").write_text(
         'out = "runs/short"\n[base]\nnum_clients = 3\nrounds = 15\nparams = { mu = 0.5 }\n'
@@ -315,7 +315,7 @@ def test_table_reads_a_missing_config_field_as_its_default(tmp_path: Path) -> No
 
 
 def test_table_epsilon_column_is_the_last_rounds_epsilon() -> None:
-    from wafl.cli.table import Run, run_metrics
+    from wafl.cli.report.table import Run, run_metrics
 
     rows = [
         {"round": 1, "wall_s": 1.0, "gm_accuracy": 0.2, "epsilon": 0.44},
@@ -329,7 +329,7 @@ def test_table_epsilon_column_is_the_last_rounds_epsilon() -> None:
 
 
 def test_table_new_client_columns_only_for_runs_with_new_clients() -> None:
-    from wafl.cli.table import Run
+    from wafl.cli.report.table import Run
 
     def run(seed: int, new: list[float | None]) -> Run:
         rows = [
@@ -389,7 +389,7 @@ def test_sweep_points_compute_with_avx2_kernels_unless_told(tmp_path: Path, monk
     import platform
 
     import torch
-    from wafl.cli.sweep import sweep
+    from wafl.cli.experiments.sweep import sweep
 
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)

@@ -7,7 +7,7 @@ import statistics
 import pytest
 import torch
 from strategy_checks import IDS, SAMPLES, make, state, upload
-from wafl.cli.simulate import simulate
+from wafl.cli.sim.simulate import simulate
 from wafl.common.algorithms import registry
 from wafl.common.algorithms.fednova import step_norm
 from wafl.common.codec import manifest_of

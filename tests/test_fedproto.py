@@ -6,7 +6,7 @@ import pytest
 import torch
 import wafl.server.strategies.base as strategies_base
 from algorithm_checks import client
-from wafl.cli.simulate import simulate
+from wafl.cli.sim.simulate import simulate
 from wafl.common.algorithms import registry
 from wafl.common.algorithms.prototypes import fedproto_paper_term
 from wafl.common.config import load_config

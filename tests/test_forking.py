@@ -1,4 +1,4 @@
-"""``wafl run``'s default: the clients in worker processes forked from the launcher (``wafl.cli.forking``),
+"""``wafl run``'s default: the clients in worker processes forked from the launcher (``wafl.cli.launch.forking``),
 learning exactly what one fresh process per client (``--workers 0``) learns from the same seed."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-from wafl.cli import forking
+from wafl.cli.launch import forking
+from wafl.cli.main import main
 
 
 def _run(repo: Path, out: Path, *extra: str) -> list[dict]:
@@ -44,7 +45,7 @@ def test_forked_child_runs_main_with_its_log_and_exit_status(tmp_path: Path) -> 
     """A child forked here runs the command (no gRPC: safe from a test process): its output lands in its
     log, its exit status comes back through ``poll``/``wait``."""
     log = tmp_path / "child.log"
-    child = forking.fork_main(["run", "--rounds", "abc"], log, dict(os.environ))
+    child = forking.fork_main(["run", "--rounds", "abc"], log, dict(os.environ), main)
     assert child.wait(timeout=60) == 2  # argparse's usage error
     assert "argument --rounds: invalid int value: 'abc'" in log.read_text()
     assert child.poll() == 2

@@ -5,8 +5,8 @@ import math
 
 import numpy as np
 import pytest
-from wafl.cli.launcher import launch
-from wafl.cli.simulate import simulate
+from wafl.cli.launch.launcher import launch
+from wafl.cli.sim.simulate import simulate
 from wafl.common.config import ConfigError, load_config
 from wafl.common.heterogeneity import drops_out, link_rates, slowdowns
 

@@ -2,7 +2,7 @@
 
 import json
 
-from wafl.cli.launcher import launch
+from wafl.cli.launch.launcher import launch
 from wafl.common.codec import crc32_of
 from wafl.common.config import load_config
 from wafl.server.checkpoint import load_checkpoint

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from wafl.cli.simulate import simulate
+from wafl.cli.sim.simulate import simulate
 from wafl.common.algorithms import registry
 from wafl.common.config import load_config
 

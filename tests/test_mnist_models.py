@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
-from wafl.cli.simulate import simulate
+from wafl.cli.sim.simulate import simulate
 from wafl.common.config import load_config
 from wafl.common.datasets.idx import FASHION_DIR, FASHION_FILES, IMAGES_MAGIC, LABELS_MAGIC, read_idx
 from wafl.common.models import MODELS, SplitModel, build_model

@@ -1,4 +1,4 @@
-"""Tests for wafl.cli.netns: rate parsing, tc argv, and namespace star topologies."""
+"""Tests for wafl.cli.launch.netns: rate parsing, tc argv, and namespace star topologies."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 
 import pytest
 from wafl.cli import netns
-from wafl.cli.netns import LinkShapingUnavailable, NetnsCommandError, Star, tbf_command
+from wafl.cli.launch.netns import LinkShapingUnavailable, NetnsCommandError, Star, tbf_command
 from wafl.common.rates import parse_rate
 
 RATE = "20mbit"
@@ -379,7 +379,7 @@ def test_star_failed_build_cleans_up(root_ok: None, monkeypatch: pytest.MonkeyPa
 def test_main_shape_in_namespace(root_ok: None) -> None:
     with Star(1, RATE) as star:
         prefix = star.exec_prefix("client0")
-        cmd = [sys.executable, "-m", "wafl.cli.netns", "shape", "--dev", "eth0", "--rate", "3mbit"]
+        cmd = [sys.executable, "-m", "wafl.cli.launch.netns", "shape", "--dev", "eth0", "--rate", "3mbit"]
         proc = subprocess.run([*prefix, *cmd], capture_output=True, text=True, timeout=30)
         assert proc.returncode == 0, proc.stderr
         assert "tc qdisc replace dev eth0 root tbf rate 3000000bit" in proc.stdout

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from wafl.cli.launcher import launch
-from wafl.cli.simulate import simulate
+from wafl.cli.launch.launcher import launch
+from wafl.cli.sim.simulate import simulate
 from wafl.client.trainer import Trainer
 from wafl.common import metrics as M
 from wafl.common.config import ConfigError, RunConfig, load_config
@@ -177,7 +177,7 @@ def test_the_server_refuses_uploads_from_new_clients_and_their_reports_from_othe
 
 
 def test_the_flatness_loss_is_taken_on_the_training_clients_data_only() -> None:
-    from wafl.cli.analyze import training_union
+    from wafl.cli.report.analyze import training_union
     from wafl.common.partition import federation_shards
 
     cfg = load_config(None, BASE)
@@ -190,7 +190,7 @@ def test_the_flatness_loss_is_taken_on_the_training_clients_data_only() -> None:
 
 
 def test_the_new_clients_sweep_is_scd_fmnist_with_20_of_its_100_clients_held_out(repo: Path) -> None:
-    from wafl.cli.sweep import load_sweep
+    from wafl.cli.experiments.sweep import load_sweep
 
     sweeps = repo / "configs" / "sweeps"
     base = [c for _, c in load_sweep(sweeps / "scd_fmnist.toml")[1]]

@@ -3,7 +3,7 @@ setting the seeds report, and runs one round on tiny files in its dataset's real
 
 The round goes through the same path as ``wafl run --config FILE --data-dir DIR``: ``load_config``
 reads the TOML, the dataset's file loader reads ``DATA_DIR`` (CIFAR pickle batches, SVHN ``.mat``),
-and :func:`wafl.cli.simulate.simulate` trains the real Trainer and aggregates with the server's
+and :func:`wafl.cli.sim.simulate.simulate` trains the real Trainer and aggregates with the server's
 code. Only the size of the run is overridden (see ``TINY``); the dataset, algorithm, its
 parameters, the partition and its concentration, the optimizer and the batch size stay the file's,
 and so does the model except for SCD (see ``TINY_MODEL``).
@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 from test_datasets import _cifar_rows, _dump  # the CIFAR batch row layout and pickle writer
-from wafl.cli.simulate import simulate
+from wafl.cli.sim.simulate import simulate
 from wafl.common.algorithms import registry
 from wafl.common.config import load_config
 from wafl.common.datasets import load_dataset

@@ -2,8 +2,8 @@
 (separate server and client processes) build bit-identical global models."""
 
 import torch
-from wafl.cli.launcher import launch
-from wafl.cli.simulate import simulate
+from wafl.cli.launch.launcher import launch
+from wafl.cli.sim.simulate import simulate
 from wafl.common.config import load_config
 from wafl.server.checkpoint import load_checkpoint
 

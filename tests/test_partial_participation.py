@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
-from wafl.cli.simulate import simulate
+from wafl.cli.sim.simulate import simulate
 from wafl.common.algorithms import registry
 from wafl.common.config import load_config
 

@@ -7,7 +7,7 @@ import random
 from pathlib import Path
 
 import pytest
-from wafl.cli.simulate import simulate
+from wafl.cli.sim.simulate import simulate
 from wafl.common.config import ConfigError, RunConfig, load_config
 from wafl.common.plateau import MAX_ROUNDS, PLATEAU, PlateauWatch, gap, ran_to_end
 
@@ -162,8 +162,8 @@ def test_a_run_that_never_flattens_reaches_its_maximum_and_says_so() -> None:
 
 
 def test_a_sweep_point_records_why_it_stopped_and_the_table_shows_it(tmp_path: Path) -> None:
-    from wafl.cli.sweep import DONE, run_point
-    from wafl.cli.table import build, find_runs, markdown
+    from wafl.cli.experiments.sweep import DONE, run_point
+    from wafl.cli.report.table import build, find_runs, markdown
 
     out = tmp_path / "sweep" / "seed=0"
     out.mkdir(parents=True)
@@ -176,7 +176,7 @@ def test_a_sweep_point_records_why_it_stopped_and_the_table_shows_it(tmp_path: P
 
 
 def test_wafl_run_over_grpc_ends_on_the_plateau(tmp_path: Path) -> None:
-    from wafl.cli.launcher import final_table, launch
+    from wafl.cli.launch.launcher import final_table, launch
 
     cfg = _tiny(rounds=6, plateau_delta=100.0)
     s = launch(cfg, tmp_path / "run", show_progress=False, timeout_s=300)

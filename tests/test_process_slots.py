@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from wafl.cli.simulate import simulate
+from wafl.cli.sim.simulate import simulate
 from wafl.client.compute import SharedSlots
 from wafl.client.process_slots import ProcessSlots
 from wafl.client.trainer import Trainer

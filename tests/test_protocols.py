@@ -330,7 +330,7 @@ def test_wait_free_pm_thread_runs_at_pm_nice_and_others_do_not() -> None:
 
 def test_wait_free_pm_yields_the_clients_own_transfers(tmp_path: Path) -> None:
     """``pm_yield_transfers``: the PM starts once its client's upload is done (in process, real engine)."""
-    from wafl.cli.simulate import simulate
+    from wafl.cli.sim.simulate import simulate
 
     cfg = load_config(
         None,

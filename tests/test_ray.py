@@ -41,7 +41,7 @@ def test_ray_resources_are_range_checked(argv: list[str], fragment: str, capsys)
 
 
 def test_default_worker_count_follows_the_cluster_resources() -> None:
-    from wafl.cli.raylaunch import ray_workers
+    from wafl.cli.launch.raylaunch import ray_workers
 
     class Cluster:
         def __init__(self, **resources: float) -> None:
@@ -62,7 +62,7 @@ def two_nodes(monkeypatch: pytest.MonkeyPatch):
     advertises loopback): the head (the server and one worker fit) and one more (one worker fits), each
     with a small object store. Ray's memory monitor is off: on a machine shared with other jobs it kills
     actors when the whole machine's memory is 95 % used, whoever uses it."""
-    from wafl.cli.raylaunch import LOCAL_ONLY_ENV, LOOPBACK, import_ray
+    from wafl.cli.launch.raylaunch import LOCAL_ONLY_ENV, LOOPBACK, import_ray
 
     monkeypatch.setenv("RAY_memory_monitor_refresh_ms", "0")
     monkeypatch.setenv(LOCAL_ONLY_ENV, "0")  # restored afterwards; the nodes' processes inherit it
@@ -267,7 +267,7 @@ def test_a_killed_server_actor_is_restarted_and_resumes_the_run(two_nodes, tmp_p
 def test_a_cluster_that_ray_run_starts_is_on_loopback_only(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """``wafl run --ray`` without an address starts a Ray cluster on this machine: every process of it (GCS,
     raylet, the actors) and the wafl server in it listen on 127.0.0.1 only, for the whole run."""
-    from wafl.cli.raylaunch import LOCAL_ONLY_ENV
+    from wafl.cli.launch.raylaunch import LOCAL_ONLY_ENV
 
     monkeypatch.setenv("RAY_memory_monitor_refresh_ms", "0")
     monkeypatch.setenv(LOCAL_ONLY_ENV, "1")  # --ray sets it for the cluster it starts; restored afterwards
@@ -290,7 +290,7 @@ def test_a_cluster_that_ray_run_starts_is_on_loopback_only(monkeypatch: pytest.M
 def test_workers_the_cluster_cannot_hold_are_named_before_the_run(capsys: pytest.CaptureFixture[str]) -> None:
     """``--workers`` beyond the cluster's CPUs (or GPUs) is warned about at once, with what is needed and
     what the cluster has, instead of only surfacing as a join timeout."""
-    from wafl.cli.raylaunch import warn_unplaceable
+    from wafl.cli.launch.raylaunch import warn_unplaceable
 
     assert warn_unplaceable({"CPU": 8.0}, 3, 1.0, 0.0, 1.0) == ""  # 1 + 3 x 1 CPUs fit
     text = warn_unplaceable({"CPU": 2.0}, 3, 1.0, 0.0, 1.0)

@@ -11,7 +11,7 @@ import types
 import numpy as np
 import pytest
 import torch
-from wafl.cli.simulate import simulate
+from wafl.cli.sim.simulate import simulate
 from wafl.client.compute import SharedSlots
 from wafl.client.residency import Residency, relocate
 from wafl.client.trainer import Trainer

@@ -256,7 +256,7 @@ def test_the_default_bound_leaves_extra_tensors_alone() -> None:
     model: the default bound measures and clips the model's tensors only, so an honest FedGen run
     builds the same models with the bound as without it (counted in, its label counts alone put the
     first round's uploads far beyond the bound and the GM fell from 0.69 to 0.27)."""
-    from wafl.cli.simulate import simulate
+    from wafl.cli.sim.simulate import simulate
     from wafl.common.config import RunConfig
 
     def final(norm_bound: float) -> dict:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from wafl.cli import netns
 from wafl.cli.main import main
-from wafl.cli.netns import LinkShapingUnavailable
+from wafl.cli.launch.netns import LinkShapingUnavailable
 
 RATE = "20mbit"
 RATE_BPS = 20_000_000
@@ -40,7 +40,7 @@ def test_uploads_over_shaped_links_take_bytes_over_rate(tmp_path: Path) -> None:
     reason = _shaping_unavailable()
     if reason:
         pytest.skip(reason)
-    from wafl.cli.launcher import launch
+    from wafl.cli.launch.launcher import launch
     from wafl.common.config import load_config
 
     cfg = load_config(

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 from strategy_checks import SAMPLES, make, state, upload
-from wafl.cli.simulate import simulate
+from wafl.cli.sim.simulate import simulate
 from wafl.common.codec import iter_chunks
 from wafl.common.config import ConfigError, load_config
 from wafl.server.checkpoint import load_checkpoint

@@ -9,7 +9,7 @@ import statistics
 from pathlib import Path
 
 import pytest
-from wafl.cli.table import LAST, build, find_runs, markdown, t975
+from wafl.cli.report.table import LAST, build, find_runs, markdown, t975
 
 # t_{0.975, n-1} from a printed table (e.g. NIST/SEMATECH e-Handbook, 1.3.6.7.2), independent of table.py's
 PRINTED_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 9: 2.262, 10: 2.228, 20: 2.086, 30: 2.042}

@@ -8,7 +8,7 @@ import asyncio
 import uuid
 from pathlib import Path
 
-from wafl.cli.local_transport import LocalSession
+from wafl.cli.sim.local_transport import LocalSession
 from wafl.client.session import upload_header
 from wafl.common.config import load_config
 from wafl.common.proto import federation_pb2 as pb

@@ -8,7 +8,7 @@ import threading
 
 import numpy as np
 import pytest
-from wafl.cli.launcher import launch, split_clients
+from wafl.cli.launch.launcher import launch, split_clients
 from wafl.cli.main import main
 from wafl.client.compute import FILL, URGENT, SharedSlots
 from wafl.client.trainer import STATE_MAGIC, Trainer
@@ -53,7 +53,7 @@ def test_run_refuses_bad_worker_counts(capsys) -> None:
 
 def test_run_hosts_the_clients_in_workers_by_default() -> None:
     from wafl.cli.commands.preflight import workers as _workers
-    from wafl.cli.launcher import default_workers
+    from wafl.cli.launch.launcher import default_workers
 
     assert _workers(None, load_config(None, {"num_clients": 10}), False) == default_workers(10)
     assert _workers(None, load_config(None, {"num_clients": 1}), False) == 1  # never more workers than clients

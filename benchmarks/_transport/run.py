@@ -58,7 +58,7 @@ def run(a: argparse.Namespace) -> int:
     }
     try:
         result["machine"] = machine_info()
-        from wafl.cli.provenance import git_commit
+        from wafl.cli.report.provenance import git_commit
 
         result["commit"] = git_commit()
         result["loadavg"] = {"start": loadavg()}

@@ -20,7 +20,7 @@ ASYNC_DEFAULTS = {
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    from wafl.cli.bench import bench_protocols
+    from wafl.cli.experiments.bench import bench_protocols
 
     cfg = resolve_config(a)
     check_link_rate(a.link_rate, cfg)
@@ -37,7 +37,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 
 def cmd_bench_async(a: argparse.Namespace) -> int:
-    from wafl.cli.bench_async import bench_async
+    from wafl.cli.experiments.bench_async import bench_async
 
     for k, v in ASYNC_DEFAULTS.items():
         if getattr(a, k, None) is None and k not in dict(a.set):

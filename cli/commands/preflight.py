@@ -15,7 +15,7 @@ def workers(spec: str | None, cfg: RunConfig, per_client_hosts: bool) -> int | N
     """``--workers``: a count, ``auto`` (one per core, at most one per client) or ``off``/``0`` (one process
     per client); unset: ``auto``, or ``off`` with per-client links or CPU shares (a namespace or a control
     group holds one process)."""
-    from wafl.cli.launcher import check_workers, default_workers
+    from wafl.cli.launch.launcher import check_workers, default_workers
 
     if spec is None:
         spec = "off" if per_client_hosts else "auto"
@@ -44,7 +44,7 @@ def check_link_rate(spec: str | None, cfg: RunConfig) -> None:
 def check_host_cpus(spec: str | None, cfg: RunConfig) -> None:
     """``--host-cpus`` gives every host of ``cfg`` a CPU share this machine has (a :class:`ConfigError` otherwise)."""
     if spec:
-        from wafl.cli.cgroups import machine_cpus
+        from wafl.cli.launch.cgroups import machine_cpus
         from wafl.common.heterogeneity import host_cpus
 
         try:

@@ -10,7 +10,7 @@ from wafl.common.config import ConfigError
 
 
 def cmd_sweep(a: argparse.Namespace) -> int:
-    from wafl.cli.sweep import sweep
+    from wafl.cli.experiments.sweep import sweep
 
     if a.jobs < 1:
         raise ConfigError(f"--jobs={a.jobs} must be >= 1")
@@ -30,7 +30,7 @@ def cmd_sweep(a: argparse.Namespace) -> int:
 
 
 def cmd_table(a: argparse.Namespace) -> int:
-    from wafl.cli.table import TableError, main
+    from wafl.cli.report.table import TableError, main
 
     try:
         return main(a.dirs, a.by, a.target, a.baseline, a.json, a.metrics)

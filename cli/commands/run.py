@@ -12,7 +12,7 @@ from wafl.common.errors import UsageError
 
 
 def cmd_run(a: argparse.Namespace) -> int:
-    from wafl.cli.launcher import launch
+    from wafl.cli.launch.launcher import launch
     from wafl.client.trainer import resolve_device
 
     cfg = resolve_config(a)
@@ -38,9 +38,10 @@ def cmd_run(a: argparse.Namespace) -> int:
         host_cpus=a.host_cpus,
         workers=n_workers,
         slots=a.slots,
-        # this process is the command: the run's processes fork from it (wafl.cli.forking), except where they
-        # use CUDA, which this process may have initialized by looking for it (CUDA does not survive a fork)
-        fork=device.type == "cpu",
+        # this process is the command: the run's processes fork from it (wafl.cli.launch.forking), except where they
+        # use CUDA, which this process may have initialized by looking for it (CUDA does not survive a fork);
+        # a.entry: wafl.cli.main.main, set by it
+        fork=getattr(a, "entry", None) if device.type == "cpu" else None,
     )
     return 0 if summary.ok else 1
 
@@ -48,7 +49,7 @@ def cmd_run(a: argparse.Namespace) -> int:
 def _run_on_ray(a: argparse.Namespace, cfg: RunConfig) -> int:
     """``wafl run --ray [ADDRESS]``: the server and the workers as actors on a Ray cluster (the clients run
     on its nodes, so their device is not checked here)."""
-    from wafl.cli.raylaunch import import_ray, launch_ray
+    from wafl.cli.launch.raylaunch import import_ray, launch_ray
 
     import_ray()  # one line when Ray is not installed, before anything else
     if a.link_rate or (a.host_cpus or "none") != "none":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 PROG = "wafl-entrypoint"
 EXIT_NO_INDEX = 2
-EXIT_LINK_UNAVAILABLE = 77  # as `python -m wafl.cli.netns shape`
+EXIT_LINK_UNAVAILABLE = 77  # as `python -m wafl.cli.launch.netns shape`
 
 
 class EntrypointError(Exception):

@@ -1,4 +1,4 @@
-"""Shaping the container's link: whether the process has CAP_NET_ADMIN, the CLI's own ``wafl.cli.netns shape``
+"""Shaping the container's link: whether the process has CAP_NET_ADMIN, the CLI's own ``wafl.cli.launch.netns shape``
 command, and running it for a plan (or saying why it cannot)."""
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ def has_net_admin(status_text: str | None = None) -> bool:
 
 
 def shape_command(rate: str, dev: str, dry_run: bool = False) -> list[str]:
-    """The command that puts the tbf qdisc on ``dev``: the CLI's own ``wafl.cli.netns shape``."""
-    cmd = [sys.executable, "-m", "wafl.cli.netns", "shape", "--dev", dev, "--rate", rate]
+    """The command that puts the tbf qdisc on ``dev``: the CLI's own ``wafl.cli.launch.netns shape``."""
+    cmd = [sys.executable, "-m", "wafl.cli.launch.netns", "shape", "--dev", dev, "--rate", rate]
     return [*cmd, "--dry-run"] if dry_run else cmd
 
 

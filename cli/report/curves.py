@@ -17,15 +17,13 @@ row. ``--json`` writes the numbers drawn, so a figure can be checked against its
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeGuard
 
-from wafl.cli.table import DEFAULT_BY, Run, TableError, find_runs, label
+from wafl.cli.report.table import Run, label
 from wafl.common.errors import UsageError
 
 # fields computed from a run's configuration, usable wherever a configuration field is;
@@ -235,63 +233,3 @@ def plot_against(
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return points
-
-
-def cmd_curves(a: argparse.Namespace) -> int:
-    def skipped(folder: Path, why: str) -> None:
-        print(f"wafl analyze curves: leaving out {folder}: {why}", file=sys.stderr)
-
-    try:
-        runs = find_runs([Path(p) for p in a.dirs], on_skip=skipped)
-    except TableError as e:
-        raise UsageError(str(e)) from None
-    runs = select(runs, a.where)
-    if not runs:
-        raise UsageError(f"no run matches --where {' '.join(a.where)}")
-    by = tuple(f.strip() for f in a.by.split(",")) if a.by else DEFAULT_BY
-    metrics = [m.strip() for m in a.metrics.split(",")]
-    if a.panels and a.against:
-        raise UsageError("--panels draws curves against rounds: leave it out with --against")
-    doc = curves(runs, by, metrics, (a.against,) if a.against else (), a.panels)
-    missing = [m for m in metrics if not any(e[m]["round"] for e in doc.values())]
-    if missing:
-        raise UsageError(f"no run has values of {', '.join(missing)} in its results.jsonl")
-    result: dict[str, Any] = {"by": list(by), "panels": a.panels, "where": list(a.where), "metrics": metrics}
-    result["groups"] = doc
-    if a.against:
-        if len(metrics) != 1:
-            raise UsageError("--against draws one metric: give one in --metrics")
-        result["against"] = a.against
-        result["reduce"] = a.reduce
-        result["points"] = plot_against(doc, metrics[0], a.against, Path(a.out), a.title, a.reduce)
-    else:
-        plot_curves(doc, metrics, Path(a.out), a.title, a.panels)
-    for name, entry in doc.items():
-        last = {m: (f"{entry[m]['mean'][-1]:.4g}" if entry[m]["round"] else "-") for m in metrics}
-        print(f"{name} ({len(entry['seeds'])} runs): last " + ", ".join(f"{m} {v}" for m, v in last.items()))
-    print(f"wafl analyze curves: drawn in {a.out}")
-    if a.json:
-        Path(a.json).write_text(json.dumps(result, indent=1) + "\n")
-    return 0
-
-
-def add_parser(asub: Any) -> None:
-    c = asub.add_parser("curves", help="results fields against rounds (or a setting), mean over seeds, as a PNG")
-    c.add_argument("dirs", nargs="+", help="run folders or folders holding them (a sweep's)")
-    c.add_argument("--metrics", default="gm_accuracy,pm_accuracy", help="results fields, comma-separated")
-    c.add_argument("--by", help="fields that make the curves (default: algorithm,params); params.NAME for one")
-    c.add_argument("--where", action="append", default=[], metavar="FIELD=VALUE", help="keep these runs; repeatable")
-    c.add_argument("--against", metavar="FIELD", help="draw each curve's mean over rounds against this setting")
-    c.add_argument(
-        "--reduce",
-        choices=["mean", "last"],
-        default="mean",
-        help="--against: each run's mean over its rounds or its last value (default mean)",
-    )
-    c.add_argument(
-        "--panels", metavar="FIELD", help="one row of panels per value of this field (e.g. num_clients, base_algorithm)"
-    )
-    c.add_argument("--title", default="")
-    c.add_argument("--out", required=True, help="the PNG")
-    c.add_argument("--json", help="also write the numbers drawn here")
-    c.set_defaults(fn=cmd_curves)

@@ -8,7 +8,7 @@ import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from wafl.cli.run_records import Timelines, timeline_events
+from wafl.cli.report.run_records import Timelines, timeline_events
 
 COMM_DEFINITION = (
     "t_comm_s = median over rounds r of min over clients i of (arrival_i(r+1) - upload_start_i(r)), "

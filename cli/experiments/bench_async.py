@@ -35,11 +35,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from wafl.cli.bench_plots import plot_timelines, save_plot
-from wafl.cli.measured import launch_measured
-from wafl.cli.provenance import git_commit
-from wafl.cli.run_records import read_jsonl, read_timelines
-from wafl.cli.timeline_stats import idle_fraction, rounded, share_of_wall, training_start
+from wafl.cli.launch.measured import launch_measured
+from wafl.cli.report.bench_plots import plot_timelines, save_plot
+from wafl.cli.report.provenance import git_commit
+from wafl.cli.report.run_records import read_jsonl, read_timelines
+from wafl.cli.report.timeline_stats import idle_fraction, rounded, share_of_wall, training_start
 from wafl.common.config import RunConfig
 from wafl.common.contract import PROTOCOLS as CLIENT_PROTOCOLS
 from wafl.server.strategies.buffered import BufferedConfig
@@ -150,7 +150,7 @@ def bench_async(
 ) -> int:
     """Runs the four federations; writes ``async.json`` and the PNGs; 0 when every run finished.
 
-    ``host_cpus``: every host's CPU share, as in :func:`wafl.cli.bench.bench_protocols` (None:
+    ``host_cpus``: every host's CPU share, as in :func:`wafl.cli.experiments.bench.bench_protocols` (None:
     ``auto`` where control groups can be used, else shared cores with a warning). Under quotas a
     client's slow-down divides its share instead of adding sleeps.
     """

@@ -5,7 +5,7 @@ each connected by a veth pair to a bridge living in a separate "switch"
 namespace.  A token-bucket filter (``tc ... tbf``) shapes both directions of
 every host link, so each host gets its own upload and download rate.
 
-``python -m wafl.cli.netns shape --dev eth0 --rate 20mbit`` applies the same
+``python -m wafl.cli.launch.netns shape --dev eth0 --rate 20mbit`` applies the same
 shaping to an existing interface (used by the container entrypoint).
 """
 
@@ -155,7 +155,7 @@ def _close_all() -> None:
         try:
             star.close()
         except Exception as exc:  # noqa: BLE001 - best effort at interpreter exit
-            print(f"wafl.cli.netns: cleanup of {star.prefix} failed: {exc}", file=sys.stderr)
+            print(f"wafl.cli.launch.netns: cleanup of {star.prefix} failed: {exc}", file=sys.stderr)
 
 
 atexit.register(_close_all)
@@ -337,8 +337,8 @@ def shape(dev: str, rate: str | int, burst_bytes: int | None = None, latency_ms:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: ``python -m wafl.cli.netns shape --dev DEV --rate RATE``."""
-    parser = argparse.ArgumentParser(prog="python -m wafl.cli.netns", description=__doc__.splitlines()[0])
+    """Command line: ``python -m wafl.cli.launch.netns shape --dev DEV --rate RATE``."""
+    parser = argparse.ArgumentParser(prog="python -m wafl.cli.launch.netns", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p_shape = sub.add_parser("shape", help="limit an existing interface's egress with tc tbf")
     p_shape.add_argument("--dev", required=True, help="interface name, e.g. eth0")

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from wafl.cli.run_records import Timelines, timeline_events
+from wafl.cli.report.run_records import Timelines, timeline_events
 from wafl.common.contract import PROTOCOLS
 
 PROTOCOL_ORDER = PROTOCOLS[::-1]  # the baseline, compute-and-wait, first

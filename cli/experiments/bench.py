@@ -48,11 +48,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from wafl.cli.bench_plots import PROTOCOL_ORDER, plot_pm_accuracy, plot_timelines
-from wafl.cli.measured import launch_measured
-from wafl.cli.provenance import git_commit
-from wafl.cli.run_records import read_jsonl, read_timelines, trained_phases
-from wafl.cli.timeline_stats import (
+from wafl.cli.launch.measured import launch_measured
+from wafl.cli.report.bench_plots import PROTOCOL_ORDER, plot_pm_accuracy, plot_timelines
+from wafl.cli.report.provenance import git_commit
+from wafl.cli.report.run_records import read_jsonl, read_timelines, trained_phases
+from wafl.cli.report.timeline_stats import (
     COMM_DEFINITION,
     IDEAL_DEFINITION,
     comm_durations,

@@ -22,7 +22,7 @@ def launch_measured(
     (``host_cpus``; None: ``auto`` where control groups can be used, else shared cores with a
     warning); returns the launcher's summary and the machine's load average before and after.
     Model files are removed afterwards (weights are not a measurement)."""
-    from wafl.cli.launcher import launch
+    from wafl.cli.launch.launcher import launch
 
     before = os.getloadavg()
     summary = launch(

@@ -2,7 +2,7 @@
 
 :func:`simulate` runs the real :class:`~wafl.server.engine.RoundEngine` with its strategy, the
 real client :class:`~wafl.client.protocol.RoundProtocol` and :class:`~wafl.client.trainer.Trainer`
-of every client, connected by the in-process transport (:class:`~wafl.cli.local_transport.LocalSession`)
+of every client, connected by the in-process transport (:class:`~wafl.cli.sim.local_transport.LocalSession`)
 in one event loop. Training runs in worker threads as in a client process; with one torch thread
 (:func:`run_many` sets it) a seeded run builds the same global models as over gRPC.
 """
@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from wafl.cli.local_transport import LocalSession
+from wafl.cli.sim.local_transport import LocalSession
 from wafl.client.compute import SharedSlots
 from wafl.client.process_slots import ProcessSlots
 from wafl.client.protocol import client_protocol

@@ -1,9 +1,9 @@
 """``wafl run``: a server and N client processes on this machine, with progress and a report.
 
 Processes talk over localhost, or, with ``--link-rate``, each in its own network namespace
-behind a shaped link (``wafl.cli.netns.Star``). With ``host_cpus`` (``--host-cpus``; by default
+behind a shaped link (``wafl.cli.launch.netns.Star``). With ``host_cpus`` (``--host-cpus``; by default
 ``auto`` in ``--link-rate`` mode where control groups can be used), the server and every client
-also run in a control group of their own with a CPU quota (``wafl.cli.cgroups``), as on their
+also run in a control group of their own with a CPU quota (``wafl.cli.launch.cgroups``), as on their
 own devices. With ``workers`` (``--workers``) the N clients are spread over that many worker
 processes (``wafl worker``, :mod:`wafl.client.worker`), each hosting a contiguous range of
 indices and running ``slots`` trainings at once; one process per client (the default of
@@ -15,6 +15,7 @@ indices and running ``slots`` trainings at once; one process per client (the def
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -24,7 +25,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,9 @@ class RunSummary:
     server_code: int | None = None
     client_codes: list[int | None] = field(default_factory=list)
     host_cpus: dict[str, Any] | None = None  # shares, quotas read back and CPU used (``host_cpus.json``)
-    forked: bool = False  # the run's processes were forked from the launcher (wafl.cli.forking), not started afresh
+    forked: bool = (
+        False  # the run's processes were forked from the launcher (wafl.cli.launch.forking), not started afresh
+    )
 
     @property
     def final(self) -> dict[str, Any]:
@@ -72,7 +75,7 @@ def launch(
     quota_optional: bool | None = None,
     workers: int | None = None,
     slots: int | None = None,
-    fork: bool = False,
+    fork: Callable[[list[str]], int] | None = None,
 ) -> RunSummary:
     """Runs the federation described by ``cfg`` to its end; returns what it measured.
 
@@ -80,20 +83,21 @@ def launch(
     ``"none"`` shares every core between all processes; ``None``: ``auto`` in ``link_rate`` mode
     when control groups can be used here (otherwise a warning and shared cores), else ``none``.
     ``quota_optional``: whether quotas that cannot be set up here only warn (default: only when
-    ``host_cpus`` is None) instead of raising :class:`wafl.cli.cgroups.CpuQuotaUnavailable`.
+    ``host_cpus`` is None) instead of raising :class:`wafl.cli.launch.cgroups.CpuQuotaUnavailable`.
     ``workers``: host the clients in this many worker processes (None: one process per client),
     each running ``slots`` trainings at once (default: this machine's cores shared out between them).
-    ``fork``: fork the processes that run without a namespace or control group from this one, after
-    importing what they import (:mod:`wafl.cli.forking`), instead of starting each afresh; ignored
-    (processes started afresh) where :func:`wafl.cli.forking.can_fork` says this process may not fork.
+    ``fork``: the ``wafl`` command's entry point (:func:`wafl.cli.main.main`, passed in by the command):
+    fork the processes that run without a namespace or control group from this one and run it there, after
+    importing what they import (:mod:`wafl.cli.launch.forking`), instead of starting each afresh; ignored
+    (processes started afresh) where :func:`wafl.cli.launch.forking.can_fork` says this process may not fork.
     """
-    from wafl.cli import forking
+    from wafl.cli.launch import forking
 
     # decided first: what follows imports gRPC (wafl.server.app), after which can_fork says no, while this
     # process has not used gRPC and may still fork (preload imports gRPC too). Only processes without a
     # namespace or control group fork, so with --link-rate or --host-cpus nothing does. The preload's
     # seconds come before any group or namespace exists: a signal during them leaves nothing behind.
-    may_fork = fork and not link_rate and (host_cpus or "none") == "none" and forking.can_fork()
+    may_fork = fork is not None and not link_rate and (host_cpus or "none") == "none" and forking.can_fork()
     if may_fork:
         forking.preload()
     from wafl.client.worker import format_indices
@@ -119,7 +123,7 @@ def launch(
     host = "127.0.0.1"
     bind_port = 0
     if link_rate:
-        from wafl.cli.netns import Star, check_permissions
+        from wafl.cli.launch.netns import Star, check_permissions
         from wafl.common.heterogeneity import link_rates
         from wafl.common.rates import parse_rate
 
@@ -138,10 +142,10 @@ def launch(
             star.close()
         raise
     proc_cfg = plan.pop("_proc_cfg", cfg)
-    forker = forking.fork_main if may_fork else None
+    forker = functools.partial(forking.fork_main, main=fork) if may_fork and fork is not None else None
     cfg_file = out / "run-config.json"
     cfg_file.write_text(json.dumps(json.loads(proc_cfg.to_json()), indent=2))
-    procs: list[Any] = []  # subprocess.Popen or wafl.cli.forking.ForkedProcess
+    procs: list[Any] = []  # subprocess.Popen or wafl.cli.launch.forking.ForkedProcess
     hosts: list[str] = []
     t0 = time.monotonic()
     summary = RunSummary(out, ok=False)
@@ -332,14 +336,14 @@ def check_workers(workers: int, cfg: RunConfig) -> int:
 
 def default_workers(num_clients: int, cores: float | None = None) -> int:
     """``--workers auto``: one worker per core (at most one per client)."""
-    from wafl.cli.cgroups import machine_cpus
+    from wafl.cli.launch.cgroups import machine_cpus
 
     return max(1, min(num_clients, int(cores if cores is not None else machine_cpus())))
 
 
 def worker_slots(workers: int, cores: float | None = None) -> int:
     """Trainings at once per worker: this machine's cores shared out between the workers (at least one)."""
-    from wafl.cli.cgroups import machine_cpus
+    from wafl.cli.launch.cgroups import machine_cpus
 
     return max(1, int(cores if cores is not None else machine_cpus()) // workers)
 
@@ -352,7 +356,7 @@ def _cpu_groups(cfg: RunConfig, spec: str, optional: bool) -> tuple[Any, dict[st
     measured sleeps: the processes then run with ``slowdown = "none"`` (returned under
     ``"_proc_cfg"``), and ``host_cpus.json`` records the factors.
     """
-    from wafl.cli.cgroups import CpuGroups, CpuQuotaUnavailable, machine_cpus
+    from wafl.cli.launch.cgroups import CpuGroups, CpuQuotaUnavailable, machine_cpus
     from wafl.common.heterogeneity import MIN_HOST_CPUS, host_cpus, slowdowns
 
     cores = machine_cpus()
@@ -416,7 +420,7 @@ MAIN = [sys.executable, "-m", "wafl.cli.main"]
 def _spawn(cmd: list[str], log: Path, token: str = "", forker: Any = None) -> Any:
     """Starts one process; ``token`` travels in its environment (``WAFL_TOKEN``), not its command line.
 
-    With ``forker`` (:func:`wafl.cli.forking.fork_main`) a bare ``python -m wafl.cli.main ARGS`` (no
+    With ``forker`` (:func:`wafl.cli.launch.forking.fork_main`) a bare ``python -m wafl.cli.main ARGS`` (no
     namespace or control group in front) is forked from this process instead of started afresh."""
     env = _env()
     if token:

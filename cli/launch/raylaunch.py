@@ -33,7 +33,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from wafl.cli.launcher import Progress, RunSummary, check_workers, client_sizes, default_out, finish_run, split_clients
+from wafl.cli.launch.launcher import (
+    Progress,
+    RunSummary,
+    check_workers,
+    client_sizes,
+    default_out,
+    finish_run,
+    split_clients,
+)
 from wafl.common.config import RunConfig
 from wafl.common.errors import RunAborted, UsageError
 from wafl.common.plateau import ran_to_end
@@ -156,7 +164,7 @@ class ServerActor:
             self.code = 1
 
     def poll(self) -> tuple[int | None, list[dict[str, Any]], str]:
-        from wafl.cli.launcher import _read_rows
+        from wafl.cli.launch.launcher import _read_rows
 
         return self.code, _read_rows(self.out / "results.jsonl"), self.error
 

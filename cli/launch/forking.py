@@ -6,7 +6,8 @@ imports torch and the server's and clients' modules once (:func:`preload`), then
 of the run from itself (:func:`fork_main`): the children share those pages copy-on-write with the
 launcher and with each other, and start at once. Each child is what ``python -m wafl.cli.main ARGS``
 would be: its own process group, its log file as stdout and stderr, the launcher's environment plus
-the extra variables, default signal handlers, exit status from :func:`wafl.cli.main.main`.
+the extra variables, default signal handlers, exit status from the entry point the launcher is given
+(:func:`wafl.cli.main.main`, passed down by the command: this room imports nothing above it).
 
 Forking is only safe from a process that has no other threads and has not started gRPC: both are
 checked by :func:`can_fork` before anything is preloaded, so ``launch`` falls back to starting
@@ -20,7 +21,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 # what the server, the workers and the clients import: loaded once in the launcher, shared by its children
@@ -88,10 +89,8 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
 
-def fork_main(argv: Sequence[str], log: Path, env: dict[str, str]) -> ForkedProcess:
-    """Forks a child that runs ``wafl.cli.main.main(argv)`` with ``log`` as its stdout and stderr."""
-    from wafl.cli.main import main
-
+def fork_main(argv: Sequence[str], log: Path, env: dict[str, str], main: Callable[[list[str]], int]) -> ForkedProcess:
+    """Forks a child that runs ``main(argv)`` (``wafl.cli.main.main``) with ``log`` as its stdout and stderr."""
     sys.stdout.flush()
     sys.stderr.flush()
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)

@@ -173,19 +173,19 @@ def run_point(cfg_json: str, folder: str, network: bool, slot_processes: int = 0
     shutil.rmtree(out / "clients", ignore_errors=True)
     t0 = time.monotonic()
     if network:
-        from wafl.cli.launcher import launch
+        from wafl.cli.launch.launcher import launch
 
         summary = launch(cfg, out, show_progress=False)
         ok, rows = summary.ok, summary.rows
     else:
-        from wafl.cli.simulate import simulate, trains_in_processes
+        from wafl.cli.sim.simulate import simulate, trains_in_processes
         from wafl.common.logs import configure_logging
 
         configure_logging("sweep", out / "logs" / "run.jsonl", level="INFO", console=False)
         processes = slot_processes if trains_in_processes(cfg) else 0  # a wait-free point trains in threads
         rows = simulate(cfg, out, slot_processes=processes)
         ok = ran_to_end(rows, cfg.rounds)
-    from wafl.cli.provenance import git_commit
+    from wafl.cli.report.provenance import git_commit
 
     result = {
         "ok": ok,

@@ -20,7 +20,6 @@ each cell the mean +- standard deviation over the row's seeds with the min-max s
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from dataclasses import dataclass
@@ -197,7 +196,7 @@ def run_folders(paths: list[Path]) -> list[Path]:
 
 def table(results: list[dict[str, Any]], by: tuple[str, ...]) -> dict[str, Any]:
     """Rows as ``wafl table`` makes them: label -> seeds, runs, and the stats of each measure."""
-    from wafl.cli.table import _stats, label
+    from wafl.cli.report.table import _stats, label
 
     rows: dict[str, dict[str, Any]] = {}
     for r in results:
@@ -226,98 +225,3 @@ def markdown(rows: dict[str, Any]) -> str:
     for name, r in rows.items():
         lines.append(f"| {name} | {len(r['seeds'])} | {cell(r['top_eigenvalue'])} | {cell(r['trace'])} |")
     return "\n".join(lines)
-
-
-def cmd_flatness(a: argparse.Namespace) -> int:
-    folders = run_folders([Path(p) for p in a.dirs])
-    if a.density and len(folders) > 1:
-        raise UsageError(f"--density draws one run's density; {len(folders)} run folders were given")
-    if a.checkpoint and len(folders) > 1:
-        raise UsageError(f"--checkpoint names one run's checkpoint; {len(folders)} run folders were given")
-    if a.checkpoint and a.round:
-        raise UsageError("--checkpoint and --round both name a checkpoint: give one")
-    if a.threads:
-        from wafl.cli.commands.process import set_threads
-
-        set_threads(a.threads)
-    results = []
-    for f in folders:
-        chosen = Path(a.checkpoint) if a.checkpoint else None
-        if a.round:
-            chosen = f / "checkpoints" / f"round-{a.round}.pt"
-        r = flatness(
-            f,
-            checkpoint=chosen,
-            samples=a.samples,
-            sample_seed=a.sample_seed,
-            probes=a.probes,
-            max_iter=a.max_iter,
-            tol=a.tol,
-            density=Path(a.density) if a.density else None,
-            lanczos_steps=a.lanczos_steps,
-            lanczos_runs=a.lanczos_runs,
-            batch_size=a.batch_size,
-            device=a.device,
-            data_dir=a.data_dir,
-        )
-        results.append(r)
-        top, tr = r["top_eigenvalue"], r["trace"]
-        print(
-            f"{f}: round {r['round']}, {r['samples']} samples, loss {r['loss']:.4f}: top eigenvalue "
-            f"{top['value']:.4g} ({top['iterations']} iterations{'' if top['converged'] else ', not converged'}), "
-            f"trace {tr['mean']:.4g} ± {tr['stderr']:.2g} ({tr['probes']} probes)"
-            + (f", density in {r['density']['png']}" if "density" in r else "")
-        )
-    doc: dict[str, Any] = results[0] if len(folders) == 1 and not a.table else {"runs": results}
-    if "runs" in doc:
-        from wafl.cli.provenance import git_commit
-
-        by = tuple(f.strip() for f in a.by.split(",")) if a.by else ("algorithm", "params")
-        doc["by"] = list(by)
-        doc["rows"] = table(results, by)
-        doc["commit"] = git_commit()
-        print(markdown(doc["rows"]))
-    if a.json:
-        Path(a.json).write_text(json.dumps(doc, indent=1) + "\n")
-    return 0
-
-
-def add_parser(sub: Any, positive_int: Any, positive: Any) -> None:
-    """Registers ``wafl analyze`` and its commands (``flatness``, ``curves``) on the ``wafl`` sub-parsers."""
-    an = sub.add_parser("analyze", help="measurements of finished runs' models")
-    asub = an.add_subparsers(dest="analysis", required=True)
-    f = asub.add_parser(
-        "flatness",
-        help="top Hessian eigenvalue, Hessian trace (and eigenvalue density) of a run's global model",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
-    )
-    f.add_argument("dirs", nargs="+", metavar="RUN_DIR", help="run folders, or folders holding them (a sweep's)")
-    f.add_argument("--checkpoint", help="a checkpoint file of the run (default: RUN_DIR/checkpoint.pt, the last round)")
-    f.add_argument(
-        "--round",
-        type=positive_int,
-        help="the checkpoint of this round, RUN_DIR/checkpoints/round-R.pt (kept with keep_checkpoint_every)",
-    )
-    f.add_argument("--samples", type=positive_int, help="a seeded sample of this many training points (default: all)")
-    f.add_argument("--sample-seed", dest="sample_seed", type=int, default=0, help="seed of the sample and probes")
-    f.add_argument("--probes", type=positive_int, default=100, help="Rademacher probes of the trace (default 100)")
-    f.add_argument("--max-iter", dest="max_iter", type=positive_int, default=100, help="power iterations at most")
-    f.add_argument("--tol", type=positive, default=1e-3, help="relative change that ends the power iteration")
-    f.add_argument("--density", metavar="PNG", help="also draw the eigenvalue density (Lanczos quadrature) here")
-    f.add_argument("--lanczos-steps", dest="lanczos_steps", type=positive_int, default=90)
-    f.add_argument("--lanczos-runs", dest="lanczos_runs", type=positive_int, default=1)
-    f.add_argument("--batch-size", dest="batch_size", type=positive_int, default=256)
-    f.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
-    f.add_argument(
-        "--threads",
-        type=positive_int,
-        help="torch threads on the CPU (default: torch's, one a core; 1 is faster beside other work)",
-    )
-    f.add_argument("--data-dir", dest="data_dir", help="where the run's dataset is on this machine")
-    f.add_argument("--by", help="with several runs: fields that make the rows (default: algorithm,params)")
-    f.add_argument("--table", action="store_true", help="a table even for one run")
-    f.add_argument("--json", help="write the measurements (and table) as JSON here")
-    f.set_defaults(fn=cmd_flatness)
-    from wafl.cli.curves import add_parser as add_curves
-
-    add_curves(asub)

@@ -1,0 +1,3 @@
+"""In-process runs: the server's engine and every client in one process (:mod:`.simulate`), talking through
+an in-memory transport (:mod:`.local_transport`) instead of gRPC. Reaches the client only through its public
+interface (:mod:`wafl.client`). Imports neither :mod:`wafl.cli.launch` nor :mod:`wafl.cli.report`."""
