@@ -15,7 +15,7 @@ run:  ## a whole federation on the embedded digits data (a server and the 10 cli
 test:  ## style (ruff), the layer contract (lint-imports), the types (mypy), the docs build, then the whole test suite
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/lint-imports  # the layers of pyproject.toml's [tool.importlinter]: cli > server | client > common
+	$(VENV)/bin/lint-imports  # pyproject.toml's [tool.importlinter]: cli > server | client > common, the rooms of cli, no import cycle
 	bash scripts/typecheck.sh $(VENV)/bin/python  # mypy over common, server, client, cli: [tool.mypy]
 	$(VENV)/bin/mkdocs build --strict --quiet  # docs/: a broken link, an unlisted page or an unresolved API reference fails
 	bash scripts/node_modules.sh >/dev/null  # the Node.js conformance client's npm packages (cached outside the clone)
