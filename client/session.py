@@ -135,6 +135,10 @@ class Session:
     on_header: Callable[[], None] | None = None  # called as each broadcast's header arrives
     reception: SharedReception | None = None  # shared with the other clients of a worker (one buffer per broadcast)
     _channel: grpc.aio.Channel | None = field(default=None, repr=False)
+    joins: int = field(default=0, repr=False)  # Joins completed so far (a rejoin after one of them is not needed)
+    # one rejoin at a time: the broadcast stream and an upload that both find the server lost this
+    # session (a restart, a resume) join once between them, not twice
+    _rejoining: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
 
     def _open(self) -> None:
         if self._channel is None:
@@ -202,8 +206,17 @@ class Session:
                 self._keep_credential(self.credential_file)
         self.join_reply = reply
         self.manifest = tuple(TensorSpec.from_proto(s) for s in reply.manifest)
+        self.joins += 1
         log.info("joined", run_id=reply.run_id, round=reply.round, algorithm=reply.algorithm)
         return reply
+
+    async def rejoin(self, seen: int) -> None:
+        """Joins again unless a Join completed since ``seen`` (:attr:`joins` when the call that found the
+        session gone began): the broadcast stream and an upload each rejoin through here, one at a time,
+        so that the one that comes second finds the session already back and only retries its call."""
+        async with self._rejoining:
+            if self.joins == seen:
+                await self.join()
 
     def _keep_credential(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -234,6 +247,7 @@ class Session:
         self._open()
         backoff = Backoff(deadline_s=self.reconnect_s)
         while True:
+            seen = self.joins
             try:
                 call = self._broadcasts(
                     pb.BroadcastRequest(run_id=self.run_id, client_id=self.client_id), metadata=self._metadata()
@@ -255,7 +269,7 @@ class Session:
                     grpc.StatusCode.UNAUTHENTICATED,  # a new run in its place: join it with the token
                 ):
                     await backoff.wait(f"broadcasts: {e.code().name}")
-                    await self.join()
+                    await self.rejoin(seen)
                     continue
                 raise
 
@@ -267,10 +281,16 @@ class Session:
         metrics: Mapping[str, float],
         knowledge: Knowledge | None = None,
     ) -> int:
-        """Streams one update; returns the bytes the server acknowledged (0 if it refused it)."""
+        """Streams one update; returns the bytes the server acknowledged (0 if it refused it).
+
+        A server that no longer knows this client (``NOT_FOUND``: it restarted, or resumed from its
+        checkpoint, since the client joined) is joined again (:meth:`rejoin`, shared with the broadcast
+        stream) and the upload retried under the same key; a refusal that retrying cannot mend raises
+        ``ConnectionError`` with one line."""
         key = uuid.uuid4().hex
         backoff = Backoff(deadline_s=self.reconnect_s)
         while True:
+            seen = self.joins
             try:
                 header = upload_header(self.run_id, round, self.client_id, num_samples, key, metrics)
                 reply = await self._upload(upload_messages(header, state, knowledge), metadata=self._metadata())
@@ -281,8 +301,14 @@ class Session:
                 if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ABORTED):
                     log.warning("upload.refused", round=round, code=e.code().name, details=e.details())
                     return 0
+                if e.code() == grpc.StatusCode.NOT_FOUND:  # the server lost this session: join, then retry
+                    await backoff.wait(f"upload: {e.code().name} {e.details()}")
+                    await self.rejoin(seen)
+                    continue
                 if e.code() not in RETRYABLE:
-                    raise
+                    raise ConnectionError(
+                        f"the server refused the upload for round {round} ({e.code().name}): {e.details()}"
+                    ) from None
                 await backoff.wait(f"upload: {e.code().name} {e.details()}")
 
     async def report(
