@@ -138,6 +138,8 @@ class RoundEngine:
         self.seq = 0
         self.changed = asyncio.Event()  # an upload was committed or released: conditions may have changed
         self.all_joined = asyncio.Event()
+        self.client_joined = asyncio.Event()  # a training client joined (the wait after a resume watches it)
+        self.resumed = False  # a checkpoint was restored: the run goes on without waiting for every client
         self.finished = asyncio.Event()
         self.final_reports: set[str] = set()
         self.final_reported = asyncio.Event()
@@ -255,6 +257,7 @@ class RoundEngine:
         self.global_knowledge = knowledge
         self.run_id = ck["run_id"]
         self.strategy.resume(ck["round"] + 1)
+        self.resumed = True
         log.info("resume", round=ck["round"], run_id=self.run_id)
 
     def _checkpoint(self) -> None:
@@ -323,6 +326,7 @@ class RoundEngine:
                 self.new_clients.add(req.client_id)  # it waits for the evaluated models: never selected
             else:
                 self.strategy.join(req.client_id, req.client_index, samples)
+                self.client_joined.set()
             if resumes:
                 self.presence.seen(req.client_index, time.monotonic())
             else:  # a new session; by the token, the one before it (if any) no longer speaks for the index
@@ -368,14 +372,56 @@ class RoundEngine:
         return self.credentials.holder(credential, self.index_owner.get)
 
     # ----------------------------------------------------------------- the run
-    async def run(self) -> None:
+    async def _wait_for_clients(self) -> None:
+        """The wait before the first version is handed out.
+
+        A new run waits for every client, up to ``join_timeout_s`` (then :class:`RunAborted`). A
+        resumed run (a checkpoint was restored) waits for every client at most ``round_deadline_s``
+        (no more than ``join_timeout_s``): the time a round already waits for a selected client before
+        it counts as a dropout, and longer than a live client takes to find the server again (its
+        backoff between attempts is at most 5 s). Then it goes on with the clients that are back, once
+        they number ``min_clients`` (at least one training client), under the rule's own deadlines;
+        the others join the next round or version when they come back. Before, one client that was
+        down while the server restarted held every version up until it returned, and ended the run
+        after ``join_timeout_s``."""
+        cfg = self.cfg
+        loop = asyncio.get_running_loop()
+        begun = loop.time()
+        grace = min(cfg.round_deadline_s, cfg.join_timeout_s) if self.resumed else cfg.join_timeout_s
         try:
-            await asyncio.wait_for(self.all_joined.wait(), self.cfg.join_timeout_s)
+            await asyncio.wait_for(self.all_joined.wait(), grace)
+            return
         except TimeoutError:
-            raise RunAborted(
-                f"only {len(self.clients)} of num_clients={self.cfg.num_clients} joined "
-                f"within join_timeout_s={self.cfg.join_timeout_s}"
-            ) from None
+            if not self.resumed:
+                raise RunAborted(
+                    f"only {len(self.clients)} of num_clients={cfg.num_clients} joined "
+                    f"within join_timeout_s={cfg.join_timeout_s}"
+                ) from None
+        needed = min(cfg.min_clients or 1, cfg.training_clients)
+        while len(self.strategy.clients) < needed and not self.all_joined.is_set():
+            left = begun + cfg.join_timeout_s - loop.time()
+            if left <= 0:
+                raise RunAborted(
+                    f"resumed: only {len(self.clients)} of num_clients={cfg.num_clients} joined within "
+                    f"join_timeout_s={cfg.join_timeout_s} ({needed} training clients needed)"
+                )
+            self.client_joined.clear()
+            try:
+                await asyncio.wait_for(self.client_joined.wait(), left)
+            except TimeoutError:
+                pass
+        absent = sorted(set(range(cfg.num_clients)) - {c.index for c in self.clients.values()})
+        log.warning(
+            "resume.partial",
+            joined=len(self.clients),
+            absent_indices=absent,
+            waited_s=round_(loop.time() - begun),
+            reason=f"not every client joined the resumed server within round_deadline_s={cfg.round_deadline_s}; "
+            "the others join the next round or version when they come back",
+        )
+
+    async def run(self) -> None:
+        await self._wait_for_clients()
         loop = asyncio.get_running_loop()
         log.info(
             "run.start",
