@@ -42,6 +42,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from wafl.cli.launch.hosts import Hosts  # noqa: E402
 from wafl.cli.launch.launcher import launch, split_clients, worker_slots  # noqa: E402
 from wafl.common.config import load_config  # noqa: E402
 
@@ -106,7 +107,7 @@ def measure(name: str, cfg: Any, workers: int | None, run_dir: Path, timeout_s: 
     error = None
     with RssSampler() as rss:
         try:
-            s = launch(cfg, run_dir, show_progress=False, timeout_s=timeout_s, workers=workers)
+            s = launch(cfg, run_dir, hosts=Hosts(workers=workers), show_progress=False, timeout_s=timeout_s)
         except (TimeoutError, RuntimeError) as e:  # recorded as a run that did not finish
             from wafl.cli.launch.launcher import RunSummary, _read_rows
 

@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             f"gpu_fleet: device {a.device} requested but CUDA is not available here; nothing measured", file=sys.stderr
         )
         return 2
+    from wafl.cli.launch.hosts import Hosts
     from wafl.cli.launch.launcher import launch
     from wafl.common.config import load_config
 
@@ -149,7 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     sampler = GpuSampler(gpu.index or 0) if gpu.type == "cuda" else None
     with sampler or contextlib.nullcontext():
         try:
-            s = launch(cfg, run_dir, show_progress=False, timeout_s=a.timeout, workers=a.workers, slots=a.slots)
+            s = launch(
+                cfg, run_dir, hosts=Hosts(workers=a.workers), show_progress=False, timeout_s=a.timeout, slots=a.slots
+            )
         except (TimeoutError, RuntimeError) as e:
             from wafl.cli.launch.launcher import RunSummary, _read_rows
 

@@ -103,11 +103,12 @@ def test_fake_v2_groups_use_cpu_max(tmp_path):
 
 
 def test_slowdown_becomes_a_cpu_share(tmp_path, monkeypatch):
+    from wafl.cli.launch.hosts import parse_hosts
     from wafl.cli.launch.launcher import _cpu_groups
 
     monkeypatch.setenv("WAFL_CGROUP_ROOT", str(_fake_v1(tmp_path)))
     cfg = RunConfig(num_clients=2, slowdown="1,4")
-    groups, plan = _cpu_groups(cfg, "0.4", optional=False)
+    groups, plan = _cpu_groups(cfg, parse_hosts(cfg, host_cpus="0.4", quota_optional=False))
     try:
         assert plan["clients"] == pytest.approx([0.4, 0.1]) and plan["slowdowns"] == [1.0, 4.0]
         assert plan["_proc_cfg"].slowdown == "none" and cfg.slowdown == "1,4"
@@ -117,13 +118,15 @@ def test_slowdown_becomes_a_cpu_share(tmp_path, monkeypatch):
 
 
 def test_optional_quotas_only_warn(tmp_path, monkeypatch, capsys):
+    from wafl.cli.launch.hosts import parse_hosts
     from wafl.cli.launch.launcher import _cpu_groups
 
     monkeypatch.setenv("WAFL_CGROUP_ROOT", str(tmp_path))
-    assert _cpu_groups(RunConfig(num_clients=2), "auto", optional=True) == (None, {})
+    cfg = RunConfig(num_clients=2)
+    assert _cpu_groups(cfg, parse_hosts(cfg, host_cpus="auto", quota_optional=True)) == (None, {})
     assert "warning" in capsys.readouterr().err
     with pytest.raises(CpuQuotaUnavailable):
-        _cpu_groups(RunConfig(num_clients=2), "auto", optional=False)
+        _cpu_groups(cfg, parse_hosts(cfg, host_cpus="auto", quota_optional=False))
 
 
 # ----------------------------------------------------------------------------- the real hierarchy (root)

@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from wafl.cli import netns
-from wafl.cli.main import main
+from wafl.cli.launch import netns
 from wafl.cli.launch.netns import LinkShapingUnavailable
+from wafl.cli.main import main
 
 RATE = "20mbit"
 RATE_BPS = 20_000_000
@@ -40,13 +40,16 @@ def test_uploads_over_shaped_links_take_bytes_over_rate(tmp_path: Path) -> None:
     reason = _shaping_unavailable()
     if reason:
         pytest.skip(reason)
+    from wafl.cli.launch.hosts import parse_hosts
     from wafl.cli.launch.launcher import launch
     from wafl.common.config import load_config
 
     cfg = load_config(
         None, {"dataset": "digits", "algorithm": "fedavg", "num_clients": 3, "rounds": 2, "local_epochs": 1, "seed": 0}
     )
-    summary = launch(cfg, tmp_path / "run", link_rate=RATE, show_progress=False, timeout_s=600.0)
+    summary = launch(
+        cfg, tmp_path / "run", hosts=parse_hosts(cfg, link_rate=RATE), show_progress=False, timeout_s=600.0
+    )
     assert summary.ok, (tmp_path / "run" / "logs" / "server.log").read_text()[-2000:]
     rows = summary.rows
     assert [r["clients"] for r in rows] == [3, 3]

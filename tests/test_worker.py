@@ -8,6 +8,7 @@ import threading
 
 import numpy as np
 import pytest
+from wafl.cli.launch.hosts import Hosts
 from wafl.cli.launch.launcher import launch, split_clients
 from wafl.cli.main import main
 from wafl.client.compute import FILL, URGENT, SharedSlots
@@ -178,7 +179,7 @@ def test_six_clients_in_two_workers_over_sockets(tmp_path) -> None:
         },
     )
     out = tmp_path / "run"
-    s = launch(cfg, out, show_progress=False, timeout_s=300, workers=2, slots=1)
+    s = launch(cfg, out, hosts=Hosts(workers=2), show_progress=False, timeout_s=300, slots=1)
     assert s.ok, (out / "logs" / "server.log").read_text()[-2000:]
     assert s.client_codes == [0, 0]
     assert sorted(p.name for p in (out / "logs").glob("worker-*.jsonl")) == ["worker-0.jsonl", "worker-1.jsonl"]

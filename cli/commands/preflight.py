@@ -1,10 +1,14 @@
 """The checks a command makes before any process of a run starts: the dataset loads, the output folder
-can be made, ``--link-rate`` and ``--host-cpus`` parse for the run, and ``--workers`` names a count."""
+can be made, ``--link-rate`` and ``--host-cpus`` parse for the run, and ``--workers`` names a count. ``wafl run``
+gets them parsed (:func:`run_hosts`, a :class:`wafl.cli.launch.hosts.Hosts` that the launcher takes)."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 from pathlib import Path
 
+from wafl.cli.launch.hosts import Hosts, parse_hosts
 from wafl.common.config import ConfigError, RunConfig
 from wafl.common.errors import UsageError
 
@@ -28,6 +32,14 @@ def workers(spec: str | None, cfg: RunConfig, per_client_hosts: bool) -> int | N
     except ValueError:
         raise UsageError(f"--workers={spec!r} is not a count, auto or off") from None
     return check_workers(n, cfg)
+
+
+def run_hosts(a: argparse.Namespace, cfg: RunConfig) -> Hosts:
+    """``wafl run``'s ``--link-rate``, ``--host-cpus`` and ``--workers``, parsed once for ``cfg`` (a
+    :class:`ConfigError` or :class:`UsageError` naming the flag otherwise): what
+    :func:`wafl.cli.launch.launcher.launch` takes."""
+    hosts = parse_hosts(cfg, link_rate=a.link_rate, host_cpus=a.host_cpus)
+    return dataclasses.replace(hosts, workers=workers(a.workers, cfg, hosts.per_client))
 
 
 def check_link_rate(spec: str | None, cfg: RunConfig) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from wafl.cli.commands.preflight import OFF, check_dataset, check_host_cpus, check_link_rate, creatable, workers
+from wafl.cli.commands.preflight import OFF, check_dataset, creatable, run_hosts, workers
 from wafl.cli.config_flags import resolve_config
 from wafl.common.config import ConfigError, RunConfig
 from wafl.common.errors import UsageError
@@ -24,19 +24,15 @@ def cmd_run(a: argparse.Namespace) -> int:
     check_dataset(cfg)
     if a.out:
         creatable(Path(a.out))
-    check_link_rate(a.link_rate, cfg)
-    check_host_cpus(a.host_cpus, cfg)
-    n_workers = workers(a.workers, cfg, bool(a.link_rate or (a.host_cpus or "none") != "none"))
-    if a.slots is not None and (n_workers is None or a.slots < 1):
+    hosts = run_hosts(a, cfg)  # --link-rate, --host-cpus and --workers parsed here, once
+    if a.slots is not None and (hosts.workers is None or a.slots < 1):
         raise ConfigError(f"--slots={a.slots} needs --workers (not off or 0) and must be at least 1")
     summary = launch(
         cfg,
         Path(a.out) if a.out else None,
-        link_rate=a.link_rate,
+        hosts=hosts,
         show_progress=not a.quiet,
         timeout_s=a.timeout,
-        host_cpus=a.host_cpus,
-        workers=n_workers,
         slots=a.slots,
         # this process is the command: the run's processes fork from it (wafl.cli.launch.forking), except where they
         # use CUDA, which this process may have initialized by looking for it (CUDA does not survive a fork);

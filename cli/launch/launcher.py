@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from wafl.cli.launch.hosts import Hosts
 from wafl.common.balance import balanced_groups
 from wafl.common.config import RunConfig
 from wafl.common.errors import RunAborted, UsageError
@@ -67,25 +68,26 @@ def _env() -> dict[str, str]:
 def launch(
     cfg: RunConfig,
     out_dir: Path | None = None,
-    link_rate: str | None = None,
+    hosts: Hosts | None = None,
     show_progress: bool = True,
     timeout_s: float | None = None,
     port: int = 50051,
-    host_cpus: str | None = None,
-    quota_optional: bool | None = None,
-    workers: int | None = None,
     slots: int | None = None,
     fork: Callable[[list[str]], int] | None = None,
 ) -> RunSummary:
     """Runs the federation described by ``cfg`` to its end; returns what it measured.
 
-    ``host_cpus``: the CPU share of every host (see :func:`wafl.common.heterogeneity.host_cpus`);
-    ``"none"`` shares every core between all processes; ``None``: ``auto`` in ``link_rate`` mode
-    when control groups can be used here (otherwise a warning and shared cores), else ``none``.
-    ``quota_optional``: whether quotas that cannot be set up here only warn (default: only when
-    ``host_cpus`` is None) instead of raising :class:`wafl.cli.launch.cgroups.CpuQuotaUnavailable`.
-    ``workers``: host the clients in this many worker processes (None: one process per client),
-    each running ``slots`` trainings at once (default: this machine's cores shared out between them).
+    ``hosts``: where the processes live, parsed by :func:`wafl.cli.launch.hosts.parse_hosts` (None: the
+    default :class:`~wafl.cli.launch.hosts.Hosts`, loopback, shared cores, one process per client). Its
+    ``link_rate`` (each client's rate, :func:`wafl.common.heterogeneity.link_rates`) puts every process in a
+    network namespace behind a shaped link; its ``host_cpus`` is the CPU share of every host (see
+    :func:`wafl.common.heterogeneity.host_cpus`): ``"none"`` shares every core between all processes;
+    ``None``: ``auto`` in ``link_rate`` mode when control groups can be used here (otherwise a warning and
+    shared cores), else ``none``. ``quota_optional``: whether quotas that cannot be set up here only warn
+    (default: only when ``host_cpus`` is None) instead of raising
+    :class:`wafl.cli.launch.cgroups.CpuQuotaUnavailable`. ``workers``: host the clients in this many worker
+    processes (None: one process per client), each running ``slots`` trainings at once (default: this
+    machine's cores shared out between them).
     ``fork``: the ``wafl`` command's entry point (:func:`wafl.cli.main.main`, passed in by the command):
     fork the processes that run without a namespace or control group from this one and run it there, after
     importing what they import (:mod:`wafl.cli.launch.forking`), instead of starting each afresh; ignored
@@ -97,7 +99,9 @@ def launch(
     # process has not used gRPC and may still fork (preload imports gRPC too). Only processes without a
     # namespace or control group fork, so with --link-rate or --host-cpus nothing does. The preload's
     # seconds come before any group or namespace exists: a signal during them leaves nothing behind.
-    may_fork = fork is not None and not link_rate and (host_cpus or "none") == "none" and forking.can_fork()
+    hosts = hosts or Hosts()
+    workers = hosts.workers
+    may_fork = fork is not None and not hosts.per_client and forking.can_fork()
     if may_fork:
         forking.preload()
     from wafl.client.worker import format_indices
@@ -106,7 +110,7 @@ def launch(
     check_networked(cfg)  # before any process starts
     if workers is not None:
         check_workers(workers, cfg)
-        if link_rate or (host_cpus or "none") != "none":
+        if hosts.per_client:
             raise UsageError(
                 "--workers hosts many clients in one process: it has no per-client links (--link-rate) or CPU "
                 "shares (--host-cpus); use --workers off for one process per client"
@@ -122,21 +126,16 @@ def launch(
     star = None
     host = "127.0.0.1"
     bind_port = 0
-    if link_rate:
+    if hosts.link_rate:
         from wafl.cli.launch.netns import Star, check_permissions
-        from wafl.common.heterogeneity import link_rates
-        from wafl.common.rates import parse_rate
 
         check_permissions()
-        rates = link_rates(link_rate, cfg.num_clients, cfg.seed)
-        star = Star(
-            cfg.num_clients, max(rates, key=parse_rate), client_rates=rates, server_rate=sum(map(parse_rate, rates))
-        )
+        rates, bits = list(hosts.rates), hosts.rate_bits
+        star = Star(cfg.num_clients, rates[bits.index(max(bits))], client_rates=rates, server_rate=sum(bits))
         host = star.server_address
         bind_port = port
     try:
-        optional = host_cpus is None if quota_optional is None else quota_optional
-        groups, plan = _cpu_groups(cfg, host_cpus or ("auto" if link_rate else "none"), optional)
+        groups, plan = _cpu_groups(cfg, hosts)
     except BaseException:  # cleanup, then re-raised: Ctrl-C here must not leave the namespaces behind either
         if star is not None:
             star.close()
@@ -348,7 +347,7 @@ def worker_slots(workers: int, cores: float | None = None) -> int:
     return max(1, int(cores if cores is not None else machine_cpus()) // workers)
 
 
-def _cpu_groups(cfg: RunConfig, spec: str, optional: bool) -> tuple[Any, dict[str, Any]]:
+def _cpu_groups(cfg: RunConfig, hosts: Hosts) -> tuple[Any, dict[str, Any]]:
     """The control groups of a run (or None) and what they were asked for (``host_cpus.json``).
 
     When the clients are slowed down (``cfg.slowdown``) and get CPU shares, the slow-down is
@@ -356,15 +355,14 @@ def _cpu_groups(cfg: RunConfig, spec: str, optional: bool) -> tuple[Any, dict[st
     measured sleeps: the processes then run with ``slowdown = "none"`` (returned under
     ``"_proc_cfg"``), and ``host_cpus.json`` records the factors.
     """
-    from wafl.cli.launch.cgroups import CpuGroups, CpuQuotaUnavailable, machine_cpus
-    from wafl.common.heterogeneity import MIN_HOST_CPUS, host_cpus, slowdowns
+    from wafl.cli.launch.cgroups import CpuGroups, CpuQuotaUnavailable
+    from wafl.common.heterogeneity import MIN_HOST_CPUS, slowdowns
 
-    cores = machine_cpus()
-    shares = host_cpus(spec, cfg.num_clients, cfg.seed, cores)
-    if shares is None:
+    if hosts.shares is None:
         return None, {}
-    server, clients = shares
-    plan: dict[str, Any] = {"spec": spec, "machine_cpus": cores, "server": server, "clients": list(clients)}
+    cores = hosts.machine_cpus
+    server, clients = hosts.shares[0], list(hosts.shares[1])
+    plan: dict[str, Any] = {"spec": hosts.cpu_spec, "machine_cpus": cores, "server": server, "clients": clients}
     factors = slowdowns(cfg.slowdown, cfg.num_clients, cfg.seed)
     if any(f > 1.0 for f in factors):
         clients = [max(MIN_HOST_CPUS, c / f) for c, f in zip(clients, factors)]
@@ -381,7 +379,7 @@ def _cpu_groups(cfg: RunConfig, spec: str, optional: bool) -> tuple[Any, dict[st
     try:
         groups = CpuGroups({"server": server, **{f"client{i}": c for i, c in enumerate(clients)}})
     except CpuQuotaUnavailable as e:
-        if not optional:
+        if not hosts.quota_optional:
             raise
         print(f"wafl: warning: {e.message}; the hosts share every core", file=sys.stderr)
         return None, {}

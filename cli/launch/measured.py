@@ -22,17 +22,18 @@ def launch_measured(
     (``host_cpus``; None: ``auto`` where control groups can be used, else shared cores with a
     warning); returns the launcher's summary and the machine's load average before and after.
     Model files are removed afterwards (weights are not a measurement)."""
+    from wafl.cli.launch.hosts import parse_hosts
     from wafl.cli.launch.launcher import launch
 
     before = os.getloadavg()
     summary = launch(
         run_cfg,
         run_dir,
-        link_rate=link_rate,
+        hosts=parse_hosts(
+            run_cfg, link_rate=link_rate, host_cpus=host_cpus or "auto", quota_optional=host_cpus is None
+        ),
         show_progress=show_progress,
         timeout_s=timeout_s,
-        host_cpus=host_cpus or "auto",
-        quota_optional=host_cpus is None,
     )
     after = os.getloadavg()
     (run_dir / "checkpoint.pt").unlink(missing_ok=True)
