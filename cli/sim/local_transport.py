@@ -3,7 +3,7 @@ same event loop, through the very code paths the gRPC service uses.
 
 Joins, reports and the broadcast stream call the engine directly; the broadcast's pre-encoded
 chunk messages are decoded by the same wire decoder a networked client uses, and an upload's
-messages (written by the same :func:`~wafl.client.session.upload_messages`) go through
+messages (written by the same :func:`~wafl.client.hosting.upload_messages`) go through
 :func:`~wafl.server.upload.receive_upload` without being serialized. Only sockets are missing,
 so an in-process run and a networked one of the same seeded configuration build the same models.
 """
@@ -16,8 +16,14 @@ from typing import Any
 
 import structlog
 import torch
-from wafl.client.reception import SharedReception
-from wafl.client.session import ModelAssembler, ReceivedModel, report_request, upload_header, upload_messages
+from wafl.client.hosting import (
+    ModelAssembler,
+    ReceivedModel,
+    SharedReception,
+    report_request,
+    upload_header,
+    upload_messages,
+)
 from wafl.common.errors import AlreadyAccepted, Code, Refused
 from wafl.common.knowledge import Knowledge
 from wafl.common.proto import federation_pb2 as pb

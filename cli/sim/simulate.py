@@ -20,12 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 from wafl.cli.sim.local_transport import LocalSession
-from wafl.client.compute import SharedSlots
-from wafl.client.process_slots import ProcessSlots
-from wafl.client.protocol import client_protocol
-from wafl.client.reception import SharedReception
-from wafl.client.startup import warm_up_torch
-from wafl.client.trainer import Trainer
+from wafl.client.hosting import ProcessSlots, SharedReception, SharedSlots, Trainer, client_protocol, warm_up_torch
 from wafl.common.algorithms.base import split_payload
 from wafl.common.analysis.dissimilarity import full_gradient, gradient_dissimilarity
 from wafl.common.config import RunConfig
