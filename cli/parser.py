@@ -236,13 +236,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="measurements")
     bsub = b.add_subparsers(dest="bench", required=True)
-    bp = bsub.add_parser("protocols", help="wait-free vs compute-and-wait, same seeds, real wall-clock")
+    bp = bsub.add_parser("protocols", help="wait-free vs compute-and-wait (vs adaptive), same seeds, real wall-clock")
     add_config_args(bp)
     bp.add_argument("--out", default="runs/bench-protocols")
     bp.add_argument(
         "--link-rate", help="shape every client's link to RATE (root only), e.g. 20mbit; the server's: their sum"
     )
     bp.add_argument("--target", type=float, default=0.9, help="PM accuracy for zeta_total_s")
+    bp.add_argument(
+        "--protocols",
+        default="compute-and-wait,wait-free",
+        help="comma-separated client protocols to run (compute-and-wait first whatever the order): "
+        "compute-and-wait, wait-free, adaptive",
+    )
     bp.add_argument(
         "--same-rounds",
         action="store_true",

@@ -1,4 +1,4 @@
-"""The client's round protocol: wait-free or compute-and-wait, one code path.
+"""The client's round protocol: wait-free, compute-and-wait or adaptive, one code path.
 
 Per broadcast: evaluate the PM trained in the round that just closed (and report it; a PM
 evaluated on the received global part, ``pm_on_received`` as FedRep's, once the broadcast is
@@ -11,7 +11,14 @@ loaded), then, if selected, train the GM for ``local_epochs`` and
   broadcast's header arrives, so the client's own transfers, which the round waits for, never
   share its CPU (its quota, and Python's GIL) with the PM. The stop is checked between batches,
   so the PM stops within one batch; ``pm_min_steps``/``pm_max_epochs`` bound the loop;
-* compute-and-wait: train the PM for ``pm_epochs``, then upload, then idle.
+* compute-and-wait: train the PM for ``pm_epochs``, then upload, then idle;
+* adaptive: train ``k`` PM steps, upload, then train the PM as wait-free does until the next
+  broadcast, with ``k`` the part of the round's budget (``pm_epochs`` epochs) that the client's
+  predicted wait after an immediate upload would not hold (:mod:`wafl.client.adaptive`, which
+  states the rule; docs/design.md, "The adaptive protocol"). Each round's decision is a ``decide``
+  mark on the timeline, followed by the pre-upload ``pm_train`` when ``k > 0``, and an
+  ``adaptive.decision`` log line; ``pm_min_steps`` and ``pm_max_epochs`` bound the round's PM in
+  all (the pre-upload steps count towards both).
 
 The same code serves every aggregation rule: under an asynchronous one a client receives a model
 when it is asked to train on it; it uploads its difference to that model when the broadcast's
@@ -54,6 +61,7 @@ from typing import Any, Protocol
 
 import structlog
 import torch
+from wafl.client.adaptive import AdaptivePlanner, Decision
 from wafl.client.compute import OwnThreads
 from wafl.client.session import ReceivedModel
 from wafl.client.timeline import PhaseEvent, Timeline
@@ -111,8 +119,12 @@ class RoundProtocol:
         session.on_header = self._on_header
         self.wake = asyncio.Event()  # set as a broadcast's header or its end arrives (the wait-free PM's stop)
         self.compute = compute or OwnThreads(
-            self.protocol is ClientProtocol.WAIT_FREE and trainer.algorithm.personalized, cfg.pm_nice
+            self.protocol is not ClientProtocol.COMPUTE_AND_WAIT and trainer.algorithm.personalized, cfg.pm_nice
         )
+        self.planner = AdaptivePlanner(pm_budget_steps(trainer)) if self.protocol is ClientProtocol.ADAPTIVE else None
+        # adaptive: the open background window (its start on the timeline, the pre-upload PM seconds before it),
+        # closed by the next broadcast's arrival (its header under pm_yield_transfers)
+        self.window: tuple[float, float] | None = None
 
     @property
     def background(self) -> ThreadPoolExecutor | None:
@@ -149,11 +161,21 @@ class RoundProtocol:
 
     def _on_arrival(self) -> None:
         self.arrived += 1
+        self._close_window()
         self.wake.set()
 
     def _on_header(self) -> None:
         self.headers += 1
+        if self.trainer.cfg.pm_yield_transfers:
+            self._close_window()
         self.wake.set()
+
+    def _close_window(self) -> None:
+        """Adaptive: the background window of the round that uploaded last ends as the next broadcast arrives."""
+        if self.window is not None and self.planner is not None:
+            start, pre_s = self.window
+            self.planner.observe_window(pre_s, self.timeline.now() - start)
+        self.window = None
 
     async def _slow_down(self, phase_s: float, round: int) -> None:
         """A slower device: the phase just measured is stretched to ``slowdown`` times its length."""
@@ -208,6 +230,8 @@ class RoundProtocol:
                 metrics.update({acc_key: acc, n_key: float(n)})
             _trained("gm", r, stats.steps, phase.duration_s, _process_cpu() - cpu)
             await self._slow_down(phase.duration_s, r)
+            if self.planner is not None:
+                self.planner.observe_gm(phase.duration_s * max(1.0, self.slowdown), stats.steps)
         # the personal phase: after the GM (selected), or alone when the algorithm trains the personal
         # part of an unselected client on the model it received (README, "Partial participation")
         trains_pm = t.algorithm.trains_pm(selected)
@@ -218,27 +242,68 @@ class RoundProtocol:
             _trained("pm", r, pm_stats.steps, phase.duration_s, _process_cpu() - cpu)
             await self._slow_down(phase.duration_s, r)
             self.pm_trained_round = r
+        pre_steps, pre_s = 0, 0.0  # adaptive: the PM steps trained before the upload, and their seconds
+        if trains_pm and self.planner is not None:
+            pre_steps, pre_s = await self._pm_before_upload(r, selected)
         if selected:
             upload = asyncio.create_task(self._upload(r, state, metrics, knowledge))
             self.uploads.add(upload)
             upload.add_done_callback(self.uploads.discard)
             if self.protocol is ClientProtocol.COMPUTE_AND_WAIT:
                 await upload
-        if trains_pm and self.protocol is ClientProtocol.WAIT_FREE:
+        if trains_pm and self.protocol is not ClientProtocol.COMPUTE_AND_WAIT:
             if cfg.pm_yield_transfers:  # the client's own transfers get its CPU: PM after the upload, until a header
                 if selected:
                     await asyncio.wait({upload})  # its outcome is the upload task's (drained at the end)
                 stop = lambda: self.headers > heads or self.arrived > seen  # noqa: E731
             else:
                 stop = lambda: self.arrived > seen  # noqa: E731
-            pacer = self._pacer()
-            train = lambda should_stop: t.train_pm(should_stop, cfg.pm_max_epochs, cfg.pm_min_steps, pacer)  # noqa: E731
-            cpu = _process_cpu()
-            with self.timeline.phase("pm_train", r) as phase:
-                pm_stats = await self.compute.fill(train, stop, self.wake)
-            _trained("pm", r, pm_stats.steps, phase.duration_s, _process_cpu() - cpu)
+            if selected and self.planner is not None and not stop():
+                self.window = (self.timeline.now(), pre_s)
+            max_epochs, min_steps = cfg.pm_max_epochs, max(0, cfg.pm_min_steps - pre_steps)
+            if max_epochs is not None and pre_steps:  # the pre-upload steps count towards the round's cap
+                max_epochs -= pre_steps / pm_steps_per_epoch(t)
+            if max_epochs is None or max_epochs * pm_steps_per_epoch(t) >= 0.5:
+                pacer = self._pacer()
+                train = lambda should_stop: t.train_pm(should_stop, max_epochs, min_steps, pacer)  # noqa: E731
+                cpu = _process_cpu()
+                with self.timeline.phase("pm_train", r) as phase:
+                    pm_stats = await self.compute.fill(train, stop, self.wake)
+                _trained("pm", r, pm_stats.steps, phase.duration_s, _process_cpu() - cpu)
+                if self.planner is not None:
+                    self.planner.observe_pm(phase.duration_s, pm_stats.steps)
             self.pm_trained_round = r
         return True
+
+    async def _pm_before_upload(self, r: int, selected: bool) -> tuple[int, float]:
+        """Adaptive: the round's decision (a ``decide`` mark and a log line), then its pre-upload PM steps;
+        returns their number and seconds. A client that uploads nothing (unselected) decides nothing."""
+        planner = self.planner
+        if planner is None or not selected:
+            return 0, 0.0
+        d = planner.decide(r)
+        cap = self.trainer.cfg.pm_max_epochs
+        if cap is not None:  # pm_max_epochs bounds the round's PM, the pre-upload part included
+            d = _capped(d, math.floor(cap * pm_steps_per_epoch(self.trainer) + 0.5))
+        now = self.timeline.now()
+        self.timeline.events.append(PhaseEvent("decide", r, now, now))
+        log.info(
+            "adaptive.decision",
+            round=r,
+            pre_steps=d.pre_steps,
+            budget_steps=d.budget_steps,
+            step_s=None if d.step_s is None else round(d.step_s, 5),
+            free_window_s=None if d.free_window_s is None else round(d.free_window_s, 4),
+            rule=d.rule,
+        )
+        if d.pre_steps == 0:
+            return 0, 0.0
+        t, cpu = self.trainer, _process_cpu()
+        with self.timeline.phase("pm_train", r) as phase:  # exactly pre_steps: min_steps with a stop always asked
+            stats = await self.compute.run(t.train_pm, lambda: True, None, d.pre_steps, self._pacer())
+        _trained("pm", r, stats.steps, phase.duration_s, _process_cpu() - cpu)
+        planner.observe_pm(phase.duration_s, stats.steps, background=False)
+        return stats.steps, phase.duration_s
 
     async def _upload(self, r: int, state: Any, metrics: dict[str, float], knowledge: Any) -> None:
         with self.timeline.phase("upload", r):
@@ -276,6 +341,33 @@ class RoundProtocol:
     async def _drain_uploads(self) -> None:
         if self.uploads or self.reports:
             await asyncio.gather(*self.uploads, *self.reports, return_exceptions=True)
+
+
+def pm_steps_per_epoch(trainer: Trainer) -> int:
+    """The PM phase's steps in one epoch: its fixed ``steps`` if it has them, else one pass over its data."""
+    phase = trainer.algorithm.pm_phase
+    if phase is not None and phase.steps is not None:
+        return max(1, phase.steps)
+    data = trainer.public_idx if phase is not None and phase.data == "public" else trainer.train_idx
+    return max(1, math.ceil(len(data) / trainer.cfg.batch_size))
+
+
+def pm_budget_steps(trainer: Trainer) -> int:
+    """The adaptive protocol's PM budget per round: the steps of ``pm_epochs`` epochs, compute-and-wait's amount
+    (a phase with fixed ``steps`` trains them once per call, whatever the epochs)."""
+    cfg, phase = trainer.cfg, trainer.algorithm.pm_phase
+    if cfg.pm_epochs <= 0 or phase is None:
+        return 0
+    if phase.steps is not None:
+        return max(1, phase.steps)
+    return max(1, round(cfg.pm_epochs * pm_steps_per_epoch(trainer)))
+
+
+def _capped(d: Decision, cap_steps: int) -> Decision:
+    """A decision whose pre-upload steps stay within ``pm_max_epochs``'s steps."""
+    if d.pre_steps <= cap_steps:
+        return d
+    return Decision(d.round, cap_steps, d.budget_steps, d.step_s, d.free_window_s, d.rule)
 
 
 def _process_cpu() -> float:

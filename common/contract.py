@@ -25,6 +25,7 @@ class ClientProtocol(enum.StrEnum):
 
     WAIT_FREE = "wait-free"  # in the background, from its upload until the next broadcast arrives
     COMPUTE_AND_WAIT = "compute-and-wait"  # for ``pm_epochs`` before its upload
+    ADAPTIVE = "adaptive"  # the part of ``pm_epochs`` its wait would not hold before its upload, then wait-free
 
 
 PROTOCOLS = tuple(p.value for p in ClientProtocol)  # the client protocols' names; the first is the default

@@ -39,7 +39,8 @@ NEW_CLIENT_ACCURACY = "new_client_accuracy"  # accuracy of the adapted model on 
 NEW_CLIENT_TEST_SAMPLES = "new_client_test_samples"  # size of that test set (the weight of NEW_CLIENT_ACCURACY)
 
 # the phases of a client's timeline (ReportRequest.timeline; the server refuses any other)
-PHASES = ("gm_train", "upload", "pm_train", "idle", "evaluate", "slowdown", "offline")
+PHASES = ("gm_train", "upload", "pm_train", "idle", "evaluate", "slowdown", "offline", "decide")
+# "decide": a zero-length mark of an adaptive client's decision, before its pre-upload PM (client/adaptive.py)
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,13 @@ ASYNC_DEFAULTS = {
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    from wafl.cli.experiments.bench import bench_protocols
+    from wafl.cli.experiments.bench import bench_order, bench_protocols
 
+    protocols = [p.strip() for p in a.protocols.split(",") if p.strip()]
+    try:
+        bench_order(protocols)
+    except ValueError as e:
+        raise ConfigError(f"--protocols: {e}") from None
     cfg = resolve_config(a)
     check_link_rate(a.link_rate, cfg)
     check_host_cpus(a.host_cpus, cfg)
@@ -33,6 +38,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         show_progress=not a.quiet,
         host_cpus=a.host_cpus,
         same_rounds=a.same_rounds,
+        protocols=protocols,
     )
 
 

@@ -1,8 +1,9 @@
-"""``wafl bench protocols``: wait-free against compute-and-wait, same algorithm, seeds and config.
+"""``wafl bench protocols``: wait-free against compute-and-wait (and adaptive), same algorithm, seeds and config.
 
-Both protocols run as real federations (``wafl.cli.launch``: a server and N client processes,
-optionally behind shaped links), one after the other, into ``OUT/compute-and-wait`` and
-``OUT/wait-free``. ``OUT/protocols.json`` then holds, per protocol:
+The protocols (``protocols``, default compute-and-wait and wait-free; ``--protocols
+wait-free,compute-and-wait,adaptive`` adds adaptive) run as real federations (``wafl.cli.launch``:
+a server and N client processes, optionally behind shaped links), one after the other,
+compute-and-wait first, into ``OUT/<protocol>``. ``OUT/protocols.json`` then holds, per protocol:
 
 * ``total_s``: server wall-clock from the opening of round 1 (every client has joined) to the
   close of the last round; process start-up and joining are excluded;
@@ -24,12 +25,15 @@ process's one-off start-up costs, from the steady state. Compute-and-wait runs f
 ``rounds``; wait-free then runs for ``ceil(rounds x ideal speedup)`` rounds (``same_rounds``:
 ``rounds`` too), the rounds that fit in compute-and-wait's time at the ideal speedup: a
 protocol whose rounds are shorter is not cut off sooner, so a time to the target that
-compute-and-wait reaches within its time is not lost to wait-free's shorter run. The top level
+compute-and-wait reaches within its time is not lost to wait-free's shorter run; adaptive, whose
+rounds are no longer than compute-and-wait's, runs as many rounds as wait-free. The top level
 holds ``speedup`` = compute-and-wait ``total_s`` per round / wait-free ``total_s`` per round,
 ``round_speedup`` (the same for the median ``round_s``), the ideal speedup
 ``(T_GM + T_PM + T_comm) / (T_GM + T_comm)`` from the compute-and-wait run's medians, and
 ``speedup_vs_ideal`` = speedup / ideal (``round_speedup_vs_ideal`` the same for the round
-speedup). Each host runs with its own CPU share (``host_cpus``; see :func:`bench_protocols`).
+speedup), and with adaptive ``adaptive_zeta_vs_best`` = adaptive's ``zeta_total_s`` / the smaller of
+the other two's (at most 1: adaptive reached the target no later than the better protocol). Each host
+runs with its own CPU share (``host_cpus``; see :func:`bench_protocols`).
 ``OUT/timelines.png`` draws every client's phases under
 both protocols (the paper's Fig. 2), ``OUT/pm_accuracy.png`` the PM accuracy against
 wall-clock. The runs' model files (``checkpoint.pt``, ``clients/``) are deleted afterwards;
@@ -44,7 +48,7 @@ import math
 import shutil
 import statistics
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +74,16 @@ from wafl.cli.report.timeline_stats import (
 from wafl.common.config import RunConfig
 
 ZETA_TARGETS = (0.5, 0.6, 0.7, 0.8, 0.9)
+DEFAULT_PROTOCOLS = ("compute-and-wait", "wait-free")
+
+
+def bench_order(protocols: Sequence[str]) -> list[str]:
+    """The protocols to run, compute-and-wait first (its medians give the others' rounds); ValueError names
+    an unknown or repeated one."""
+    unknown = [p for p in protocols if p not in PROTOCOL_ORDER]
+    if unknown or len(set(protocols)) != len(protocols) or not protocols:
+        raise ValueError(f"protocols={list(protocols)!r}: each of {list(PROTOCOL_ORDER)} at most once, at least one")
+    return [p for p in PROTOCOL_ORDER if p in protocols]
 
 
 def summarize_run(out_dir: Path, target: float) -> dict[str, Any]:
@@ -128,6 +142,10 @@ def compare(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     zeta_speedup = None
     if caw.get("zeta_total_s") and wf.get("zeta_total_s"):
         zeta_speedup = caw["zeta_total_s"] / wf["zeta_total_s"]
+    adaptive, vs_best = results.get("adaptive"), None
+    if adaptive is not None and adaptive.get("zeta_total_s"):
+        others = [z for z in (caw.get("zeta_total_s"), wf.get("zeta_total_s")) if z]
+        vs_best = adaptive["zeta_total_s"] / min(others) if others else None
     round_speedup = None
     if caw.get("round_s") and wf.get("round_s"):
         round_speedup = caw["round_s"] / wf["round_s"]
@@ -141,6 +159,7 @@ def compare(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
         "speedup_vs_ideal": rounded(speedup / ideal) if speedup is not None and ideal else None,
         "round_speedup_vs_ideal": rounded(round_speedup / ideal) if round_speedup is not None and ideal else None,
         "zeta_speedup": rounded(zeta_speedup),
+        **({"adaptive_zeta_vs_best": rounded(vs_best)} if adaptive is not None else {}),
         # the machine's speed during the two runs: > 1 when a GM step cost the wait-free run more CPU
         "gm_cpu_per_step_ratio": rounded(cpu_ratio),
         "ideal_definition": IDEAL_DEFINITION,
@@ -157,8 +176,10 @@ def bench_protocols(
     timeout_s: float = 3600.0,
     host_cpus: str | None = None,
     same_rounds: bool = False,
+    protocols: Sequence[str] = DEFAULT_PROTOCOLS,
 ) -> int:
-    """Runs ``cfg`` under both protocols; writes ``protocols.json`` and the two PNGs; 0 when both runs finished.
+    """Runs ``cfg`` under each of ``protocols``; writes ``protocols.json`` and the two PNGs; 0 when every run
+    finished.
 
     ``host_cpus``: every host's CPU share (``wafl run --host-cpus``); None: ``auto`` (the cores
     split evenly between the server and the clients) where control groups can be used, else a
@@ -171,16 +192,17 @@ def bench_protocols(
     timelines: dict[str, Any] = {}
     curves: dict[str, list[tuple[float, float]]] = {}
     ok = True
-    rounds = {p: cfg.rounds for p in PROTOCOL_ORDER}
-    for i, protocol in enumerate(PROTOCOL_ORDER, 1):
-        if protocol == "wait-free" and not same_rounds:
+    order = bench_order(protocols)
+    rounds = {p: cfg.rounds for p in order}
+    for i, protocol in enumerate(order, 1):
+        if protocol != "compute-and-wait" and not same_rounds:
             rounds[protocol] = equal_time_rounds(cfg.rounds, results.get("compute-and-wait", {}))
         run_cfg = dataclasses.replace(cfg, protocol=protocol, params=dict(cfg.params), rounds=rounds[protocol])
         run_dir = out / protocol
         shutil.rmtree(run_dir / "clients", ignore_errors=True)  # no PM state of an earlier run
         if show_progress:
             print(
-                f"[{i}/{len(PROTOCOL_ORDER)}] {protocol}: {cfg.algorithm}, {cfg.dataset}, {cfg.num_clients} "
+                f"[{i}/{len(order)}] {protocol}: {cfg.algorithm}, {cfg.dataset}, {cfg.num_clients} "
                 f"clients, {rounds[protocol]} rounds" + (f", links {link_rate}" if link_rate else ""),
                 file=sys.stderr,
                 flush=True,
@@ -265,8 +287,11 @@ def format_table(doc: Mapping[str, Any]) -> str:
         "speedup_vs_ideal",
         "round_speedup_vs_ideal",
         "zeta_speedup",
+        "adaptive_zeta_vs_best",
         "gm_cpu_per_step_ratio",
     ):
+        if k not in doc:
+            continue
         lines.append(f"{k:<18}{_fmt(doc.get(k)):>18}")
     return "\n".join(lines)
 

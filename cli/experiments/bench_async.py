@@ -41,11 +41,11 @@ from wafl.cli.report.provenance import git_commit
 from wafl.cli.report.run_records import read_jsonl, read_timelines
 from wafl.cli.report.timeline_stats import idle_fraction, rounded, share_of_wall, training_start
 from wafl.common.config import RunConfig
-from wafl.common.contract import PROTOCOLS as CLIENT_PROTOCOLS
+from wafl.common.contract import ClientProtocol
 from wafl.server.strategies.buffered import BufferedConfig
 
 AGGREGATIONS = ("sync", "buffered")
-PROTOCOLS = CLIENT_PROTOCOLS[::-1]  # the baseline, compute-and-wait, first
+PROTOCOLS = (ClientProtocol.COMPUTE_AND_WAIT.value, ClientProtocol.WAIT_FREE.value)  # the baseline first
 
 
 def _phase_fraction(timelines: Mapping[str, Any], phase: str) -> float | None:

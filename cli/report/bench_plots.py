@@ -7,9 +7,12 @@ from pathlib import Path
 from typing import Any
 
 from wafl.cli.report.run_records import Timelines, timeline_events
-from wafl.common.contract import PROTOCOLS
+from wafl.common.contract import ClientProtocol
 
-PROTOCOL_ORDER = PROTOCOLS[::-1]  # the baseline, compute-and-wait, first
+# the baseline, compute-and-wait, first; adaptive, which learns from the two, last
+PROTOCOL_ORDER = tuple(
+    p.value for p in (ClientProtocol.COMPUTE_AND_WAIT, ClientProtocol.WAIT_FREE, ClientProtocol.ADAPTIVE)
+)
 
 
 PHASE_COLORS = {
