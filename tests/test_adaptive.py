@@ -152,3 +152,70 @@ def test_adaptive_run_over_grpc_records_every_decision(tmp_path: Any) -> None:
             assert bool(before) == (d["pre_steps"] > 0), (client, d)
             assert all(e["start_s"] >= marks[r]["start_s"] for e in before)
             assert len(after) == 1 and 0 <= d["pre_steps"] <= d["budget_steps"]
+
+
+@pytest.mark.parametrize("yield_transfers", [False, True])
+def test_adaptive_in_process_decides_every_round(tmp_path: Any, yield_transfers: bool) -> None:
+    """The simulation shares client/protocol.py: the same marks, and with ``pm_yield_transfers`` the background
+    PM starts once the upload is done."""
+    from wafl.cli.sim.simulate import simulate
+    from wafl.common.config import load_config
+
+    cfg = load_config(
+        None,
+        {
+            "dataset": "digits",
+            "algorithm": "ditto",
+            "num_clients": 2,
+            "rounds": 3,
+            "local_epochs": 1,
+            "protocol": "adaptive",
+            "pm_yield_transfers": yield_transfers,
+            "checkpoint": False,
+            "device": "cpu",
+        },
+    )
+    assert len(simulate(cfg, tmp_path)) == 3
+    for client, tl in json.loads((tmp_path / "timelines.json").read_text()).items():
+        ev = tl["events"]
+        assert sorted(e["round"] for e in ev if e["phase"] == "decide") == [1, 2, 3], client
+        for r in (1, 2, 3):
+            upload = next(e for e in ev if e["phase"] == "upload" and e["round"] == r)
+            last_pm = max((e for e in ev if e["phase"] == "pm_train" and e["round"] == r), key=lambda e: e["end_s"])
+            assert last_pm["end_s"] > upload["start_s"]  # the background part follows the upload
+            if yield_transfers:
+                assert last_pm["start_s"] >= upload["end_s"]
+
+
+@pytest.mark.slow
+def test_bench_protocols_runs_all_three(tmp_path: Any) -> None:
+    from wafl.cli.experiments import bench
+    from wafl.common.config import load_config
+
+    cfg = load_config(
+        None,
+        {"dataset": "digits", "algorithm": "ditto", "num_clients": 2, "rounds": 2, "local_epochs": 1, "seed": 0},
+    )
+    three = ["wait-free", "compute-and-wait", "adaptive"]
+    code = bench.bench_protocols(
+        cfg, tmp_path, target=0.3, show_progress=False, timeout_s=300.0, host_cpus="none", protocols=three
+    )
+    assert code == 0
+    doc = json.loads((tmp_path / "protocols.json").read_text())
+    assert list(doc["protocols"]) == ["compute-and-wait", "wait-free", "adaptive"]  # the baseline first
+    rounds = doc["config"]["rounds_per_protocol"]
+    assert rounds["adaptive"] == rounds["wait-free"] == bench.equal_time_rounds(2, doc["protocols"]["compute-and-wait"])
+    for name, p in doc["protocols"].items():
+        assert p["ok"] and p["rounds"] == rounds[name] and p["total_s"] > 0, name
+    assert "adaptive_zeta_vs_best" in doc
+    zetas = [doc["protocols"][p]["zeta_total_s"] for p in three]
+    if all(zetas):
+        assert doc["adaptive_zeta_vs_best"] == pytest.approx(zetas[2] / min(zetas[:2]), abs=1e-3)
+    marks = [
+        e for tl in json.loads((tmp_path / "adaptive" / "timelines.json").read_text()).values() for e in tl["events"]
+    ]
+    assert sum(e["phase"] == "decide" for e in marks) == 2 * rounds["adaptive"]
+    with pytest.raises(ValueError, match="protocols"):
+        bench.bench_order(["adaptive", "adaptive"])
+    with pytest.raises(ValueError, match="protocols"):
+        bench.bench_order(["fastest"])
