@@ -748,9 +748,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--per-kind", type=int, default=0, help="faults of each kind (default: one per 1.5 minutes)")
     p.add_argument("--down-min", type=float, default=1.0, help="shortest downtime of a fault, seconds")
     p.add_argument("--down-max", type=float, default=6.0)
-    p.add_argument(
-        "--kinds", help=f"faults to draw, comma-separated (default: {','.join(KINDS)}; --smoke: all but client_away)"
-    )
+    p.add_argument("--kinds", help=f"faults to draw, comma-separated (default: {','.join(KINDS)})")
     p.add_argument("--set", action="append", metavar="FIELD=VALUE", help="another run configuration field")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "chaos")
     p.add_argument("--runs", type=Path, default=Path("runs") / "chaos", help="the federations' folders")
@@ -762,8 +760,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         a.per_kind = a.per_kind or 2
         a.deadline = 10.0 if a.deadline == 20.0 else a.deadline
         a.eval_every = 1000 if a.eval_every == 5 else a.eval_every
-    if a.kinds is None:  # the smoke run keeps to the faults of issue 51's list
-        a.kinds = ",".join(k for k in KINDS if not (a.smoke and k == "client_away"))
+    if a.kinds is None:
+        a.kinds = ",".join(KINDS)
     a.kinds = [k.strip() for k in a.kinds.split(",") if k.strip()]
     if not a.kinds or set(a.kinds) - set(KINDS):
         p.error(f"--kinds {','.join(a.kinds)!r}: choose among {', '.join(KINDS)}")

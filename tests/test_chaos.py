@@ -1,6 +1,7 @@
 """``benchmarks/chaos.py --smoke``: six real clients and a server under a seeded schedule of faults for a minute
-(kills with and without state, the server killed and resumed, clients stopped inside an upload; as root also
-links dropped and cut mid-upload on shaped links), and every target of the chaos test holds."""
+(kills with and without state, the server killed and resumed, clients stopped inside an upload, a client away
+for three round deadlines; as root also links dropped and cut mid-upload on shaped links), and every target of
+the chaos test holds."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def test_chaos_smoke(repo: Path, tmp_path: Path, aggregation: str) -> None:
     (r,) = doc["runs"]
     assert len(doc["commit"]) == 40 and doc["seed"] == 1 and doc["smoke"]
     assert r["aggregation"] == aggregation and r["clients"] == 6
-    kinds = {"client_kill_state", "client_kill_nostate", "server_kill", "mid_upload_stop"}
+    kinds = {"client_kill_state", "client_kill_nostate", "server_kill", "mid_upload_stop", "client_away"}
     if os.geteuid() == 0:  # shaped links, and the faults on them
         assert r["link_rate"] == "20mbit"
         kinds |= {"link_drop", "mid_upload_cut"}
