@@ -60,7 +60,9 @@ def plot_timelines(runs: Mapping[str, Timelines], path: Path, title: str = "") -
         for row, c in enumerate(clients):
             y = len(clients) - 1 - row
             for phase, _rnd, s, e in events[c]:
-                if phase == "upload":
+                if phase == "decide":  # an adaptive client's decision: a tick, not a phase with a length
+                    ax.plot([s, s], [y - 0.45, y + 0.45], color="black", lw=0.6)
+                elif phase == "upload":
                     ax.broken_barh([(s, max(e - s, 1e-3))], (y - 0.42, 0.3), facecolors=PHASE_COLORS[phase])
                 else:
                     ax.broken_barh(
