@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from wafl.cli import netns
+from wafl.cli.launch import netns
 from wafl.cli.launch.netns import LinkShapingUnavailable, NetnsCommandError, Star, tbf_command
 from wafl.common.rates import parse_rate
 

@@ -8,9 +8,11 @@ import argparse
 import dataclasses
 from pathlib import Path
 
+from wafl.cli.launch.cgroups import machine_cpus
 from wafl.cli.launch.hosts import Hosts, parse_hosts
 from wafl.common.config import ConfigError, RunConfig
 from wafl.common.errors import UsageError
+from wafl.common.heterogeneity import host_cpus, link_rates
 
 OFF = ("off", "0")  # --workers off / 0: one process per client
 
@@ -19,7 +21,7 @@ def workers(spec: str | None, cfg: RunConfig, per_client_hosts: bool) -> int | N
     """``--workers``: a count, ``auto`` (one per core, at most one per client) or ``off``/``0`` (one process
     per client); unset: ``auto``, or ``off`` with per-client links or CPU shares (a namespace or a control
     group holds one process)."""
-    from wafl.cli.launch.launcher import check_workers, default_workers
+    from wafl.cli.launch.launcher import check_workers, default_workers  # the launcher: not in `wafl --help`
 
     if spec is None:
         spec = "off" if per_client_hosts else "auto"
@@ -45,8 +47,6 @@ def run_hosts(a: argparse.Namespace, cfg: RunConfig) -> Hosts:
 def check_link_rate(spec: str | None, cfg: RunConfig) -> None:
     """``--link-rate`` gives every client of ``cfg`` a rate (a :class:`ConfigError` otherwise)."""
     if spec:
-        from wafl.common.heterogeneity import link_rates
-
         try:
             link_rates(spec, cfg.num_clients, cfg.seed)
         except ValueError as e:
@@ -56,9 +56,6 @@ def check_link_rate(spec: str | None, cfg: RunConfig) -> None:
 def check_host_cpus(spec: str | None, cfg: RunConfig) -> None:
     """``--host-cpus`` gives every host of ``cfg`` a CPU share this machine has (a :class:`ConfigError` otherwise)."""
     if spec:
-        from wafl.cli.launch.cgroups import machine_cpus
-        from wafl.common.heterogeneity import host_cpus
-
         try:
             host_cpus(spec, cfg.num_clients, cfg.seed, machine_cpus())
         except ValueError as e:
@@ -67,7 +64,7 @@ def check_host_cpus(spec: str | None, cfg: RunConfig) -> None:
 
 def check_dataset(cfg: RunConfig) -> None:
     """The run's dataset loads here (its files are present and readable) before any process starts."""
-    from wafl.common.datasets import load_dataset
+    from wafl.common.datasets import load_dataset  # torch: not loaded by the commands that do not run
 
     data = load_dataset(cfg.dataset, cfg.data_dir)
     if cfg.client_size is not None and cfg.client_size * cfg.num_clients > len(data.train_labels):

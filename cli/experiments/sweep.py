@@ -45,6 +45,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
+from wafl.cli.report.provenance import git_commit
 from wafl.common.config import ConfigError, RunConfig, load_config
 from wafl.common.plateau import ran_to_end
 
@@ -172,7 +173,7 @@ def run_point(cfg_json: str, folder: str, network: bool, slot_processes: int = 0
         (out / stale).unlink(missing_ok=True)
     shutil.rmtree(out / "clients", ignore_errors=True)
     t0 = time.monotonic()
-    if network:
+    if network:  # a point imports only what its kind of run needs (the engine, gRPC, torch: in this process)
         from wafl.cli.launch.launcher import launch
 
         summary = launch(cfg, out, show_progress=False)
@@ -185,8 +186,6 @@ def run_point(cfg_json: str, folder: str, network: bool, slot_processes: int = 0
         processes = slot_processes if trains_in_processes(cfg) else 0  # a wait-free point trains in threads
         rows = simulate(cfg, out, slot_processes=processes)
         ok = ran_to_end(rows, cfg.rounds)
-    from wafl.cli.report.provenance import git_commit
-
     result = {
         "ok": ok,
         "wall_s": round(time.monotonic() - t0, 3),

@@ -16,11 +16,15 @@ processes afresh when it is called from, say, a test process that used gRPC alre
 
 from __future__ import annotations
 
+import importlib
+import logging
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -36,11 +40,9 @@ def can_fork() -> bool:
 def preload() -> None:
     """Imports what the run's processes import (:data:`PRELOAD`) and pays torch's lazy imports (its first
     optimizer step imports ``torch._dynamo``: seconds of CPU), so that forked children share all of it."""
-    import importlib
-
     for name in PRELOAD:
         importlib.import_module(name)
-    from wafl.client.startup import warm_up_torch
+    from wafl.client.startup import warm_up_torch  # torch and gRPC: after can_fork said yes, never at import
 
     warm_up_torch()
 
@@ -66,8 +68,6 @@ class ForkedProcess:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        import time
-
         deadline = None if timeout is None else time.monotonic() + timeout
         while (code := self.poll()) is None:
             if deadline is not None and time.monotonic() > deadline:
@@ -125,14 +125,10 @@ def fork_main(argv: Sequence[str], log: Path, env: dict[str, str], main: Callabl
     # BaseException: a forked child never unwinds into the parent's code (KeyboardInterrupt included); what
     # it raised is in its log and its exit status says it failed
     except BaseException:  # noqa: BLE001
-        import traceback
-
         traceback.print_exc()
         code = 1
     finally:
         try:
-            import logging
-
             logging.shutdown()
             sys.stdout.flush()
             sys.stderr.flush()

@@ -24,16 +24,19 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from wafl.cli.launch import cgroups, forking, netns
 from wafl.cli.launch.hosts import Hosts
 from wafl.common.balance import balanced_groups
 from wafl.common.config import RunConfig
 from wafl.common.errors import RunAborted, UsageError
+from wafl.common.heterogeneity import MIN_HOST_CPUS, slowdowns
 from wafl.common.plateau import ran_to_end
 
 
@@ -93,8 +96,6 @@ def launch(
     importing what they import (:mod:`wafl.cli.launch.forking`), instead of starting each afresh; ignored
     (processes started afresh) where :func:`wafl.cli.launch.forking.can_fork` says this process may not fork.
     """
-    from wafl.cli.launch import forking
-
     # decided first: what follows imports gRPC (wafl.server.app), after which can_fork says no, while this
     # process has not used gRPC and may still fork (preload imports gRPC too). Only processes without a
     # namespace or control group fork, so with --link-rate or --host-cpus nothing does. The preload's
@@ -127,11 +128,9 @@ def launch(
     host = "127.0.0.1"
     bind_port = 0
     if hosts.link_rate:
-        from wafl.cli.launch.netns import Star, check_permissions
-
-        check_permissions()
+        netns.check_permissions()
         rates, bits = list(hosts.rates), hosts.rate_bits
-        star = Star(cfg.num_clients, rates[bits.index(max(bits))], client_rates=rates, server_rate=sum(bits))
+        star = netns.Star(cfg.num_clients, rates[bits.index(max(bits))], client_rates=rates, server_rate=sum(bits))
         host = star.server_address
         bind_port = port
     try:
@@ -299,7 +298,7 @@ def finish_run(summary: RunSummary, cfg: RunConfig, out: Path, show_progress: bo
 
 def client_sizes(cfg: RunConfig) -> list[int]:
     """Each client's training samples in the run ``cfg`` describes (the server's partition, from the seed)."""
-    from wafl.common.algorithms import registry
+    from wafl.common.algorithms import registry  # torch and the algorithms: only where workers are balanced
     from wafl.common.datasets import load_dataset
     from wafl.common.partition import run_shards
 
@@ -335,16 +334,12 @@ def check_workers(workers: int, cfg: RunConfig) -> int:
 
 def default_workers(num_clients: int, cores: float | None = None) -> int:
     """``--workers auto``: one worker per core (at most one per client)."""
-    from wafl.cli.launch.cgroups import machine_cpus
-
-    return max(1, min(num_clients, int(cores if cores is not None else machine_cpus())))
+    return max(1, min(num_clients, int(cores if cores is not None else cgroups.machine_cpus())))
 
 
 def worker_slots(workers: int, cores: float | None = None) -> int:
     """Trainings at once per worker: this machine's cores shared out between the workers (at least one)."""
-    from wafl.cli.launch.cgroups import machine_cpus
-
-    return max(1, int(cores if cores is not None else machine_cpus()) // workers)
+    return max(1, int(cores if cores is not None else cgroups.machine_cpus()) // workers)
 
 
 def _cpu_groups(cfg: RunConfig, hosts: Hosts) -> tuple[Any, dict[str, Any]]:
@@ -355,9 +350,6 @@ def _cpu_groups(cfg: RunConfig, hosts: Hosts) -> tuple[Any, dict[str, Any]]:
     measured sleeps: the processes then run with ``slowdown = "none"`` (returned under
     ``"_proc_cfg"``), and ``host_cpus.json`` records the factors.
     """
-    from wafl.cli.launch.cgroups import CpuGroups, CpuQuotaUnavailable
-    from wafl.common.heterogeneity import MIN_HOST_CPUS, slowdowns
-
     if hosts.shares is None:
         return None, {}
     cores = hosts.machine_cpus
@@ -377,8 +369,8 @@ def _cpu_groups(cfg: RunConfig, hosts: Hosts) -> tuple[Any, dict[str, Any]]:
             file=sys.stderr,
         )
     try:
-        groups = CpuGroups({"server": server, **{f"client{i}": c for i, c in enumerate(clients)}})
-    except CpuQuotaUnavailable as e:
+        groups = cgroups.CpuGroups({"server": server, **{f"client{i}": c for i, c in enumerate(clients)}})
+    except cgroups.CpuQuotaUnavailable as e:
         if not hosts.quota_optional:
             raise
         print(f"wafl: warning: {e.message}; the hosts share every core", file=sys.stderr)
@@ -397,8 +389,6 @@ def _mark_exits(groups: Any, hosts: list[str], procs: list[Any]) -> None:
 
 def _exit_on_sigterm() -> Any:
     """SIGTERM ends the launcher through its ``finally`` blocks (namespaces and groups removed); returns the undo."""
-    import threading
-
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
 

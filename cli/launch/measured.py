@@ -7,6 +7,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from wafl.cli.launch.hosts import parse_hosts
+from wafl.cli.launch.launcher import launch
 from wafl.common.config import RunConfig
 
 
@@ -22,9 +24,6 @@ def launch_measured(
     (``host_cpus``; None: ``auto`` where control groups can be used, else shared cores with a
     warning); returns the launcher's summary and the machine's load average before and after.
     Model files are removed afterwards (weights are not a measurement)."""
-    from wafl.cli.launch.hosts import parse_hosts
-    from wafl.cli.launch.launcher import launch
-
     before = os.getloadavg()
     summary = launch(
         run_cfg,

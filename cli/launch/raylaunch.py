@@ -36,6 +36,7 @@ from typing import Any
 from wafl.cli.launch.launcher import (
     Progress,
     RunSummary,
+    _read_rows,
     check_workers,
     client_sizes,
     default_out,
@@ -164,8 +165,6 @@ class ServerActor:
             self.code = 1
 
     def poll(self) -> tuple[int | None, list[dict[str, Any]], str]:
-        from wafl.cli.launch.launcher import _read_rows
-
         return self.code, _read_rows(self.out / "results.jsonl"), self.error
 
     def joined(self) -> int:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from wafl.cli.report.table import _stats, label
 from wafl.common.errors import UsageError
 
 if TYPE_CHECKING:
@@ -196,8 +197,6 @@ def run_folders(paths: list[Path]) -> list[Path]:
 
 def table(results: list[dict[str, Any]], by: tuple[str, ...]) -> dict[str, Any]:
     """Rows as ``wafl table`` makes them: label -> seeds, runs, and the stats of each measure."""
-    from wafl.cli.report.table import _stats, label
-
     rows: dict[str, dict[str, Any]] = {}
     for r in results:
         config = json.loads((Path(r["run_dir"]) / "config.json").read_text())

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from wafl.common.config import RunConfig
 from wafl.common.plateau import MAX_ROUNDS, PLATEAU
 
 METRICS = (
@@ -169,8 +170,6 @@ def label(config: Mapping[str, Any], by: Sequence[str]) -> str:
 def check_comparable(runs: Sequence[Run], by: Sequence[str]) -> None:
     """Refuses runs that differ in anything but ``seed`` and ``by``. A field a run's ``config.json``
     lacks (it predates the field) counts as the field's default."""
-    from wafl.common.config import RunConfig
-
     defaults = json.loads(RunConfig().to_json())
     free = {"seed", *by}
     differing: dict[str, set[str]] = {}
