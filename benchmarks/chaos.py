@@ -4,9 +4,9 @@
 [--protocol wait-free|compute-and-wait] [--all] [--smoke] [--link-rate 20mbit|none]``
 
 The driver imports PyTorch and wafl once and forks every process from itself (as ``wafl run`` does,
-``wafl.cli.forking``): the server (``wafl server --enrollment``, ``--resume`` after a kill) and one
+``wafl.cli.launch.forking``): the server (``wafl server --enrollment``, ``--resume`` after a kill) and one
 ``wafl client --index I --token-file secrets/client-I.secret`` per client, each the real command's
-``main``. As root, every process runs in its own network namespace behind a tc tbf link (``wafl.cli.netns.Star``,
+``main``. As root, every process runs in its own network namespace behind a tc tbf link (``wafl.cli.launch.netns.Star``,
 the links of ``wafl run --link-rate``; the child enters its namespace with setns(2) before ``main``);
 otherwise everything talks over 127.0.0.1 and the link faults are left out. ``tc netem`` (loss, delay) is
 used where the kernel has it (checked at start; the report says whether).
