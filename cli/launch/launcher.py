@@ -144,7 +144,7 @@ def launch(
     cfg_file = out / "run-config.json"
     cfg_file.write_text(json.dumps(json.loads(proc_cfg.to_json()), indent=2))
     procs: list[Any] = []  # subprocess.Popen or wafl.cli.launch.forking.ForkedProcess
-    hosts: list[str] = []
+    names: list[str] = []  # each process's host name, as the control groups know it
     t0 = time.monotonic()
     summary = RunSummary(out, ok=False)
     restore = _exit_on_sigterm()
@@ -173,7 +173,7 @@ def launch(
         token = secrets.token_urlsafe(24)  # this run's join token: only the processes started here know it
         server = _spawn(server_cmd, logs / "server.log", token, forker)
         procs.append(server)
-        hosts.append("server")
+        names.append("server")
         bound = _wait_ready(ready, server, logs / "server.log")
         address = f"{host}:{bound}"
         for w, indices in enumerate(split_clients(cfg.num_clients, workers, client_sizes(cfg)) if workers else []):
@@ -199,7 +199,7 @@ def launch(
             if cfg.data_dir:
                 cmd += ["--data-dir", cfg.data_dir]
             procs.append(_spawn(cmd, logs / f"worker-{w}.log", token, forker))
-            hosts.append(f"worker{w}")
+            names.append(f"worker{w}")
         for i in range(0 if workers else cfg.num_clients):
             prefix = (groups.exec_prefix(f"client{i}") if groups else []) + (
                 star.exec_prefix(f"client{i}") if star else []
@@ -225,13 +225,13 @@ def launch(
             if cfg.data_dir:
                 cmd += ["--data-dir", cfg.data_dir]
             procs.append(_spawn(cmd, logs / f"client-{i}.log", token, forker))
-            hosts.append(f"client{i}")
+            names.append(f"client{i}")
         summary.forked = any(isinstance(p, forking.ForkedProcess) for p in procs)
         progress = Progress(cfg.rounds, enabled=show_progress)
         results = out / "results.jsonl"
         deadline = t0 + timeout_s if timeout_s else float("inf")
         while server.poll() is None:
-            _mark_exits(groups, hosts, procs)
+            _mark_exits(groups, names, procs)
             progress.update(_read_rows(results), time.monotonic() - t0)
             if time.monotonic() > deadline:
                 raise RunAborted(f"the run exceeded --timeout {timeout_s:g} s and was stopped; its logs: {logs}")
@@ -248,7 +248,7 @@ def launch(
                 p.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 p.terminate()
-            _mark_exits(groups, hosts, procs)
+            _mark_exits(groups, names, procs)
         summary.client_codes = [p.poll() for p in procs[1:]]
         summary.ok = server.returncode == 0 and ran_to_end(summary.rows, cfg.rounds)  # or flattened
         if server.returncode != 0:
@@ -260,7 +260,7 @@ def launch(
     finally:
         try:
             _stop(procs)
-            _mark_exits(groups, hosts, procs)
+            _mark_exits(groups, names, procs)
             if groups is not None:
                 groups.close()  # kills anything left in the groups; the usage is kept for the report
                 plan["hosts"] = groups.report()["hosts"]
