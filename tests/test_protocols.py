@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from wafl.cli import bench, run_records
-from wafl.cli import timeline_stats as stats
+from wafl.cli.experiments import bench
+from wafl.cli.report import run_records
+from wafl.cli.report import timeline_stats as stats
 from wafl.common.config import load_config
 
 
