@@ -4,7 +4,7 @@ join -> start -> (collect -> close -> drain -> aggregate -> evaluate -> checkpoi
 final model. The engine owns the global model, the clients' mailboxes and the record of the run;
 it waits on events and deadlines, runs heavy work (aggregation, evaluation, encoding, zeroing
 sums) in worker threads, and hands each client what the strategy decided. It knows no transport:
-the gRPC service (``service.py``) and the in-process transport (``wafl.cli.local_transport``) both call
+the gRPC service (``service.py``) and the in-process transport (``wafl.cli.sim.local_transport``) both call
 :meth:`RoundEngine.join`, :meth:`RoundEngine.deliveries`, :func:`~wafl.server.upload.receive_upload`
 and :meth:`RoundEngine.report`.
 """
@@ -158,7 +158,7 @@ class RoundEngine:
         remove_stale_temporaries(out_dir)  # a write killed before its rename leaves one behind
         # called in a worker thread as each round closes, before aggregation, with the round's number, the
         # global model its clients trained from and its selected clients; its fields join the round's results
-        # line (the in-process runs' gradient dissimilarity: wafl.cli.simulate)
+        # line (the in-process runs' gradient dissimilarity: wafl.cli.sim.simulate)
         self.round_probe: Callable[[int, Mapping[str, torch.Tensor], list[str]], dict[str, Any]] | None = None
         self.tensorboard = TensorBoardLog(cfg.tensorboard, cfg) if cfg.tensorboard else None
         if self.tensorboard is not None:
