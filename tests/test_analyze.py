@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from wafl.cli.report.analyze import load_run_model, sample_indices, training_union
 from wafl.cli.main import main
+from wafl.cli.report.analyze import load_run_model, sample_indices, training_union
 from wafl.cli.sim.simulate import simulate
 from wafl.client.trainer import Trainer
 from wafl.common.algorithms.base import split_payload

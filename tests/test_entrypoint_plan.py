@@ -53,7 +53,16 @@ def test_dry_run_server_shaping_command() -> None:
         "--set",
         "lr=0.01",
     ]
-    assert p["shape"]["cmd"] == [sys.executable, "-m", "wafl.cli.launch.netns", "shape", "--dev", "eth1", "--rate", "20mbit"]
+    assert p["shape"]["cmd"] == [
+        sys.executable,
+        "-m",
+        "wafl.cli.launch.netns",
+        "shape",
+        "--dev",
+        "eth1",
+        "--rate",
+        "20mbit",
+    ]
     assert p["shape"]["tc"] == EXPECTED_TC.format(dev="eth1")
     assert p["health"] == "127.0.0.1:50099"
     assert p["run_as"] == "wafl"

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from wafl.cli.sim.simulate import simulate
 from wafl.cli.report.table import TableError, build, find_runs, markdown
+from wafl.cli.sim.simulate import simulate
 from wafl.common.config import ConfigError, load_config
 
 SWEEP = """
