@@ -136,4 +136,4 @@ def test_client_term_and_upload_rows(digits) -> None:
 def test_a_robust_center_is_refused_at_start(aggregator: str) -> None:
     """A coordinate-wise center of the per-client rows is zero: the first aggregation would find no head."""
     with pytest.raises(ConfigError, match=rf"algorithm='fedgen' with aggregator='{aggregator}'"):
-        load_config(overrides={"algorithm": "fedgen", "aggregator": aggregator, "num_clients": 4})
+        load_config(overrides={"algorithm": "fedgen", "aggregator": aggregator, "num_clients": 20})
