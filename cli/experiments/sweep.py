@@ -78,10 +78,7 @@ def load_sweep(path: Path) -> tuple[Path, list[tuple[str, RunConfig]]]:
     """The output folder and every point as ``(folder name, validated configuration)``."""
     if not path.is_file():
         raise ConfigError(f"sweep file {str(path)!r} does not exist")
-    try:
-        spec = tomllib.loads(path.read_text())
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"sweep file {str(path)!r} is not valid TOML: {e}") from None
+    spec = _read_toml(path)
     unknown = sorted(set(spec) - {"out", "base", "grid", "points", "extends"})
     if unknown:
         raise ConfigError(
@@ -125,6 +122,13 @@ def load_sweep(path: Path) -> tuple[Path, list[tuple[str, RunConfig]]]:
     return out, points
 
 
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        return tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"sweep file {str(path)!r} is not valid TOML: {e}") from None
+
+
 def _extended(path: Path, spec: dict[str, Any], seen: list[Path]) -> dict[str, Any]:
     """``extends = "other.toml"`` (relative to this file): the other sweep's ``base``, ``grid`` and
     ``points``, this file's ``base`` fields over its ``base``, this file's ``grid`` lists in place of
@@ -140,11 +144,7 @@ def _extended(path: Path, spec: dict[str, Any], seen: list[Path]) -> dict[str, A
         raise ConfigError(f"sweep file {str(path)!r}: extends {parent_name!r} makes a loop")
     if not parent_path.is_file():
         raise ConfigError(f"sweep file {str(path)!r}: extends {parent_name!r}, which does not exist")
-    try:
-        parent = tomllib.loads(parent_path.read_text())
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"sweep file {str(parent_path)!r} is not valid TOML: {e}") from None
-    parent = _extended(parent_path, parent, [*seen, parent_path])
+    parent = _extended(parent_path, _read_toml(parent_path), [*seen, parent_path])
     base = {**parent.get("base", {}), **spec.get("base", {})}
     if "params" in parent.get("base", {}) and "params" in spec.get("base", {}):
         base["params"] = {**parent["base"]["params"], **spec["base"]["params"]}
