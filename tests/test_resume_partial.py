@@ -50,6 +50,22 @@ def _since_resume(out: Path, event: str) -> list[dict]:
     return [r for r in recs[last:] if r.get("event") == event]
 
 
+def _connected(pid: int, port: int) -> bool:
+    """Whether process ``pid`` holds a TCP connection to ``port`` that the kernel has established, whether or not
+    the server process has accepted it yet (``/proc/net/tcp*`` and the process's socket descriptors)."""
+    fds = Path(f"/proc/{pid}/fd")
+    try:
+        inodes = {os.readlink(fd)[8:-1] for fd in fds.iterdir() if os.readlink(fd).startswith("socket:[")}
+    except OSError:  # a descriptor closed while it was read
+        return False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):  # gRPC's sockets are IPv6 with v4-mapped addresses
+        for line in Path(table).read_text().splitlines()[1:]:
+            cols = line.split()
+            if int(cols[2].split(":")[-1], 16) == port and cols[3] == "01" and cols[9] in inodes:
+                return True
+    return False
+
+
 def test_a_resumed_server_goes_on_without_a_client_that_is_away(tmp_path: Path) -> None:
     out, cfg = tmp_path / "run", tmp_path / "cfg.json"
     cfg.write_text(json.dumps(CONFIG))
@@ -94,6 +110,9 @@ def test_a_resumed_server_goes_on_without_a_client_that_is_away(tmp_path: Path) 
         t0 = time.monotonic()
         wait_for(lambda: _since_resume(out, "round.done"), 90, "a version from the resumed server without client 1")
         waited = time.monotonic() - t0
+        # the resumed server is held while client 1 starts and connects: a client starts in seconds (more on a
+        # busy machine) and the server, with one client, could otherwise finish every round before it joins
+        resumed.send_signal(signal.SIGSTOP)
         partial = _since_resume(out, "resume.partial")
         assert partial and partial[0]["absent_indices"] == [1], partial
         assert waited < DEADLINE_S + 30, waited  # the grace (round_deadline_s) and a round, on a busy machine
@@ -103,6 +122,8 @@ def test_a_resumed_server_goes_on_without_a_client_that_is_away(tmp_path: Path) 
         assert returned_after > killed_at
         # client 1 comes back: it joins and trains in a later round, and everyone ends cleanly
         again = client(1, "c1-again")
+        wait_for(lambda: _connected(again.pid, port), 120, "client 1 to connect to the held server")
+        resumed.send_signal(signal.SIGCONT)
         assert resumed.wait(timeout=400) == 0, (out / "logs" / "server.jsonl").read_text()[-3000:]
         assert c0.wait(timeout=60) == 0, (tmp_path / "c0.out").read_text()[-3000:]
         assert again.wait(timeout=60) == 0, (tmp_path / "c1-again.out").read_text()[-3000:]
