@@ -15,10 +15,18 @@ beside the measured points.
 
     python benchmarks/waitfree_crossover.py                     # 2 algorithms x 4 rates x 2 repetitions
     python benchmarks/waitfree_crossover.py --rates 2mbit,5mbit,10mbit,20mbit,100mbit --reps 3
+    python benchmarks/waitfree_crossover.py --heterogeneous     # and the two heterogeneous points
 
-A point whose ``protocols.json`` exists is not run again (``--out`` keeps them), so a stopped series
-resumes. It needs root (network namespaces, ``tc``, control groups) and a machine whose cores do
-nothing else while it runs: each point's figures are wall-clock times.
+With adaptive among ``--protocols`` (the default runs all three), each point also records adaptive's time
+to the target over the better of the other two (``adaptive_vs_best``; at most 1.05 is the target) and the
+figure draws adaptive's ratio to compute-and-wait beside wait-free's. ``--heterogeneous`` adds, per algorithm
+and repetition, the points of :func:`heterogeneous`, where the clients differ (one link rate each, or one
+compute slow-down each): there one protocol for all is wrong for some clients, and a per-client decision
+should beat both.
+
+A point whose ``protocols.json`` exists with every protocol asked for is not run again (``--out`` keeps
+them), so a stopped series resumes. It needs root (network namespaces, ``tc``, control groups) and a
+machine whose cores do nothing else while it runs: each point's figures are wall-clock times.
 """
 
 from __future__ import annotations
@@ -34,7 +42,18 @@ from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results" / "protocols" / "crossover"
 WAFL = str(Path(sys.executable).parent / "wafl")
-PROTOCOLS = ("compute-and-wait", "wait-free")
+PROTOCOLS = ("compute-and-wait", "wait-free")  # the two whose ratio places a point against the crossover
+ALL_PROTOCOLS = (*PROTOCOLS, "adaptive")
+ADAPTIVE_TARGET = 1.05  # adaptive's time to the PM target at most this times the better protocol's
+
+
+def heterogeneous(clients: int) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """The heterogeneous points: name -> (the bench's ``--link-rate``, its ``--set`` settings). Client ``i``
+    gets the ``i % 4``-th of: link rates from both sides of the crossover (2, 5, 20 and 100 Mbit/s), or,
+    at 20 Mbit/s, its training slowed by 1, 1, 2 and 4 (``slowdown``)."""
+    rates = ",".join(("2mbit", "5mbit", "20mbit", "100mbit")[i % 4] for i in range(clients))
+    slow = ",".join(("1", "1", "2", "4")[i % 4] for i in range(clients))
+    return {"hetero-links": (rates, ()), "hetero-slowdown": ("20mbit", (f"slowdown={slow}",))}
 
 
 def predicted_crossover(p: float) -> float:
@@ -61,20 +80,31 @@ def pm_shares(timelines: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def adaptive_vs_best(zeta: dict[str, float | None]) -> float | None:
+    """Adaptive's time to the target over the better of compute-and-wait's and wait-free's; None when adaptive
+    was not run or neither other protocol reached the target; ``inf`` when adaptive alone missed it."""
+    others = [zeta.get(p) for p in PROTOCOLS if zeta.get(p)]
+    if "adaptive" not in zeta or not others:
+        return None
+    return round(zeta["adaptive"] / min(others), 4) if zeta["adaptive"] else math.inf
+
+
 def point(folder: Path) -> dict[str, Any]:
     """What one bench run (``folder/protocols.json``) says about the crossover."""
     doc = json.loads((folder / "protocols.json").read_text())
-    cw, wf = (doc["protocols"][p] for p in PROTOCOLS)
+    runs = doc["protocols"]
+    cw, wf = (runs[p] for p in PROTOCOLS)
     x = cw["t_comm_s"] / cw["t_gm_s"] if cw.get("t_gm_s") else None
     p = cw["t_pm_s"] / cw["t_gm_s"] if cw.get("t_gm_s") and cw.get("t_pm_s") is not None else None
-    zeta = {proto: doc["protocols"][proto].get("zeta_total_s") for proto in PROTOCOLS}
+    ran = [proto for proto in ALL_PROTOCOLS if proto in runs]
+    zeta = {proto: runs[proto].get("zeta_total_s") for proto in ran}
     shares = {}
-    for proto in PROTOCOLS:
+    for proto in ran:
         tl = folder / proto / "timelines.json"
         shares[proto] = pm_shares(json.loads(tl.read_text())) if tl.is_file() else {}
-    return {
+    out = {
         "commit": doc["commit"],
-        "ok": bool(cw.get("ok") and wf.get("ok")),
+        "ok": all(runs[proto].get("ok") for proto in ran),
         "t_gm_s": cw.get("t_gm_s"),
         "t_pm_s": cw.get("t_pm_s"),
         "t_comm_s": cw.get("t_comm_s"),
@@ -88,16 +118,32 @@ def point(folder: Path) -> dict[str, Any]:
         if zeta["wait-free"] and zeta["compute-and-wait"]
         else None,
         "pm_share": shares,
-        "final_pm_accuracy": {proto: doc["protocols"][proto].get("final_pm_accuracy") for proto in PROTOCOLS},
+        "final_pm_accuracy": {proto: runs[proto].get("final_pm_accuracy") for proto in ran},
     }
+    if "adaptive" in runs:
+        out["adaptive_vs_best"] = adaptive_vs_best(zeta)
+        out["adaptive_vs_cw"] = (
+            round(zeta["adaptive"] / zeta["compute-and-wait"], 4)
+            if zeta["adaptive"] and zeta["compute-and-wait"]
+            else None
+        )
+    return out
 
 
-def run_point(folder: Path, algorithm: str, rate: str, clients: int, target: float, extra: list[str]) -> int:
-    if (folder / "protocols.json").is_file():
+def has_run(folder: Path, protocols: tuple[str, ...]) -> bool:
+    """Whether ``folder`` holds a finished bench of every one of ``protocols``."""
+    path = folder / "protocols.json"
+    return path.is_file() and set(protocols) <= set(json.loads(path.read_text())["protocols"])
+
+
+def run_point(
+    folder: Path, algorithm: str, rate: str, clients: int, target: float, extra: list[str], protocols: tuple[str, ...]
+) -> int:
+    if has_run(folder, protocols):
         return 0
     cmd = [WAFL, "bench", "protocols", "--algorithm", algorithm, "--clients", str(clients), "--link-rate", rate]
-    cmd += ["--target", str(target), "--out", str(folder), "--quiet", *extra]
-    print(f"== {algorithm} {rate} -> {folder}", file=sys.stderr, flush=True)
+    cmd += ["--protocols", ",".join(protocols), "--target", str(target), "--out", str(folder), "--quiet", *extra]
+    print(f"== {algorithm} {rate} {' '.join(extra)} -> {folder}", file=sys.stderr, flush=True)
     return subprocess.call(cmd)
 
 
@@ -128,6 +174,15 @@ def summarize(points: list[dict[str, Any]]) -> dict[str, Any]:
             "no_time_to_target": sum(1 for pt in mine if pt["zeta_ratio"] is None),
             "wait_free_missed_target": len(wait_free_missed(points, alg)),
         }
+        adaptive = [pt for pt in mine if "adaptive_vs_best" in pt]
+        if adaptive:
+            ratios = [pt["adaptive_vs_best"] for pt in adaptive if pt["adaptive_vs_best"] is not None]
+            out[alg].update(
+                adaptive_points=len(adaptive),
+                adaptive_within_target=sum(1 for r in ratios if r <= ADAPTIVE_TARGET),
+                adaptive_below_both=sum(1 for r in ratios if r < 1),
+                adaptive_worst_vs_best=max(ratios) if ratios else None,
+            )
     return out
 
 
@@ -145,6 +200,10 @@ def plot(points: list[dict[str, Any]], summary: dict[str, Any], path: Path) -> N
             xs = [pt["x"] for pt in mine if pt["rate"] == rate]
             ys = [pt["zeta_ratio"] for pt in mine if pt["rate"] == rate]
             ax.scatter(xs, ys, label=rate, zorder=3)
+        ad = [pt for pt in points if pt["algorithm"] == alg and pt["x"] and pt.get("adaptive_vs_cw") is not None]
+        if ad:  # hollow: adaptive over compute-and-wait at the same points
+            ax.scatter([pt["x"] for pt in ad], [pt["adaptive_vs_cw"] for pt in ad], facecolors="none",
+                       edgecolors="k", marker="D", zorder=4, label="adaptive / C&W")  # fmt: skip
         ax.axhline(1.0, color="grey", lw=0.8)
         missed = wait_free_missed(points, alg)  # drawn above the measured ratios
         if missed:
@@ -167,7 +226,7 @@ def plot(points: list[dict[str, Any]], summary: dict[str, Any], path: Path) -> N
                         label="model: C&W / WF PM share")  # fmt: skip
         ax.set_xscale("log")
         ax.set_xlabel("T_comm / T_GM (compute-and-wait medians)")
-        ax.set_ylabel("time to PM target, wait-free / compute-and-wait")
+        ax.set_ylabel("time to PM target / compute-and-wait's")
         ax.set_title(f"{alg}: below 1, wait-free reaches the target sooner")
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -185,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--target", type=float, default=0.9, help="PM accuracy for the time to target")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="passed to the bench")
+    ap.add_argument("--protocols", default=",".join(ALL_PROTOCOLS), help="the bench's (C&W and WF at least)")
+    ap.add_argument("--heterogeneous", action="store_true", help="add the two heterogeneous points")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--smoke", action="store_true", help="ditto, 2 clients, 2 rates, 1 repetition, 2 rounds")
     a = ap.parse_args(argv)
@@ -194,21 +255,28 @@ def main(argv: list[str] | None = None) -> int:
         extra += ["--rounds", "2"]
     if a.reps < 1:
         ap.error("--reps must be at least 1")
+    protocols = tuple(x.strip() for x in a.protocols.split(",") if x.strip())
+    if set(protocols) - set(ALL_PROTOCOLS) or not set(PROTOCOLS) <= set(protocols):
+        ap.error(f"--protocols {a.protocols!r}: {', '.join(PROTOCOLS)} and optionally adaptive")
     rates = [r.strip() for r in a.rates.split(",") if r.strip()]
     algs = [x.strip() for x in a.algorithms.split(",") if x.strip()]
+    # (label, --link-rate, settings): the series' rates, then the heterogeneous points
+    series = [(rate, rate, ()) for rate in rates]
+    if a.heterogeneous:
+        series += [(name, rate, sets) for name, (rate, sets) in heterogeneous(a.clients).items()]
     points: list[dict[str, Any]] = []
     failed = []
     for rep in range(1, a.reps + 1):
-        for rate in rates:
+        for label, rate, sets in series:
             for alg in algs:
-                folder = a.out / alg / rate / f"rep{rep}"
-                if (
-                    run_point(folder, alg, rate, a.clients, a.target, extra) != 0
-                    or not (folder / "protocols.json").is_file()
+                folder = a.out / alg / label / f"rep{rep}"
+                more = extra + [x for s in sets for x in ("--set", s)]
+                if run_point(folder, alg, rate, a.clients, a.target, more, protocols) != 0 or not has_run(
+                    folder, protocols
                 ):
                     failed.append(str(folder))
                     continue
-                points.append({"algorithm": alg, "rate": rate, "rep": rep, **point(folder)})
+                points.append({"algorithm": alg, "rate": label, "rep": rep, **point(folder)})
     summary = summarize(points)
     a.out.mkdir(parents=True, exist_ok=True)
     if points:
@@ -218,6 +286,11 @@ def main(argv: list[str] | None = None) -> int:
         **provenance(),
         "smoke": a.smoke,
         "rates": rates,
+        "protocols": list(protocols),
+        "heterogeneous": {n: {"link_rate": r, "settings": list(st)} for n, (r, st) in heterogeneous(a.clients).items()}
+        if a.heterogeneous
+        else {},
+        "adaptive_target": ADAPTIVE_TARGET,
         "reps": a.reps,
         "clients": a.clients,
         "target": a.target,
@@ -234,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{alg}: p {s['p_median']}, predicted crossover x* {s['predicted_crossover_x']}, "
               f"wait-free sooner in {s['wait_free_sooner']} of {s['points']} points", flush=True)  # fmt: skip
     for pt in points:
-        print(f"  {pt['algorithm']} {pt['rate']} rep{pt['rep']}: x {pt['x']}, zeta WF/C&W {pt['zeta_ratio']}, "
+        ad = f", adaptive / best {pt['adaptive_vs_best']}" if "adaptive_vs_best" in pt else ""
+        print(f"  {pt['algorithm']} {pt['rate']} rep{pt['rep']}: x {pt['x']}, zeta WF/C&W {pt['zeta_ratio']}{ad}, "
               f"round speedup {pt['round_speedup']} (ideal {pt['ideal_speedup']})", flush=True)  # fmt: skip
     print(f"wrote {a.out / 'crossover.json'}")
     return 1 if failed else 0

@@ -4,6 +4,7 @@ measured with the commit it measured: a benchmark that no longer runs on today's
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -125,8 +126,12 @@ def _waitfree_crossover(d: dict[str, Any]) -> None:
         assert pt["ok"] and pt["x"] > 0 and pt["p"] > 0, pt
         assert pt["x"] == round(pt["t_comm_s"] / pt["t_gm_s"], 4)
         assert set(pt["pm_share"]["wait-free"]) == {"client-0", "client-1"}
+        assert set(pt["pm_share"]) == set(pt["zeta_s"]) == {"compute-and-wait", "wait-free", "adaptive"}
         assert all(0 <= v <= 1 for proto in pt["pm_share"].values() for v in proto.values())
+        assert "adaptive_vs_best" in pt and "adaptive_vs_cw" in pt
+    assert d["protocols"] == ["compute-and-wait", "wait-free", "adaptive"] and d["adaptive_target"] == 1.05
     s = d["summary"]["ditto"]
+    assert s["adaptive_points"] == 2
     p = s["p_median"]
     # p_median is rounded to 4 digits and the crossover computed from the unrounded median: equal to 1e-4
     assert s["points"] == 2 and abs(s["predicted_crossover_x"] - (math.sqrt(1 + 4 * p) - 1) / 2) <= 1.5e-4
@@ -318,6 +323,30 @@ def test_crossover_counts_a_point_wait_free_did_not_finish_and_draws_it(tmp_path
     assert s["wait_free_missed_target"] == 1 and s["no_time_to_target"] == 2 and s["wait_free_sooner"] == 1
     plot(points, summarize(points), tmp_path / "c.png")
     assert (tmp_path / "c.png").stat().st_size > 0
+
+
+def test_crossover_adaptive_against_the_better_protocol(tmp_path: Path) -> None:
+    """Adaptive's ratio is to the better of the two protocols that reached the target, infinite when only
+    adaptive missed it, and absent when no protocol reached it; the summary counts the points within 1.05
+    and below both; the heterogeneous points give every client a value of its own."""
+    from benchmarks.waitfree_crossover import adaptive_vs_best, heterogeneous, summarize
+
+    assert adaptive_vs_best({"compute-and-wait": 20.0, "wait-free": 40.0, "adaptive": 21.0}) == 1.05
+    assert adaptive_vs_best({"compute-and-wait": None, "wait-free": 40.0, "adaptive": 30.0}) == 0.75
+    assert adaptive_vs_best({"compute-and-wait": 20.0, "wait-free": 40.0, "adaptive": None}) == math.inf
+    assert adaptive_vs_best({"compute-and-wait": None, "wait-free": None, "adaptive": 9.0}) is None
+    assert adaptive_vs_best({"compute-and-wait": 20.0, "wait-free": 40.0}) is None
+
+    def pt(ratio: float | None) -> dict[str, Any]:
+        return {"algorithm": "scd", "rate": "r", "x": 1.0, "p": 0.5, "zeta_ratio": 1.0, "adaptive_vs_best": ratio,
+                "zeta_s": {"wait-free": 1.0, "compute-and-wait": 1.0, "adaptive": 1.0}}  # fmt: skip
+
+    s = summarize([pt(0.9), pt(1.05), pt(1.2), pt(math.inf), pt(None)])["scd"]
+    assert (s["adaptive_points"], s["adaptive_within_target"], s["adaptive_below_both"]) == (5, 2, 1)
+    assert s["adaptive_worst_vs_best"] == math.inf
+    links, slow = heterogeneous(6).values()
+    assert links == ("2mbit,5mbit,20mbit,100mbit,2mbit,5mbit", ())
+    assert slow == ("20mbit", ("slowdown=1,1,2,4,1,1",))
 
 
 def test_committed_crossover_series_agrees_with_its_points() -> None:
