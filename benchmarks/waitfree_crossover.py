@@ -246,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="passed to the bench")
     ap.add_argument("--protocols", default=",".join(ALL_PROTOCOLS), help="the bench's (C&W and WF at least)")
     ap.add_argument("--heterogeneous", action="store_true", help="add the two heterogeneous points")
+    ap.add_argument("--heterogeneous-reps", type=int, default=1, help="repetitions of the heterogeneous points")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--smoke", action="store_true", help="ditto, 2 clients, 2 rates, 1 repetition, 2 rounds")
     a = ap.parse_args(argv)
@@ -253,30 +254,30 @@ def main(argv: list[str] | None = None) -> int:
     if a.smoke:
         a.algorithms, a.rates, a.reps, a.target, a.clients = "ditto", "50mbit,200mbit", 1, 0.3, 2
         extra += ["--rounds", "2"]
-    if a.reps < 1:
-        ap.error("--reps must be at least 1")
+    if a.reps < 1 or a.heterogeneous_reps < 1:
+        ap.error("--reps and --heterogeneous-reps must be at least 1")
     protocols = tuple(x.strip() for x in a.protocols.split(",") if x.strip())
     if set(protocols) - set(ALL_PROTOCOLS) or not set(PROTOCOLS) <= set(protocols):
         ap.error(f"--protocols {a.protocols!r}: {', '.join(PROTOCOLS)} and optionally adaptive")
     rates = [r.strip() for r in a.rates.split(",") if r.strip()]
     algs = [x.strip() for x in a.algorithms.split(",") if x.strip()]
     # (label, --link-rate, settings): the series' rates, then the heterogeneous points
-    series = [(rate, rate, ()) for rate in rates]
-    if a.heterogeneous:
-        series += [(name, rate, sets) for name, (rate, sets) in heterogeneous(a.clients).items()]
+    series = [(rep, rate, rate, ()) for rep in range(1, a.reps + 1) for rate in rates]
+    if a.heterogeneous:  # after the whole series, so that a stopped run leaves the series complete
+        hetero = heterogeneous(a.clients).items()
+        series += [(rep, n, rate, sets) for rep in range(1, a.heterogeneous_reps + 1) for n, (rate, sets) in hetero]
     points: list[dict[str, Any]] = []
     failed = []
-    for rep in range(1, a.reps + 1):
-        for label, rate, sets in series:
-            for alg in algs:
-                folder = a.out / alg / label / f"rep{rep}"
-                more = extra + [x for s in sets for x in ("--set", s)]
-                if run_point(folder, alg, rate, a.clients, a.target, more, protocols) != 0 or not has_run(
-                    folder, protocols
-                ):
-                    failed.append(str(folder))
-                    continue
-                points.append({"algorithm": alg, "rate": label, "rep": rep, **point(folder)})
+    for rep, label, rate, sets in series:
+        for alg in algs:
+            folder = a.out / alg / label / f"rep{rep}"
+            more = extra + [x for s in sets for x in ("--set", s)]
+            if run_point(folder, alg, rate, a.clients, a.target, more, protocols) != 0 or not has_run(
+                folder, protocols
+            ):
+                failed.append(str(folder))
+                continue
+            points.append({"algorithm": alg, "rate": label, "rep": rep, **point(folder)})
     summary = summarize(points)
     a.out.mkdir(parents=True, exist_ok=True)
     if points:
@@ -292,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         else {},
         "adaptive_target": ADAPTIVE_TARGET,
         "reps": a.reps,
+        "heterogeneous_reps": a.heterogeneous_reps if a.heterogeneous else 0,
         "clients": a.clients,
         "target": a.target,
         "settings": a.set + (["rounds=2"] if a.smoke else []),
