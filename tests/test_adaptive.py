@@ -8,8 +8,7 @@ import math
 from typing import Any
 
 import pytest
-
-from client.adaptive import AdaptivePlanner
+from wafl.client.adaptive import AdaptivePlanner
 
 S = 0.2  # seconds per PM step
 B = 10  # budget: PM steps per round (B s = 2 s)
@@ -190,6 +189,7 @@ def test_adaptive_in_process_decides_every_round(tmp_path: Any, yield_transfers:
 @pytest.mark.slow
 def test_bench_protocols_runs_all_three(tmp_path: Any) -> None:
     from wafl.cli.experiments import bench
+    from wafl.cli.launch.measured import measured_hosts
     from wafl.common.config import load_config
 
     cfg = load_config(
@@ -197,8 +197,9 @@ def test_bench_protocols_runs_all_three(tmp_path: Any) -> None:
         {"dataset": "digits", "algorithm": "ditto", "num_clients": 2, "rounds": 2, "local_epochs": 1, "seed": 0},
     )
     three = ["wait-free", "compute-and-wait", "adaptive"]
+    hosts = measured_hosts(cfg, host_cpus="none")
     code = bench.bench_protocols(
-        cfg, tmp_path, target=0.3, show_progress=False, timeout_s=300.0, host_cpus="none", protocols=three
+        cfg, tmp_path, hosts, target=0.3, show_progress=False, timeout_s=300.0, protocols=three
     )
     assert code == 0
     doc = json.loads((tmp_path / "protocols.json").read_text())

@@ -215,7 +215,7 @@ def test_bench_protocols_end_to_end(tmp_path: Path) -> None:
             "seed": 0,
         },
     )
-    code = bench.bench_protocols(cfg, tmp_path, link_rate=None, target=0.3, show_progress=False, timeout_s=300.0)
+    code = bench.bench_protocols(cfg, tmp_path, target=0.3, show_progress=False, timeout_s=300.0)
     assert code == 0
     doc = json.loads((tmp_path / "protocols.json").read_text())
     assert set(doc["protocols"]) == {"compute-and-wait", "wait-free"}

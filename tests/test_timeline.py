@@ -6,8 +6,7 @@ import math
 import time
 
 import pytest
-
-from client.timeline import Timeline
+from wafl.client.timeline import Timeline
 
 
 def test_phase_yields_the_recorded_event() -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from wafl.cli.commands.preflight import check_host_cpus, check_link_rate
 from wafl.cli.config_flags import resolve_config
+from wafl.cli.launch.measured import measured_hosts
 from wafl.common.config import ConfigError
 
 # the configuration of ``wafl bench async`` where neither its flags nor --set give one
@@ -28,15 +28,13 @@ def cmd_bench(a: argparse.Namespace) -> int:
     except ValueError as e:
         raise ConfigError(f"--protocols: {e}") from None
     cfg = resolve_config(a)
-    check_link_rate(a.link_rate, cfg)
-    check_host_cpus(a.host_cpus, cfg)
+    hosts = measured_hosts(cfg, a.link_rate, a.host_cpus)  # parsed once, here: a bad flag is named before any run
     return bench_protocols(
         cfg,
         Path(a.out),
-        link_rate=a.link_rate,
+        hosts=hosts,
         target=a.target,
         show_progress=not a.quiet,
-        host_cpus=a.host_cpus,
         same_rounds=a.same_rounds,
         protocols=protocols,
     )
@@ -49,16 +47,14 @@ def cmd_bench_async(a: argparse.Namespace) -> int:
         if getattr(a, k, None) is None and k not in dict(a.set):
             setattr(a, k, v)
     cfg = resolve_config(a)
-    check_link_rate(a.link_rate, cfg)
-    check_host_cpus(a.host_cpus, cfg)
     if a.versions_factor < 1:
         raise ConfigError(f"--versions-factor={a.versions_factor} must be >= 1")
+    hosts = measured_hosts(cfg, a.link_rate, a.host_cpus)
     return bench_async(
         cfg,
         Path(a.out),
-        link_rate=a.link_rate,
+        hosts=hosts,
         target=a.target,
         show_progress=not a.quiet,
-        host_cpus=a.host_cpus,
         versions_factor=a.versions_factor,
     )

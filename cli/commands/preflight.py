@@ -1,6 +1,7 @@
 """The checks a command makes before any process of a run starts: the dataset loads, the output folder
 can be made, ``--link-rate`` and ``--host-cpus`` parse for the run, and ``--workers`` names a count. ``wafl run``
-gets them parsed (:func:`run_hosts`, a :class:`wafl.cli.launch.hosts.Hosts` that the launcher takes)."""
+gets them parsed (:func:`run_hosts`, a :class:`wafl.cli.launch.hosts.Hosts` that the launcher takes); ``wafl
+bench`` gets its :class:`~wafl.cli.launch.hosts.Hosts` from :func:`wafl.cli.launch.measured.measured_hosts`."""
 
 from __future__ import annotations
 
@@ -8,11 +9,9 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from wafl.cli.launch.cgroups import machine_cpus
 from wafl.cli.launch.hosts import Hosts, parse_hosts
 from wafl.common.config import ConfigError, RunConfig
 from wafl.common.errors import UsageError
-from wafl.common.heterogeneity import host_cpus, link_rates
 
 OFF = ("off", "0")  # --workers off / 0: one process per client
 
@@ -42,24 +41,6 @@ def run_hosts(a: argparse.Namespace, cfg: RunConfig) -> Hosts:
     :func:`wafl.cli.launch.launcher.launch` takes."""
     hosts = parse_hosts(cfg, link_rate=a.link_rate, host_cpus=a.host_cpus)
     return dataclasses.replace(hosts, workers=workers(a.workers, cfg, hosts.per_client))
-
-
-def check_link_rate(spec: str | None, cfg: RunConfig) -> None:
-    """``--link-rate`` gives every client of ``cfg`` a rate (a :class:`ConfigError` otherwise)."""
-    if spec:
-        try:
-            link_rates(spec, cfg.num_clients, cfg.seed)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-
-
-def check_host_cpus(spec: str | None, cfg: RunConfig) -> None:
-    """``--host-cpus`` gives every host of ``cfg`` a CPU share this machine has (a :class:`ConfigError` otherwise)."""
-    if spec:
-        try:
-            host_cpus(spec, cfg.num_clients, cfg.seed, machine_cpus())
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
 
 
 def check_dataset(cfg: RunConfig) -> None:

@@ -52,7 +52,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from wafl.cli.launch.measured import launch_measured
+from wafl.cli.launch.hosts import Hosts
+from wafl.cli.launch.measured import launch_measured, measured_hosts
 from wafl.cli.report.bench_plots import PROTOCOL_ORDER, plot_pm_accuracy, plot_timelines
 from wafl.cli.report.provenance import git_commit
 from wafl.cli.report.run_records import read_jsonl, read_timelines, trained_phases
@@ -170,22 +171,24 @@ def compare(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
 def bench_protocols(
     cfg: RunConfig,
     out: Path,
-    link_rate: str | None = None,
+    hosts: Hosts | None = None,
     target: float = 0.9,
     show_progress: bool = True,
     timeout_s: float = 3600.0,
-    host_cpus: str | None = None,
     same_rounds: bool = False,
     protocols: Sequence[str] = DEFAULT_PROTOCOLS,
 ) -> int:
     """Runs ``cfg`` under each of ``protocols``; writes ``protocols.json`` and the two PNGs; 0 when every run
     finished.
 
-    ``host_cpus``: every host's CPU share (``wafl run --host-cpus``); None: ``auto`` (the cores
-    split evenly between the server and the clients) where control groups can be used, else a
-    warning and shared cores. Each protocol's entry records the shares, the quotas read back
-    from the groups and the CPU each process used (``host_cpus``).
+    ``hosts``: the links and every host's CPU share (:func:`~wafl.cli.launch.measured.measured_hosts`, parsed
+    from ``--link-rate`` and ``--host-cpus``); None: loopback, and ``auto`` shares (the cores split evenly
+    between the server and the clients) where control groups can be used, else a warning and shared cores.
+    Each protocol's entry records the shares, the quotas read back from the groups and the CPU each process
+    used (``host_cpus``).
     """
+    hosts = hosts or measured_hosts(cfg)
+    link_rate = hosts.link_rate
 
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, Any]] = {}
@@ -207,7 +210,7 @@ def bench_protocols(
                 file=sys.stderr,
                 flush=True,
             )
-        summary, load = launch_measured(run_cfg, run_dir, link_rate, show_progress, timeout_s, host_cpus)
+        summary, load = launch_measured(run_cfg, run_dir, hosts, show_progress, timeout_s)
         ok = ok and summary.ok
         entry = summarize_run(run_dir, target)
         entry["ok"] = summary.ok
@@ -240,7 +243,7 @@ def bench_protocols(
             "seed": cfg.seed,
             "params": cfg.params,
             "link_rate": link_rate,
-            "host_cpus": host_cpus or "auto",
+            "host_cpus": hosts.host_cpus or "auto",
             "target": target,
         },
         "protocols": results,

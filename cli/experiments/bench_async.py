@@ -35,7 +35,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from wafl.cli.launch.measured import launch_measured
+from wafl.cli.launch.hosts import Hosts
+from wafl.cli.launch.measured import launch_measured, measured_hosts
 from wafl.cli.report.bench_plots import plot_timelines, save_plot
 from wafl.cli.report.provenance import git_commit
 from wafl.cli.report.run_records import read_jsonl, read_timelines
@@ -141,19 +142,19 @@ def plot_accuracy(curves: Mapping[str, Sequence[tuple[float, float]]], path: Pat
 def bench_async(
     cfg: RunConfig,
     out: Path,
-    link_rate: str | None = None,
+    hosts: Hosts | None = None,
     target: float = 0.9,
     show_progress: bool = True,
     timeout_s: float = 3600.0,
-    host_cpus: str | None = None,
     versions_factor: int = 5,
 ) -> int:
     """Runs the four federations; writes ``async.json`` and the PNGs; 0 when every run finished.
 
-    ``host_cpus``: every host's CPU share, as in :func:`wafl.cli.experiments.bench.bench_protocols` (None:
-    ``auto`` where control groups can be used, else shared cores with a warning). Under quotas a
-    client's slow-down divides its share instead of adding sleeps.
+    ``hosts``: the links and every host's CPU share, as in :func:`wafl.cli.experiments.bench.bench_protocols`
+    (None: loopback, ``auto`` shares where control groups can be used, else shared cores with a warning).
+    Under quotas a client's slow-down divides its share instead of adding sleeps.
     """
+    hosts = hosts or measured_hosts(cfg)
     out.mkdir(parents=True, exist_ok=True)
     runs: dict[str, dict[str, Any]] = {}
     timelines: dict[str, Any] = {}
@@ -175,7 +176,7 @@ def bench_async(
                 f"[{i}/{len(plan)}] {name}: {cfg.algorithm}, {cfg.num_clients} clients, {rounds} versions",
                 file=sys.stderr,
             )
-        summary, load = launch_measured(run_cfg, run_dir, link_rate, show_progress, timeout_s, host_cpus)
+        summary, load = launch_measured(run_cfg, run_dir, hosts, show_progress, timeout_s)
         ok = ok and summary.ok
         runs[name] = {
             "ok": summary.ok,
@@ -196,8 +197,8 @@ def bench_async(
             **{k: v for k, v in json.loads(cfg.to_json()).items() if k not in ("aggregation", "protocol", "rounds")},
             "sync_rounds": cfg.rounds,
             "versions_factor": versions_factor,
-            "link_rate": link_rate,
-            "host_cpus": host_cpus or "auto",
+            "link_rate": hosts.link_rate,
+            "host_cpus": hosts.host_cpus or "auto",
             "target": target,
         },
         "runs": runs,
