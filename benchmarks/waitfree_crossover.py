@@ -247,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--protocols", default=",".join(ALL_PROTOCOLS), help="the bench's (C&W and WF at least)")
     ap.add_argument("--heterogeneous", action="store_true", help="add the two heterogeneous points")
     ap.add_argument("--heterogeneous-reps", type=int, default=1, help="repetitions of the heterogeneous points")
+    ap.add_argument("--heterogeneous-algorithms", help="the algorithms of the heterogeneous points (default: all)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--smoke", action="store_true", help="ditto, 2 clients, 2 rates, 1 repetition, 2 rounds")
     a = ap.parse_args(argv)
@@ -266,10 +267,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.heterogeneous:  # after the whole series, so that a stopped run leaves the series complete
         hetero = heterogeneous(a.clients).items()
         series += [(rep, n, rate, sets) for rep in range(1, a.heterogeneous_reps + 1) for n, (rate, sets) in hetero]
+    hetero_algs = [x.strip() for x in (a.heterogeneous_algorithms or a.algorithms).split(",") if x.strip()]
     points: list[dict[str, Any]] = []
     failed = []
     for rep, label, rate, sets in series:
-        for alg in algs:
+        for alg in algs if label in rates else [x for x in algs if x in hetero_algs]:
             folder = a.out / alg / label / f"rep{rep}"
             more = extra + [x for s in sets for x in ("--set", s)]
             if run_point(folder, alg, rate, a.clients, a.target, more, protocols) != 0 or not has_run(
@@ -294,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         "adaptive_target": ADAPTIVE_TARGET,
         "reps": a.reps,
         "heterogeneous_reps": a.heterogeneous_reps if a.heterogeneous else 0,
+        "heterogeneous_algorithms": hetero_algs if a.heterogeneous else [],
         "clients": a.clients,
         "target": a.target,
         "settings": a.set + (["rounds=2"] if a.smoke else []),

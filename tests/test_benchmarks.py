@@ -357,8 +357,8 @@ def test_committed_crossover_series_agrees_with_its_points() -> None:
 
     base = REPO / "benchmarks" / "results" / "protocols"
     series = json.loads((base / "crossover" / "crossover.json").read_text())
-    hetero = len(series.get("heterogeneous", {})) * series.get("heterogeneous_reps", 0)
-    assert not series["failed"] and len(series["points"]) == 2 * (len(series["rates"]) * series["reps"] + hetero)
+    hetero = len(series["heterogeneous"]) * series["heterogeneous_reps"] * len(series["heterogeneous_algorithms"])
+    assert not series["failed"] and len(series["points"]) == 2 * len(series["rates"]) * series["reps"] + hetero
     for pt in series["points"]:
         again = point(base / "crossover" / pt["algorithm"] / pt["rate"] / f"rep{pt['rep']}")
         assert {k: pt[k] for k in again} == again, (pt["algorithm"], pt["rate"], pt["rep"])
