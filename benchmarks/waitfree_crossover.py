@@ -80,6 +80,24 @@ def pm_shares(timelines: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def pre_upload_share(timelines: dict[str, Any]) -> float | None:
+    """The share of an adaptive run's decisions (one a client and round, its ``decide`` mark) after which the
+    client trained PM steps before its upload; 0 is wait-free's schedule in every round, None no decision."""
+    decided = pre = 0
+    for t in timelines.values():
+        events = t.get("events", [])
+        for mark in (e for e in events if e["phase"] == "decide"):
+            decided += 1
+            at = mark["start_s"]
+            upload = min((e["start_s"] for e in events if e["phase"] == "upload" and e["start_s"] >= at), default=None)
+            # a pre-upload PM ends before the upload starts (the background one starts with it and outlasts it)
+            if upload is not None and any(
+                e["phase"] == "pm_train" and at <= e["start_s"] and e["end_s"] <= upload for e in events
+            ):
+                pre += 1
+    return round(pre / decided, 4) if decided else None
+
+
 def adaptive_vs_best(zeta: dict[str, float | None]) -> float | None:
     """Adaptive's time to the target over the better of compute-and-wait's and wait-free's; None when adaptive
     was not run or neither other protocol reached the target; ``inf`` when adaptive alone missed it."""
@@ -121,6 +139,8 @@ def point(folder: Path) -> dict[str, Any]:
         "final_pm_accuracy": {proto: runs[proto].get("final_pm_accuracy") for proto in ran},
     }
     if "adaptive" in runs:
+        tl = folder / "adaptive" / "timelines.json"
+        out["adaptive_pre_upload"] = pre_upload_share(json.loads(tl.read_text())) if tl.is_file() else None
         out["adaptive_vs_best"] = adaptive_vs_best(zeta)
         out["adaptive_vs_cw"] = (
             round(zeta["adaptive"] / zeta["compute-and-wait"], 4)
@@ -182,6 +202,8 @@ def summarize(points: list[dict[str, Any]]) -> dict[str, Any]:
                 adaptive_within_target=sum(1 for r in ratios if r <= ADAPTIVE_TARGET),
                 adaptive_below_both=sum(1 for r in ratios if r < 1),
                 adaptive_worst_vs_best=max(ratios) if ratios else None,
+                # where adaptive kept wait-free's schedule in every round, its ratio to wait-free is run-to-run noise
+                adaptive_all_wait_free=sum(1 for pt in adaptive if pt.get("adaptive_pre_upload") == 0),
             )
     return out
 

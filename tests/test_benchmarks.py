@@ -128,7 +128,7 @@ def _waitfree_crossover(d: dict[str, Any]) -> None:
         assert set(pt["pm_share"]["wait-free"]) == {"client-0", "client-1"}
         assert set(pt["pm_share"]) == set(pt["zeta_s"]) == {"compute-and-wait", "wait-free", "adaptive"}
         assert all(0 <= v <= 1 for proto in pt["pm_share"].values() for v in proto.values())
-        assert "adaptive_vs_best" in pt and "adaptive_vs_cw" in pt
+        assert "adaptive_vs_best" in pt and "adaptive_vs_cw" in pt and 0 <= pt["adaptive_pre_upload"] <= 1
     assert d["protocols"] == ["compute-and-wait", "wait-free", "adaptive"] and d["adaptive_target"] == 1.05
     s = d["summary"]["ditto"]
     assert s["adaptive_points"] == 2
@@ -329,7 +329,7 @@ def test_crossover_adaptive_against_the_better_protocol(tmp_path: Path) -> None:
     """Adaptive's ratio is to the better of the two protocols that reached the target, infinite when only
     adaptive missed it, and absent when no protocol reached it; the summary counts the points within 1.05
     and below both; the heterogeneous points give every client a value of its own."""
-    from benchmarks.waitfree_crossover import adaptive_vs_best, heterogeneous, summarize
+    from benchmarks.waitfree_crossover import adaptive_vs_best, heterogeneous, pre_upload_share, summarize
 
     assert adaptive_vs_best({"compute-and-wait": 20.0, "wait-free": 40.0, "adaptive": 21.0}) == 1.05
     assert adaptive_vs_best({"compute-and-wait": None, "wait-free": 40.0, "adaptive": 30.0}) == 0.75
@@ -343,7 +343,16 @@ def test_crossover_adaptive_against_the_better_protocol(tmp_path: Path) -> None:
 
     s = summarize([pt(0.9), pt(1.05), pt(1.2), pt(math.inf), pt(None)])["scd"]
     assert (s["adaptive_points"], s["adaptive_within_target"], s["adaptive_below_both"]) == (5, 2, 1)
-    assert s["adaptive_worst_vs_best"] == math.inf
+    assert s["adaptive_worst_vs_best"] == math.inf and s["adaptive_all_wait_free"] == 0
+
+    def ev(phase: str, start: float, end: float | None = None) -> dict[str, Any]:
+        return {"phase": phase, "start_s": start, "end_s": start if end is None else end}
+
+    # client a: round 1 wait-free (upload right after its decision), round 2 two PM steps first; b: none decided
+    a = [ev("decide", 1), ev("upload", 1, 2), ev("pm_train", 1.5, 3), ev("decide", 4), ev("pm_train", 4, 5),
+         ev("upload", 5, 6)]  # fmt: skip
+    assert pre_upload_share({"a": {"events": a}, "b": {"events": [ev("gm_train", 0, 1)]}}) == 0.5
+    assert pre_upload_share({"b": {"events": []}}) is None
     links, slow = heterogeneous(6).values()
     assert links == ("2mbit,5mbit,20mbit,100mbit,2mbit,5mbit", ())
     assert slow == ("20mbit", ("slowdown=1,1,2,4,1,1",))
