@@ -332,9 +332,11 @@ def plateau_note(config: dict[str, Any]) -> list[str]:
         return []
     metric = config.get("plateau_metric", "auto")
     watched = "watched accuracy (the PM of a method with one, else the GM)" if metric == "auto" else f"`{metric}`"
+    z = config.get("plateau_z") or 0
+    room = f" with room for {z:g} standard errors of the difference" if z else ""
     return [
         f"Each point stopped once its {watched} flattened (its mean over the last {w} rounds within "
-        f"{config.get('plateau_delta', 0.3):g} points of the {w} before; `common/plateau.py`) or at round "
+        f"{config.get('plateau_delta', 0.3):g} points of the {w} before{room}; `common/plateau.py`) or at round "
         f"{config.get('rounds')}, the maximum: the `stopped` column says which. Accuracies are evaluated "
         f"every {config.get('eval_every', 1)} round(s) and every round over the last {2 * w} before the maximum.",
         "",

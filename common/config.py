@@ -120,6 +120,7 @@ class RunConfig:
     # rounds lies within plateau_delta points of the window before; rounds stays the maximum (0: never)
     plateau_window: int = 0
     plateau_delta: float = 0.3
+    plateau_z: float = 0.0  # > 0: |gap| plus plateau_z standard errors within plateau_delta (1.645: a 95 % bound)
     plateau_metric: str = "auto"  # auto (the PM of a method with one, else the GM), gm_accuracy, pm_accuracy
     # every N rounds (0: never) record the clients' gradient dissimilarity G_d at the global model (in process only)
     grad_dissimilarity_every: int = 0
@@ -215,6 +216,7 @@ class RunConfig:
         _int_at_least("plateau_window", self.plateau_window, 0)
         _in_range("plateau_delta", self.plateau_delta, 0.0, 100.0)
         _one_of("plateau_metric", self.plateau_metric, METRICS)
+        _in_range("plateau_z", self.plateau_z, 0.0, 10.0)
         w = self.plateau_window
         if not w:
             return
@@ -227,6 +229,12 @@ class RunConfig:
             raise ConfigError(
                 f"plateau_window={w} with eval_every={self.eval_every}: every window of rounds must hold an "
                 "evaluated round, so eval_every must lie in 1..plateau_window"
+            )
+        if self.plateau_z and 2 * self.eval_every > w:
+            raise ConfigError(
+                f"plateau_z={self.plateau_z:g} with plateau_window={w} and eval_every={self.eval_every}: the "
+                "standard error needs two evaluated rounds in each window, so eval_every must lie in "
+                "1..plateau_window // 2"
             )
         watched = watched_metric(self.plateau_metric, algorithm)
         if watched == PM and algorithm.personal == "none":

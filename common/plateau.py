@@ -6,7 +6,9 @@ looks at the watched accuracy ``a(t)`` of the rounds ``t`` up to ``n = r - lag``
     recent = mean of a(t) over the evaluated t in (n - W, n]
     before = mean of a(t) over the evaluated t in (n - 2W, n - W]
     gap    = recent - before                  (fractions; the results line's plateau_gap is 100 * gap)
-    flat   = 100 * |gap| <= D                 (defined when n >= 2W and both windows hold a value)
+    se     = sqrt(var(recent) / len(recent) + var(before) / len(before))    (sample variances)
+    flat   = 100 * (|gap| + z * se) <= D      (defined when n >= 2W and both windows hold a value;
+                                               with z > 0, two values each)
 
 and, when ``flat``, ends the run after round ``r`` as it ends after the last one (the final model goes to
 every client: version ``r + 1``, as version ``rounds + 1`` ends a run that reaches its maximum, so the
@@ -27,6 +29,13 @@ Choices the issue (52) leaves open, made here:
   closes (``ResultsLog.close_before``), so the PM rule looks one round back (``lag = 1``). The decision
   is then a function of the written lines only, the same on every re-run that writes the same lines.
 * "Within D points" is ``|gap| <= D``: a curve that falls by more than D points a window goes on.
+* ``plateau_z = z`` (default 0: the plain rule above) asks for ``|gap|`` to lie within D with room for its
+  noise: the rule holds when ``|gap|`` plus z standard errors is within D, so ``z = 1.645`` makes D a
+  one-sided 95 % bound on the gain from one window to the next. At 10 % participation a GM's accuracy
+  moves 1-2 points from round to round, and the plain rule with W = 10 stopped FedAvg curves that still
+  gained 0.1-0.25 points a round (``docs/measurements/real-data.md``): two 10-round means fall within
+  0.3 points of each other by chance. ``se`` takes each window's spread about its own mean, so a window
+  on a rising curve counts its rise as noise too, which only delays the stop.
 * ``plateau_metric = "auto"`` watches ``pm_accuracy`` for a method with a personalized model (a personal
   phase, or a local model that is the personal one) and ``gm_accuracy`` otherwise.
 * A run resumed from a checkpoint (``--resume``) reads the watched values of the rounds its checkpoint
@@ -36,6 +45,7 @@ Choices the issue (52) leaves open, made here:
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -68,9 +78,27 @@ def gap(values: Mapping[int, float], newest: int, window: int) -> float | None:
     return sum(recent) / len(recent) - sum(before) / len(before)
 
 
-def flat(g: float, delta: float) -> bool:
-    """Whether a gap (fractions) lies within ``delta`` points."""
-    return 100.0 * abs(g) <= delta
+def gap_se(values: Mapping[int, float], newest: int, window: int) -> float | None:
+    """The standard error of :func:`gap` (module docstring), fractions; None where a window holds fewer
+    than two values."""
+    if window < 1 or newest < 2 * window:
+        return None
+    total = 0.0
+    for lo in (newest - window + 1, newest - 2 * window + 1):
+        xs = [values[t] for t in range(lo, lo + window) if t in values]
+        if len(xs) < 2:
+            return None
+        m = sum(xs) / len(xs)
+        total += sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs)
+    return math.sqrt(total)
+
+
+def flat(g: float, delta: float, se: float | None = 0.0, z: float = 0.0) -> bool:
+    """Whether a gap (fractions) lies within ``delta`` points, with room for ``z`` of its standard errors
+    ``se`` (fractions; None: unknown, so the rule cannot hold when ``z > 0``)."""
+    if not z:
+        return 100.0 * abs(g) <= delta
+    return se is not None and 100.0 * (abs(g) + z * se) <= delta
 
 
 def ran_to_end(rows: Sequence[Mapping[str, Any]], rounds: int) -> bool:
@@ -82,9 +110,10 @@ class PlateauWatch:
     """The engine's side of the rule: it collects the watched accuracy round by round and says, at the
     end of each round, what the round's results line records and whether the run stops there."""
 
-    def __init__(self, window: int, delta: float, metric: str, rounds: int) -> None:
+    def __init__(self, window: int, delta: float, metric: str, rounds: int, z: float = 0.0) -> None:
         self.window = window
         self.delta = delta
+        self.z = z
         self.metric = metric
         self.lag = 1 if metric == PM else 0
         self.rounds = rounds
@@ -105,7 +134,8 @@ class PlateauWatch:
         rounds up to ``resumed_through`` back from ``resumed_from`` (its ``results.jsonl``)."""
         if not cfg.plateau_window:
             return None
-        watch = cls(cfg.plateau_window, cfg.plateau_delta, watched_metric(cfg.plateau_metric, algorithm), cfg.rounds)
+        metric = watched_metric(cfg.plateau_metric, algorithm)
+        watch = cls(cfg.plateau_window, cfg.plateau_delta, metric, cfg.rounds, cfg.plateau_z)
         if resumed_from is not None and resumed_from.is_file():
             for line in resumed_from.read_text().splitlines():
                 if line.strip() and int((row := json.loads(line)).get("round", 0)) <= resumed_through:
@@ -122,8 +152,9 @@ class PlateauWatch:
 
     def end_of_round(self, r: int, gm: float | None, evaluated: bool, last: bool) -> dict[str, Any]:
         """Round ``r`` closed (its GM accuracy ``gm``, None where not evaluated; ``last``: the maximum was
-        reached): the fields its results line gets (``plateau_gap`` in points where the rule was checked,
-        ``stop_reason`` where the run ends). Sets :attr:`stop` when the rule holds."""
+        reached): the fields its results line gets (``plateau_gap`` in points where the rule was checked, with
+        ``plateau_se`` under ``plateau_z``; ``stop_reason`` where the run ends). Sets :attr:`stop` when the
+        rule holds."""
         if self.metric == GM and gm is not None:
             self.values[r] = gm
         fields: dict[str, Any] = {}
@@ -131,7 +162,10 @@ class PlateauWatch:
             g = gap(self.values, r - self.lag, self.window)
             if g is not None:
                 fields["plateau_gap"] = round(100.0 * g, 6)
-                self.stop = flat(g, self.delta)
+                se = gap_se(self.values, r - self.lag, self.window) if self.z else None
+                if self.z and se is not None:
+                    fields["plateau_se"] = round(100.0 * se, 6)
+                self.stop = flat(g, self.delta, se, self.z)
         if self.stop or last:
             fields["stop_reason"] = PLATEAU if self.stop else MAX_ROUNDS
         return fields

@@ -4,12 +4,13 @@ over gRPC (``wafl run``)."""
 
 import json
 import random
+import statistics
 from pathlib import Path
 
 import pytest
 from wafl.cli.sim.simulate import simulate
 from wafl.common.config import ConfigError, RunConfig, load_config
-from wafl.common.plateau import MAX_ROUNDS, PLATEAU, PlateauWatch, gap, ran_to_end
+from wafl.common.plateau import MAX_ROUNDS, PLATEAU, PlateauWatch, gap, gap_se, ran_to_end
 
 
 def slow_gap(values: dict[int, float], newest: int, window: int) -> float | None:
@@ -27,14 +28,33 @@ def slow_gap(values: dict[int, float], newest: int, window: int) -> float | None
     return sum(recent) / len(recent) - sum(before) / len(before)
 
 
-def slow_stop(values: dict[int, float], evaluated: set[int], rounds: int, window: int, delta: float, lag: int):
-    """The first evaluated round r whose windows, ending at round r - lag, lie within delta points; None if none."""
+def slow_se(values: dict[int, float], newest: int, window: int) -> float | None:
+    """The standard error of the gap, by statistics.variance over each window's evaluated rounds."""
+    if newest < 2 * window:
+        return None
+    recent = [v for t, v in values.items() if newest - window < t <= newest]
+    before = [v for t, v in values.items() if newest - 2 * window < t <= newest - window]
+    if len(recent) < 2 or len(before) < 2:
+        return None
+    return (statistics.variance(recent) / len(recent) + statistics.variance(before) / len(before)) ** 0.5
+
+
+def slow_stop(
+    values: dict[int, float], evaluated: set[int], rounds: int, window: int, delta: float, lag: int, z: float = 0.0
+):
+    """The first evaluated round r whose windows, ending at round r - lag, lie within delta points (with z
+    standard errors' room); None if none."""
     for r in range(1, rounds + 1):
         if r not in evaluated:
             continue
         known = {t: v for t, v in values.items() if t <= r - lag}
         g = slow_gap(known, r - lag, window)
-        if g is not None and abs(g) * 100 <= delta:
+        if g is None:
+            continue
+        if not z and abs(g) * 100 <= delta:
+            return r
+        se = slow_se(known, r - lag, window)
+        if z and se is not None and (abs(g) + z * se) * 100 <= delta:
             return r
     return None
 
@@ -51,25 +71,53 @@ def test_gap_matches_a_slow_recomputation() -> None:
             assert got == pytest.approx(want, abs=1e-12)
 
 
+def test_gap_se_matches_a_slow_recomputation() -> None:
+    rng = random.Random(7)
+    for _ in range(500):
+        window = rng.randint(1, 6)
+        newest = rng.randint(0, 30)
+        values = {t: rng.random() for t in range(1, newest + 3) if rng.random() < 0.6}
+        got, want = gap_se(values, newest, window), slow_se(values, newest, window)
+        assert (got is None) == (want is None)
+        if want is not None:
+            assert got == pytest.approx(want, abs=1e-12)
+
+
+def test_the_bound_keeps_a_noisy_rising_curve_going_that_the_plain_rule_stops() -> None:
+    """A curve rising 0.15 points a round with 2 points of noise (a 10 % participation GM): with W = 10 and
+    D = 0.3 the plain rule stops it early in most seeds; with z = 1.645 and the same W and D it never does."""
+    plain = bounded = 0
+    for seed in range(20):
+        rng = random.Random(seed)
+        curve = {r: 0.6 + 0.0015 * r + rng.gauss(0.0, 0.02) for r in range(1, 201)}
+        everything = set(curve)
+        plain += slow_stop(curve, everything, 200, 10, 0.3, 0) is not None
+        bounded += slow_stop(curve, everything, 200, 10, 0.3, 0, z=1.645) is not None
+    assert plain >= 15
+    assert bounded == 0
+
+
+@pytest.mark.parametrize("z", [0.0, 1.645])
 @pytest.mark.parametrize("metric", ["gm_accuracy", "pm_accuracy"])
-def test_watch_stops_where_the_slow_rule_first_holds(metric: str) -> None:
+def test_watch_stops_where_the_slow_rule_first_holds(metric: str, z: float) -> None:
     """Curves that rise, then level off with noise; eval_every 1..window: the watch ends the run at the first
     evaluated round where the slow rule holds, records plateau_gap there and stop_reason where it ends. A PM
     line of round r that is written before round r closes (its reports came early) plays no part in round
     r's decision: the decision reads rounds up to r - 1 only, which are written by then whatever the timing."""
-    rng = random.Random(11 if metric == "gm_accuracy" else 12)
+    rng = random.Random((11 if metric == "gm_accuracy" else 12) + int(10 * z))
     for _ in range(200):
-        window = rng.randint(1, 5)
+        window = rng.randint(2 if z else 1, 5)
         rounds = rng.randint(2 * window, 40)
-        cfg = RunConfig(rounds=rounds, eval_every=rng.randint(1, window), plateau_window=window)
-        delta = rng.choice([0.0, 0.5, 2.0, 5.0])
+        every = rng.randint(1, window // 2 if z else window)
+        cfg = RunConfig(rounds=rounds, eval_every=every, plateau_window=window, plateau_z=z)
+        delta = rng.choice([0.0, 0.5, 2.0, 5.0, 8.0] if z else [0.0, 0.5, 2.0, 5.0])
         level, rise = rng.uniform(0.5, 0.9), rng.randint(0, rounds)
         evaluated = {r for r in range(1, rounds + 1) if cfg.evaluates(r)}
         curve = {r: level * min(1.0, r / max(1, rise)) + rng.uniform(-0.02, 0.02) for r in evaluated}
         lag = 1 if metric == "pm_accuracy" else 0
-        want = slow_stop(curve, evaluated, rounds, window, delta, lag)
+        want = slow_stop(curve, evaluated, rounds, window, delta, lag, z)
 
-        watch = PlateauWatch(window, delta, metric, rounds)
+        watch = PlateauWatch(window, delta, metric, rounds, z)
         written = 0  # the results lines written so far (a PM watch reads them)
         stopped_at, fields = None, {}
         for r in range(1, rounds + 1):
@@ -82,6 +130,11 @@ def test_watch_stops_where_the_slow_rule_first_holds(metric: str) -> None:
             g = slow_gap({t: v for t, v in curve.items() if t <= r - lag}, r - lag, window)
             if r in evaluated and g is not None:
                 assert fields["plateau_gap"] == pytest.approx(100 * g, abs=1e-5)
+                se = slow_se({t: v for t, v in curve.items() if t <= r - lag}, r - lag, window)
+                if z and se is not None:
+                    assert fields["plateau_se"] == pytest.approx(100 * se, abs=1e-5)
+                else:
+                    assert "plateau_se" not in fields
             else:
                 assert "plateau_gap" not in fields
             if watch.stop:
@@ -109,6 +162,11 @@ def test_the_last_two_windows_before_the_maximum_are_evaluated_every_round() -> 
         ({"plateau_window": 10, "rounds": 15}, r"plateau_window=10 with rounds=15: .* at least 2 \* plateau_window"),
         ({"plateau_window": 3, "eval_every": 0}, r"plateau_window=3 with eval_every=0: .* in 1..plateau_window"),
         ({"plateau_window": 3, "eval_every": 4}, r"plateau_window=3 with eval_every=4"),
+        ({"plateau_window": 3, "plateau_z": -1}, r"plateau_z=-1.0 must lie in \[0.0, 10.0\]"),
+        (
+            {"plateau_window": 10, "plateau_z": 1.645, "eval_every": 6},
+            r"plateau_z=1.645 with plateau_window=10 and eval_every=6: .* 1..plateau_window // 2",
+        ),
         ({"plateau_window": 3, "plateau_metric": "pm_accuracy"}, r"algorithm='fedavg': it has no personalized model"),
         (
             {"plateau_window": 3, "plateau_metric": "gm_accuracy", "algorithm": "fedrep"},
