@@ -290,6 +290,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="in process: each compute-and-wait point trains its clients in this many forked processes "
         "(the same models as in threads; faster where Python's GIL is the limit); default 0: threads",
     )
+    sw.add_argument(
+        "--snapshot-every",
+        type=int,
+        default=0,
+        help="rounds between two snapshots of an in-process point, from which it resumes after an interruption "
+        "(default 0: as often as keeps their cost under 2%% of the point's time)",
+    )
     sw.add_argument("--out", help="output folder (default: the file's `out`, else runs/sweep-<name>)")
     sw.add_argument("--quiet", action="store_true")
     sw.set_defaults(fn=cmd_sweep)

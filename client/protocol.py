@@ -111,6 +111,7 @@ class RoundProtocol:
         self.slowdown = slowdowns(cfg.slowdown, cfg.num_clients, cfg.seed)[trainer.index]
         self.timeline = Timeline()
         self.pm_trained_round: int | None = None
+        self.handled = 0  # the version of the last model this client has done with (a simulation's snapshot waits)
         self.uploads: set[asyncio.Task[Any]] = set()
         self.reports: set[asyncio.Task[Any]] = set()  # PM reports, sent without holding up the next round
         self.bytes_up = 0
@@ -156,6 +157,7 @@ class RoundProtocol:
                 log.info("run.final", round=built)
                 return
             online = await self._round(model)
+            self.handled = model.round
             waiting = ("idle" if online else "offline", model.round, self.timeline.now())
             del model  # no second copy of the weights while idle (a worker holds many clients)
 

@@ -391,6 +391,47 @@ class Trainer:
             {k: gm[k].detach().clone() for k in self.local_keys},
         )
 
+    # -------------------------------------------------------------- snapshots between rounds
+    def snapshot(self) -> dict[str, Any]:
+        """What this client's later rounds depend on, taken between two rounds (tensors and plain values):
+        the local model (whole where a personal model reads it; else the part that does not travel, as the
+        next model it trains on overwrites the rest), the PM, the PM optimizer's state, the algorithm's client
+        state and both random generators (batch order, the algorithm's own draws). A trainer built anew for
+        the same client and given it by :meth:`restore` trains the next rounds as this one would. Taken while
+        the client is idle; the tensors are this trainer's own, so it is written before the client trains again."""
+        gm = self.gm.state_dict()
+        kept = gm if self.algorithm.personal != "none" else {k: gm[k] for k in self.local_keys}
+        opt = self.pm_optimizer.state_dict() if self.pm_optimizer is not None else self._pm_optimizer_state
+        return {
+            "gm": {k: v.detach().cpu() for k, v in kept.items()},
+            "pm": {k: v.detach().cpu() for k, v in self.pm.state_dict().items()}
+            if self.pm is not None and self.separate_pm
+            else None,
+            "pm_initialized": self.pm_initialized,
+            "pm_optimizer": _to_cpu(opt) if opt is not None else None,
+            "client_state": _to_cpu(self.client_state),
+            "rng": json.dumps(self.rng.bit_generator.state),  # PCG64's 128-bit integers, as JSON numbers
+            "generator": self.generator.get_state(),
+        }
+
+    def restore(self, snapshot: Mapping[str, Any]) -> None:
+        """Takes a :meth:`snapshot` of this client (same configuration and index) back, in place of the state
+        this trainer was built with."""
+        _, unexpected = self.gm.load_state_dict(snapshot["gm"], strict=False)
+        if unexpected:
+            raise ValueError(f"client {self.index}'s snapshot has tensors its model lacks: {unexpected}")
+        if self.pm is not None and self.separate_pm and snapshot["pm"] is not None:
+            self.pm.load_state_dict(snapshot["pm"])
+        self.pm_initialized = bool(snapshot["pm_initialized"])
+        self.pm_optimizer = None
+        self._pm_optimizer_state = snapshot["pm_optimizer"]  # applied on the PM's next training, as after a restart
+        self.client_state.clear()
+        self.client_state.update(snapshot["client_state"])
+        self.rng.bit_generator.state = json.loads(snapshot["rng"])
+        self.generator.set_state(snapshot["generator"])
+        self._started = None
+        self.ctx = None
+
     # -------------------------------------------------------------- persistence
     def _fingerprint(self) -> str:
         return json.dumps({"config": json.loads(self.cfg.to_json()), "index": self.index}, sort_keys=True)

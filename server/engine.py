@@ -17,7 +17,7 @@ import math
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,6 +160,9 @@ class RoundEngine:
         # global model its clients trained from and its selected clients; its fields join the round's results
         # line (the in-process runs' gradient dissimilarity: wafl.cli.sim.simulate)
         self.round_probe: Callable[[int, Mapping[str, torch.Tensor], list[str]], dict[str, Any]] | None = None
+        # awaited in the event loop after each version's results line, before the next one is published, unless
+        # the run stops there (the in-process runs' snapshots: wafl.cli.sim.resume)
+        self.between_versions: Callable[[], Awaitable[None]] | None = None
         self.tensorboard = TensorBoardLog(cfg.tensorboard, cfg) if cfg.tensorboard else None
         if self.tensorboard is not None:
             self.results.listeners.append(self.tensorboard.row)
@@ -285,6 +288,10 @@ class RoundEngine:
                 },
             },
         )
+
+    def write_checkpoint(self, path: Path) -> None:
+        """Writes the run's checkpoint, as :meth:`_checkpoint` does, to ``path`` (what ``resume`` restores)."""
+        self._save_checkpoint(path)
 
     def wall(self) -> float:
         return time.monotonic() - self.run_start
@@ -445,6 +452,8 @@ class RoundEngine:
             await self._finish_version(collection)
             if self.plateau is not None and self.plateau.stop:
                 break  # flattened: the final model now, as after the last round
+            if self.between_versions is not None:
+                await self.between_versions()
             deliveries = self.strategy.published(loop.time())
             if self.adapt_due and not self.strategy.done:  # the final model reaches them anyway
                 deliveries = {**deliveries, **{cid: False for cid in self.new_clients}}

@@ -22,6 +22,7 @@ column). Reports name the same number.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -106,6 +107,28 @@ class ResultsLog:
                 self.pending[r] = (self.pending[r][0], set())
         self._flush()
 
+    def state_dict(self) -> dict[str, Any]:
+        """The lines not yet written, as plain values: each with the reports it waits for, the reports of its
+        round that came in, and every client's latest report (a snapshot between two versions, from which an
+        in-process run resumes: :mod:`wafl.cli.sim.resume`)."""
+        rounds = sorted(self.pending)
+        return {
+            "pending": [[r, self.pending[r][0], sorted(self.pending[r][1])] for r in rounds],
+            "reports": [[r, _pairs(self.reports.get(r, {}))] for r in rounds],
+            "new_reports": [[r, _pairs(self.new_reports.get(r, {}))] for r in rounds],
+            "latest": _pairs(self.latest),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Takes :meth:`state_dict` back, in a log whose ``results.jsonl`` holds the lines written when it was
+        taken (and no more); those lines become :attr:`rows` again (their listeners are not called)."""
+        self.pending = {int(r): (dict(row), set(expected)) for r, row, expected in state["pending"]}
+        self.reports = {int(r): _unpairs(got) for r, got in state["reports"] if got}
+        self.new_reports = {int(r): _unpairs(got) for r, got in state["new_reports"] if got}
+        self.latest = _unpairs(state["latest"])
+        text = self.results_path.read_text() if self.results_path.exists() else ""
+        self.rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+
     def _flush(self) -> None:
         for r in sorted(self.pending):
             row, expected = self.pending[r]
@@ -123,6 +146,14 @@ class ResultsLog:
                 listener(row)
             with self.results_path.open("a") as f:
                 f.write(dumps(row) + "\n")
+
+
+def _pairs(got: dict[str, tuple[float, int]]) -> dict[str, list[float | int]]:
+    return {c: [a, n] for c, (a, n) in got.items()}
+
+
+def _unpairs(got: dict[str, list[Any]]) -> dict[str, tuple[float, int]]:
+    return {str(c): (float(a), int(n)) for c, (a, n) in got.items()}
 
 
 def weighted_mean(pairs: Iterable[tuple[float, float]]) -> float | None:

@@ -18,6 +18,8 @@ def cmd_sweep(a: argparse.Namespace) -> int:
         raise ConfigError(f"--slot-processes={a.slot_processes} must be >= 0")
     if a.slot_processes and a.network:
         raise ConfigError("--slot-processes is for in-process points; with --network each client is a process")
+    if a.snapshot_every < 0:
+        raise ConfigError(f"--snapshot-every={a.snapshot_every} must be >= 0")
     out = Path(a.out) if a.out else None
     return sweep(
         Path(a.file),
@@ -26,6 +28,7 @@ def cmd_sweep(a: argparse.Namespace) -> int:
         out=out,
         show_progress=not a.quiet,
         slot_processes=a.slot_processes,
+        snapshot_every=a.snapshot_every,
     )
 
 

@@ -23,6 +23,18 @@ client code as ``wafl run``, one thread each) or, with ``--network``, as a serve
 processes over localhost; ``--jobs`` runs several at once. A finished point leaves ``point.json``
 and is skipped when the sweep runs again, so an interrupted sweep resumes where it stopped.
 
+A point interrupted part-way (the sweep killed, the machine gone) resumes from its last completed snapshot
+when the sweep runs again, in process: the point pauses between two rounds now and then and writes its
+server's and every client's state into its folder's ``resume/`` (:mod:`wafl.cli.sim.resume`; every
+``--snapshot-every N`` rounds, by default as often as keeps their cost under 2 % of the point's time). The
+resumed point writes the same ``results.jsonl`` lines as an uninterrupted one (timing fields aside), stops on
+the plateau at the same round, and its ``point.json`` has the same fields, its ``wall_s`` the sum over the
+sittings (each as far as its last completed round); ``resume/`` is removed once ``point.json`` is written.
+Which points can resume exactly: sync aggregation, no new clients, and compute-and-wait or an algorithm
+without a personal phase (:func:`~wafl.cli.sim.resume.not_resumable`). Any other point, a ``--network``
+point, and a point whose snapshot cannot be used (another configuration, a damaged file) starts again from
+round 1, as every interrupted point did before.
+
 ``plateau_window`` (and ``plateau_delta``, ``plateau_metric``) in ``[base]`` stops each point once its curve
 flattened (:mod:`wafl.common.plateau`; ``rounds`` is then the maximum): the point is finished all the same,
 and its ``point.json`` records ``stop_reason`` (``"plateau"`` or ``"max_rounds"``) and ``rounds_run``.
@@ -161,18 +173,35 @@ def _short(v: Any) -> str:
     return str(v).replace("/", "_").replace(" ", "")
 
 
-def run_point(cfg_json: str, folder: str, network: bool, slot_processes: int = 0) -> dict[str, Any]:
+def run_point(
+    cfg_json: str, folder: str, network: bool, slot_processes: int = 0, snapshot_every: int = 0
+) -> dict[str, Any]:
     """Runs one point into ``folder`` (in a worker process); returns its outcome. ``slot_processes``:
-    in process, a compute-and-wait point's clients train in that many forked processes."""
+    in process, a compute-and-wait point's clients train in that many forked processes.
+
+    In process, a point that can resume exactly (:func:`~wafl.cli.sim.resume.not_resumable`) takes snapshots
+    into ``folder/resume`` (every ``snapshot_every`` rounds; 0: as their cost allows) and resumes from the
+    one it finds there; any other point, and a point without a usable snapshot, starts from round 1. The
+    outcome's ``wall_s`` sums the sittings."""
     import torch
 
     torch.set_num_threads(1)
     cfg = RunConfig.from_json(cfg_json).validate()
     out = Path(folder)
-    for stale in ("results.jsonl", "reports.jsonl", "timelines.json", "checkpoint.pt"):
-        (out / stale).unlink(missing_ok=True)
-    shutil.rmtree(out / "clients", ignore_errors=True)
     t0 = time.monotonic()
+    snapshots = None
+    if not network:
+        from wafl.cli.sim.resume import Snapshots, not_resumable
+        from wafl.common.logs import configure_logging
+
+        configure_logging("sweep", out / "logs" / "run.jsonl", level="INFO", console=False)
+        if not_resumable(cfg) is None:
+            snapshots = Snapshots(out, cfg, snapshot_every, tag=git_commit() or "")
+    if snapshots is None or snapshots.found is None:  # from round 1: nothing of an earlier sitting stays
+        shutil.rmtree(out / "resume", ignore_errors=True)
+        for stale in ("results.jsonl", "reports.jsonl", "timelines.json", "checkpoint.pt"):
+            (out / stale).unlink(missing_ok=True)
+        shutil.rmtree(out / "clients", ignore_errors=True)
     if network:  # a point imports only what its kind of run needs (the engine, gRPC, torch: in this process)
         from wafl.cli.launch.launcher import launch
 
@@ -180,15 +209,14 @@ def run_point(cfg_json: str, folder: str, network: bool, slot_processes: int = 0
         ok, rows = summary.ok, summary.rows
     else:
         from wafl.cli.sim.simulate import simulate, trains_in_processes
-        from wafl.common.logs import configure_logging
 
-        configure_logging("sweep", out / "logs" / "run.jsonl", level="INFO", console=False)
         processes = slot_processes if trains_in_processes(cfg) else 0  # a wait-free point trains in threads
-        rows = simulate(cfg, out, slot_processes=processes)
+        rows = simulate(cfg, out, slot_processes=processes, snapshots=snapshots)
         ok = ran_to_end(rows, cfg.rounds)
+    earlier_s = snapshots.earlier_s if snapshots is not None else 0.0
     result = {
         "ok": ok,
-        "wall_s": round(time.monotonic() - t0, 3),
+        "wall_s": round(earlier_s + time.monotonic() - t0, 3),
         "network": network,
         "commit": git_commit(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the kernels it ran (see KERNEL_ENV)
@@ -197,6 +225,8 @@ def run_point(cfg_json: str, folder: str, network: bool, slot_processes: int = 0
         result.update(stop_reason=rows[-1].get("stop_reason"), rounds_run=int(rows[-1]["round"]))
     if ok:
         (out / DONE).write_text(json.dumps(result) + "\n")
+        if snapshots is not None:
+            snapshots.clear()  # after point.json: a kill in between leaves a finished point
     return result
 
 
@@ -207,10 +237,13 @@ def sweep(
     out: Path | None = None,
     show_progress: bool = True,
     slot_processes: int = 0,
+    snapshot_every: int = 0,
 ) -> int:
     """Runs every point not yet done; 0 when every point has finished. ``slot_processes`` (in process):
     each compute-and-wait point trains its clients in that many forked processes
-    (:class:`~wafl.client.process_slots.ProcessSlots`), the others in threads as without it."""
+    (:class:`~wafl.client.process_slots.ProcessSlots`), the others in threads as without it.
+    ``snapshot_every``: rounds between two snapshots of an in-process point (0: as their cost allows;
+    :func:`run_point`)."""
     default_out, points = load_sweep(path)
     if network:
         from wafl.server.app import check_networked
@@ -220,6 +253,9 @@ def sweep(
     out = out or default_out
     out.mkdir(parents=True, exist_ok=True)
     todo = [(n, c) for n, c in points if not (out / n / DONE).exists()]
+    for n, _ in points:  # a point killed after its point.json, before it removed its snapshots
+        if (out / n / DONE).exists():
+            shutil.rmtree(out / n / "resume", ignore_errors=True)
     done = len(points) - len(todo)
     failed: list[str] = []
 
@@ -235,7 +271,8 @@ def sweep(
         futures = {}
         for name, cfg in todo:
             (out / name).mkdir(parents=True, exist_ok=True)
-            futures[pool.submit(run_point, cfg.to_json(), str(out / name), network, slot_processes)] = name
+            job = (cfg.to_json(), str(out / name), network, slot_processes, snapshot_every)
+            futures[pool.submit(run_point, *job)] = name
         for f in as_completed(futures):
             name = futures[f]
             try:

@@ -56,7 +56,11 @@ class LocalSession:
         self.credential = ""
         self.on_header: Callable[[], None] | None = None  # called as each broadcast's header arrives
 
-    def join(self) -> pb.JoinReply:
+    def join(self, returning: bool = False) -> pb.JoinReply:
+        """Joins the engine. ``returning``: the engine was resumed from a checkpoint that registered this
+        client, whose index stays its own: the session presents the credential the engine issues that client."""
+        if returning:
+            self.credential = self.engine.credentials.issue(self.client_id, self.client_index)
         req = pb.JoinRequest(
             client_id=self.client_id,
             protocol_version=1,

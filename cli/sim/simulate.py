@@ -4,7 +4,9 @@
 real client :class:`~wafl.client.protocol.RoundProtocol` and :class:`~wafl.client.trainer.Trainer`
 of every client, connected by the in-process transport (:class:`~wafl.cli.sim.local_transport.LocalSession`)
 in one event loop. Training runs in worker threads as in a client process; with one torch thread
-(:func:`run_many` sets it) a seeded run builds the same global models as over gRPC.
+(:func:`run_many` sets it) a seeded run builds the same global models as over gRPC. With
+:class:`~wafl.cli.sim.resume.Snapshots` a run takes snapshots between versions and resumes from the one its
+folder holds (:mod:`wafl.cli.sim.resume`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 from wafl.cli.sim.local_transport import LocalSession
+from wafl.cli.sim.resume import Snapshots
 from wafl.client.hosting import ProcessSlots, SharedReception, SharedSlots, Trainer, client_protocol, warm_up_torch
 from wafl.common.algorithms.base import split_payload
 from wafl.common.analysis.dissimilarity import full_gradient, gradient_dissimilarity
@@ -32,6 +35,7 @@ def simulate(
     out_dir: Path | None = None,
     pool: Callable[[], SharedSlots] | None = None,
     slot_processes: int = 0,
+    snapshots: Snapshots | None = None,
 ) -> list[dict[str, Any]]:
     """Runs ``cfg`` in-process; returns its ``results.jsonl`` rows (``gm_accuracy``, ``pm_accuracy``, ...).
 
@@ -40,15 +44,19 @@ def simulate(
     the clients share one pool of training slots, as the clients of a ``wafl worker`` do;
     ``slot_processes`` > 0 instead trains them in that many forked processes
     (:class:`~wafl.client.process_slots.ProcessSlots`, compute-and-wait only), the protocol, the
-    transport and the server staying in this one.
+    transport and the server staying in this one. ``snapshots`` (of ``out_dir``): the run resumes from the
+    snapshot found there, if any, and takes snapshots as it goes (:mod:`wafl.cli.sim.resume`); the rows
+    returned are then every line of ``results.jsonl``, the earlier sittings' included.
     """
     if slot_processes and (pool is not None or not trains_in_processes(cfg)):
         raise ValueError(
             f"slot_processes={slot_processes} needs protocol='compute-and-wait' (not {cfg.protocol!r}), "
             "no new clients and no pool"
         )
+    if snapshots is not None and (out_dir is None or snapshots.out_dir != out_dir):
+        raise ValueError("snapshots are those of the run's folder, out_dir")
     if out_dir is not None:
-        return asyncio.run(_simulate(cfg, out_dir, pool, slot_processes))
+        return asyncio.run(_simulate(cfg, out_dir, pool, slot_processes, snapshots))
     # a checkpoint a round (2.8 ms of the 10 ms between two rounds of 10 digits clients, with both
     # training processes idle) into a folder deleted at the end
     unkept = dataclasses.replace(cfg, checkpoint=False, keep_checkpoint_every=0)
@@ -63,22 +71,39 @@ def trains_in_processes(cfg: RunConfig) -> bool:
 
 
 async def _simulate(
-    cfg: RunConfig, out_dir: Path, pool: Callable[[], SharedSlots] | None = None, slot_processes: int = 0
+    cfg: RunConfig,
+    out_dir: Path,
+    pool: Callable[[], SharedSlots] | None = None,
+    slot_processes: int = 0,
+    snapshots: Snapshots | None = None,
 ) -> list[dict[str, Any]]:
     out_dir.mkdir(parents=True, exist_ok=True)
     warm_up_torch()  # as a client process does while it joins: not inside the first training phase
-    engine = RoundEngine(cfg, out_dir)
+    found = snapshots.found if snapshots is not None else None
+    if found is not None:
+        found.cut_back()
+    engine = RoundEngine(cfg, out_dir, resume=found is not None)
+    if found is not None:
+        found.restore_engine(engine)
     reception = SharedReception()  # a broadcast the clients receive alike: one buffer, one decode (as in a worker)
     trainers, sessions = [], []
     for i in range(cfg.num_clients):
         trainer = Trainer(cfg, i, dataset=engine.dataset, device="cpu")
+        if found is not None:
+            trainer.restore(found.trainer_state(i))
         session = LocalSession(engine, f"client-{i}", i, trainer.num_samples, reception)
-        session.join()
+        session.join(returning=found is not None)
         trainers.append(trainer)
         sessions.append(session)
     # made in this event loop, which counts its slots; the processes fork once every trainer is built
     shared = ProcessSlots(slot_processes, trainers) if slot_processes else pool() if pool is not None else None
     clients = [client_protocol(s, t, shared.view(t) if shared else None) for s, t in zip(sessions, trainers)]
+    if snapshots is not None:
+        if found is not None:
+            for c in clients:
+                found.restore_protocol(c)
+            snapshots.found = None  # taken back: its tensors can go
+        engine.between_versions = snapshots.pause(engine, clients)
     if cfg.grad_dissimilarity_every:
         engine.round_probe = dissimilarity_probe(cfg, engine, {c.session.client_id: c.trainer for c in clients})
     tasks = [asyncio.create_task(_client_run(c.run(), c.session.client_id)) for c in clients]
