@@ -185,3 +185,38 @@ def test_points_that_cannot_resume_exactly_say_why_and_take_no_snapshots(tmp_pat
     cfg = _cfg(algorithm="scd", rounds=2)  # wait-free
     assert run_point(cfg.to_json(), str(tmp_path / "p"), False, 0, 1)["ok"]
     assert not (tmp_path / "p" / FOLDER).exists()
+
+
+# every other algorithm of the Fashion-MNIST tables' rows (configs/sweeps/*_fmnist_plateau.toml), whose server
+# or client state a snapshot must carry: FedGen's generator, FedDyn's gradients, pFedMe's and Ditto's PMs,
+# FedRoD's and FedRep's heads, FedHKD's hyper-knowledge, MOON's previous model, FedProto's prototypes, ...
+TABLE_ALGORITHMS = [
+    "ditto",
+    "fedalign",
+    "fedavgm",
+    "fedbabu",
+    "feddyn",
+    "feddyn+asd",
+    "fedgen",
+    "fedhkd",
+    "fedmd",
+    "fedntd",
+    "fedproto-avg",
+    "fedrep",
+    "fedrod",
+    "fedsam",
+    "fedspeed",
+    "moon",
+    "pfedme",
+]
+
+
+@pytest.mark.parametrize("algorithm", TABLE_ALGORITHMS)
+def test_every_table_algorithm_resumes_with_the_lines_of_an_uninterrupted_run(algorithm: str, tmp_path: Path) -> None:
+    cfg = _cfg(algorithm=algorithm, protocol="compute-and-wait", fraction=0.5, rounds=5, checkpoint=False)
+    assert not_resumable(cfg) is None
+    killed = _first_sitting(KILLED_AFTER_A_LINE, cfg, tmp_path / "point", 0, 3)
+    assert len(killed) == 3
+    assert run_point(cfg.to_json(), str(tmp_path / "point"), False, 0, 1)["ok"]
+    _uninterrupted(cfg, tmp_path / "whole")
+    _same_point(tmp_path / "point", tmp_path / "whole")
