@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import json
 import os
 import random
@@ -62,6 +63,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from wafl.cli.launch.forking import ForkedProcess, fork_main
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -92,67 +95,32 @@ def _setns(namespace: str) -> None:
         os.close(fd)
 
 
-class Proc:
-    """A forked child running ``wafl.cli.main.main(argv)``; stdout and stderr in ``log``."""
+def _wafl_main(argv: list[str]) -> int:
+    from wafl.cli.main import main  # in the child, after its hooks are in place
+
+    return main(argv)
+
+
+def _enter(namespace: str | None, hooks: tuple[Path, Path] | None) -> None:
+    """In a forked child, before ``wafl``'s entry point: its network namespace and the upload hooks."""
+    if namespace:
+        _setns(namespace)
+    if hooks:
+        import _chaos_hooks
+
+        _chaos_hooks.install(*hooks)
+
+
+class Proc(ForkedProcess):
+    """A forked child running ``wafl.cli.main.main(argv)`` (:func:`~wafl.cli.launch.forking.fork_main`) in
+    ``namespace``, with the upload ``hooks`` where given; stdout and stderr appended to ``log``."""
 
     def __init__(self, name: str, argv: list[str], log: Path, namespace: str | None, hooks: tuple[Path, Path] | None):
+        child = fork_main(argv, log, None, _wafl_main, prepare=functools.partial(_enter, namespace, hooks), append=True)
+        super().__init__(child.pid, argv)
         self.name = name
         self.argv = argv
         self.log = log
-        self.returncode: int | None = None
-        sys.stdout.flush()
-        sys.stderr.flush()
-        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        pid = os.fork()
-        if pid:
-            os.close(fd)
-            self.pid = pid
-            return
-        code = 1
-        try:  # the child never returns into the driver
-            os.setpgid(0, 0)
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-                signal.signal(sig, signal.SIG_DFL)
-            null = os.open(os.devnull, os.O_RDONLY)
-            os.dup2(null, 0)
-            os.dup2(fd, 1)
-            os.dup2(fd, 2)
-            sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
-            sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-            if namespace:
-                _setns(namespace)
-            if hooks:
-                import _chaos_hooks
-
-                _chaos_hooks.install(*hooks)
-            from wafl.cli.main import main
-
-            sys.argv = ["wafl", *argv]
-            code = main(argv)
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        except BaseException:  # noqa: BLE001 - printed into the child's log, which the report scans
-            import traceback
-
-            traceback.print_exc()
-            code = 1
-        finally:
-            try:
-                sys.stdout.flush()
-                sys.stderr.flush()
-            finally:
-                os._exit(code)
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            try:
-                pid, status = os.waitpid(self.pid, os.WNOHANG)
-            except ChildProcessError:
-                self.returncode = -1
-                return self.returncode
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
 
     def stopped(self) -> bool:
         try:

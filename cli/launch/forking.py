@@ -89,11 +89,21 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
 
-def fork_main(argv: Sequence[str], log: Path, env: dict[str, str], main: Callable[[list[str]], int]) -> ForkedProcess:
-    """Forks a child that runs ``main(argv)`` (``wafl.cli.main.main``) with ``log`` as its stdout and stderr."""
+def fork_main(
+    argv: Sequence[str],
+    log: Path,
+    env: dict[str, str] | None,
+    main: Callable[[list[str]], int],
+    *,
+    prepare: Callable[[], None] | None = None,
+    append: bool = False,
+) -> ForkedProcess:
+    """Forks a child that runs ``main(argv)`` (``wafl.cli.main.main``) with ``log`` as its stdout and stderr
+    (``append``: after what the file holds). ``env``: the child's whole environment (None: this process's);
+    ``prepare``: called in the child just before ``main`` (to enter a network namespace, say)."""
     sys.stdout.flush()
     sys.stderr.flush()
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC), 0o644)
     pid = os.fork()
     if pid:
         os.close(fd)
@@ -116,8 +126,11 @@ def fork_main(argv: Sequence[str], log: Path, env: dict[str, str], main: Callabl
         sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the child's own streams, on its new descriptors
         sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
         sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-        os.environ.clear()
-        os.environ.update(env)
+        if env is not None:
+            os.environ.clear()
+            os.environ.update(env)
+        if prepare is not None:
+            prepare()
         sys.argv = ["wafl", *argv]
         code = main(list(argv))
     except SystemExit as e:
