@@ -24,7 +24,6 @@ removed the next time groups are created.
 
 from __future__ import annotations
 
-import atexit
 import itertools
 import math
 import os
@@ -35,6 +34,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from wafl.cli.launch.at_exit import OpenAtExit
 
 __all__ = ["CpuGroups", "CpuQuotaUnavailable", "Hierarchy", "detect", "machine_cpus"]
 
@@ -197,21 +198,7 @@ def _read_quota(version: int, d: Path) -> float | None:
 
 
 # ----------------------------------------------------------------------------- the groups of one run
-_open: set[CpuGroups] = set()
-_open_lock = threading.Lock()
-
-
-def _close_all() -> None:
-    with _open_lock:
-        groups = list(_open)
-    for g in groups:
-        try:
-            g.close()
-        except Exception:  # noqa: BLE001 - best effort at interpreter exit
-            pass
-
-
-atexit.register(_close_all)
+_open: OpenAtExit[CpuGroups] = OpenAtExit("control groups")
 
 
 class CpuGroups:
@@ -263,8 +250,7 @@ class CpuGroups:
                 f"CPU quotas unavailable: setting up control groups under {self.hierarchy.cpu} failed: {e}; "
                 "use --host-cpus none"
             ) from None
-        with _open_lock:
-            _open.add(self)
+        _open.add(self)
 
     # -- layout -------------------------------------------------------------------------------
     def _bases(self) -> list[Path]:
@@ -405,8 +391,7 @@ class CpuGroups:
             for d in reversed(self._created):
                 _rmdir(d)
             self._created.clear()
-        with _open_lock:
-            _open.discard(self)
+        _open.discard(self)
 
     def __enter__(self) -> CpuGroups:
         return self

@@ -12,7 +12,6 @@ shaping to an existing interface (used by the container entrypoint).
 from __future__ import annotations
 
 import argparse
-import atexit
 import ipaddress
 import itertools
 import os
@@ -25,6 +24,7 @@ import threading
 from collections.abc import Sequence
 from types import TracebackType
 
+from wafl.cli.launch.at_exit import OpenAtExit
 from wafl.common.rates import parse_rate
 
 __all__ = [
@@ -144,21 +144,7 @@ def check_permissions() -> None:
         subprocess.run(["ip", "netns", "del", probe], capture_output=True, check=False)
 
 
-_open_stars: set[Star] = set()
-_open_lock = threading.Lock()
-
-
-def _close_all() -> None:
-    with _open_lock:
-        stars = list(_open_stars)
-    for star in stars:
-        try:
-            star.close()
-        except Exception as exc:  # noqa: BLE001 - best effort at interpreter exit
-            print(f"wafl.cli.launch.netns: cleanup of {star.prefix} failed: {exc}", file=sys.stderr)
-
-
-atexit.register(_close_all)
+_open_stars: OpenAtExit[Star] = OpenAtExit("network namespaces")
 
 
 class Star:
@@ -212,8 +198,7 @@ class Star:
         self._created: list[str] = []
         self._closed = False
         self._lock = threading.Lock()
-        with _open_lock:
-            _open_stars.add(self)
+        _open_stars.add(self)
         try:
             self._build()
         except BaseException:  # cleanup, then re-raised: a half-built star (Ctrl-C included) is torn down
@@ -298,8 +283,7 @@ class Star:
                 if proc.returncode != 0 and os.path.exists(f"/run/netns/{ns}"):
                     errors.append(f"ip netns del {ns}: {proc.stderr.strip()}")
             self._created.clear()
-        with _open_lock:
-            _open_stars.discard(self)
+        _open_stars.discard(self)
         if errors:
             raise NetnsCommandError(["ip", "netns", "del"], 1, "; ".join(errors))
 
