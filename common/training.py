@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,7 +38,7 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 def batches(
-    dataset: Dataset,
+    dataset: Dataset[Any],
     indices: np.ndarray,
     batch_size: int,
     shuffle: bool,
@@ -68,7 +69,7 @@ def batches(
 
 
 def epochs(
-    dataset: Dataset,
+    dataset: Dataset[Any],
     indices: np.ndarray,
     batch_size: int,
     generator: np.random.Generator,
@@ -223,7 +224,11 @@ def train_phase(
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, dataset: Dataset, indices: np.ndarray, batch_size: int = 256, device: torch.device | None = None
+    model: nn.Module,
+    dataset: Dataset[Any],
+    indices: np.ndarray,
+    batch_size: int = 256,
+    device: torch.device | None = None,
 ) -> tuple[float, int, float]:
     """``(accuracy, num_samples, mean_loss)`` of ``model`` on ``dataset[indices]``."""
     was_training = model.training

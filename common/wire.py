@@ -81,7 +81,7 @@ def _skip(buf: memoryview, pos: int, wire_type: int) -> int:
     raise DecodeError(f"unsupported wire type {wire_type}")
 
 
-class ChunkBatch(tuple):
+class ChunkBatch(tuple[RawChunk, ...]):
     """Chunks that travel in one ``TensorChunkBatch`` message, in order."""
 
     __slots__ = ()

@@ -14,6 +14,7 @@ import argparse
 import os
 import secrets
 from pathlib import Path
+from typing import Any
 
 from wafl.common.config import ConfigError
 from wafl.common.errors import UsageError
@@ -61,7 +62,7 @@ def cmd_enroll(a: argparse.Namespace) -> int:
     return 0
 
 
-def add_enroll_parser(sub: argparse._SubParsersAction) -> None:
+def add_enroll_parser(sub: argparse._SubParsersAction[Any]) -> None:
     e = sub.add_parser("enroll", help="make a run's enrollment file (salted hashes) and its clients' secrets")
     e.add_argument("--clients", type=int, required=True, help="num_clients of the run: one secret per index")
     e.add_argument("--out", required=True, help="the enrollment file to write (for wafl server --enrollment)")

@@ -10,6 +10,8 @@ Client Drift in Heterogeneous Federated Learning", TMLR 2024.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from wafl.common.algorithms.base import Forward, LossTerm, RoundContext
@@ -29,7 +31,7 @@ class AdaptiveSelfDistillation(LossTerm):
         )
 
 
-def build(p: dict) -> list[LossTerm]:
+def build(p: dict[str, Any]) -> list[LossTerm]:
     if p["asd_lambda"] == 0:
         return []  # exactly the base method
     return [AdaptiveSelfDistillation(p["asd_lambda"], p["asd_temperature"], p["asd_uniform"])]

@@ -12,6 +12,7 @@ with equality when every client's gradient is the same; the mean is unweighted, 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,7 +25,11 @@ FIELD = "grad_dissimilarity"
 
 
 def full_gradient(
-    model: nn.Module, dataset: Dataset, indices: np.ndarray, batch_size: int = 256, device: torch.device | None = None
+    model: nn.Module,
+    dataset: Dataset[Any],
+    indices: np.ndarray,
+    batch_size: int = 256,
+    device: torch.device | None = None,
 ) -> torch.Tensor:
     """The gradient of the mean cross-entropy of ``model`` over ``dataset[indices]`` (evaluation mode),
     flattened over the model's trainable parameters."""

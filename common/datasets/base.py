@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from torch.utils.data import Dataset
@@ -19,8 +20,8 @@ class FederatedDataset:
     """
 
     name: str
-    train: Dataset
-    test: Dataset
+    train: Dataset[Any]
+    test: Dataset[Any]
     train_labels: np.ndarray
     test_labels: np.ndarray
     num_classes: int

@@ -27,7 +27,7 @@ CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar.html"
 IMAGE_SIZE = 32
 
 
-class ArrayImageDataset(Dataset):
+class ArrayImageDataset(Dataset[tuple[Any, int]]):
     """Images held as one ``(N, H, W, 3)`` uint8 array; ``transform`` turns each into a tensor."""
 
     def __init__(self, images: np.ndarray, labels: np.ndarray, transform: Callable[[Image.Image], Any]) -> None:

@@ -29,7 +29,7 @@ DEFAULT_IMAGE_SIZE = 64
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
 
 
-class ImageFileDataset(Dataset):
+class ImageFileDataset(Dataset[tuple[Any, int]]):
     """Images read from disk on each access: ``(transform(RGB image), label)``."""
 
     def __init__(self, paths: Sequence[str], labels: np.ndarray, transform: Callable[[Image.Image], Any]) -> None:

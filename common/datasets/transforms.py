@@ -8,7 +8,7 @@ valid samples, a random horizontal flip (not for SVHN: a mirrored digit is not t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from torchvision.transforms import Compose
@@ -48,7 +48,7 @@ def _constants(name: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
         raise ValueError(f"no normalization constants for dataset={name!r}; known: {sorted(NORMALIZATION)}") from None
 
 
-def _resize(image_size: int) -> list:
+def _resize(image_size: int) -> list[Any]:
     from torchvision import transforms as T
 
     # Shorter side to image_size, then the central square: keeps the aspect ratio. An image
