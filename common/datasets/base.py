@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from torch.utils.data import Dataset
+from wafl.common.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -58,3 +60,7 @@ def not_found(
         f"dataset {dataset!r}: {problem or 'missing files'} in {searched} (expected files: {expected}). To "
         f"obtain them, {how} {target}."
     )
+
+
+# name -> loader(data_dir) -> FederatedDataset; each loader's file registers it (@DATASETS.register)
+DATASETS: Registry[Callable[[str | None], FederatedDataset]] = Registry("dataset", "wafl.common.datasets")

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 from torch.utils.data import Dataset
-from wafl.common.datasets.base import DatasetNotFoundError, FederatedDataset, not_found
+from wafl.common.datasets.base import DATASETS, DatasetNotFoundError, FederatedDataset, not_found
 from wafl.common.datasets.transforms import eval_transform, train_transform
 
 CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar.html"
@@ -131,6 +131,7 @@ def _load_cifar(
     )
 
 
+@DATASETS.register("cifar10")
 def load_cifar10(data_dir: str | None) -> FederatedDataset:
     """CIFAR-10: 50000 train (data_batch_1..5), 10000 test (test_batch), 10 classes, 32x32 RGB."""
     return _load_cifar(
@@ -145,6 +146,7 @@ def load_cifar10(data_dir: str | None) -> FederatedDataset:
     )
 
 
+@DATASETS.register("cifar100")
 def load_cifar100(data_dir: str | None) -> FederatedDataset:
     """CIFAR-100 with its 100 fine labels: 50000 train, 10000 test, 32x32 RGB."""
     return _load_cifar(

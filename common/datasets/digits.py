@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch.utils.data import TensorDataset
-from wafl.common.datasets.base import DatasetNotFoundError, FederatedDataset
+from wafl.common.datasets.base import DATASETS, DatasetNotFoundError, FederatedDataset
 
 TEST_FRACTION = 0.2
 SPLIT_SEED = 0
@@ -38,6 +38,7 @@ def read_digits() -> tuple[np.ndarray, np.ndarray]:
     return data[:, :-1].reshape(-1, 8, 8), data[:, -1].astype(int, copy=False)
 
 
+@DATASETS.register("digits")
 def load_digits_dataset(data_dir: str | None = None) -> FederatedDataset:
     """1797 images, a fixed stratified 80/20 split (seed 0): 1437 train, 360 test; pixels scaled to [0, 1]."""
     images, target = read_digits()

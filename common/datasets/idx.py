@@ -28,7 +28,7 @@ import zlib
 
 import numpy as np
 import torch
-from wafl.common.datasets.base import DatasetNotFoundError, FederatedDataset
+from wafl.common.datasets.base import DATASETS, DatasetNotFoundError, FederatedDataset
 from wafl.common.datasets.digits import LabeledTensorDataset
 
 IMAGES_MAGIC = 0x00000803  # unsigned bytes, 3 dimensions
@@ -168,6 +168,7 @@ def _fashion_path(folder: str, name: str) -> str:
     return plain if not os.path.exists(path) and os.path.exists(plain) else path
 
 
+@DATASETS.register("fashion-mnist")
 def load_fashion_mnist(data_dir: str | None) -> FederatedDataset:
     """Fashion-MNIST: 60,000 train and 10,000 test 28x28 grey images of 10 classes (6,000 and 1,000 each)."""
     folder = os.path.abspath(data_dir or FASHION_DIR)
@@ -185,6 +186,7 @@ def _find(folder: str, role: str) -> str:
     raise _bad(folder, problem, IDX_FIX)
 
 
+@DATASETS.register("mnist-idx")
 def load_mnist_idx(data_dir: str | None) -> FederatedDataset:
     """Any MNIST-format folder (MNIST, KMNIST, EMNIST, ...): the four IDX files, classes from the labels."""
     if data_dir is None:

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 from torch.utils.data import Dataset
-from wafl.common.datasets.base import DatasetNotFoundError, FederatedDataset, not_found
+from wafl.common.datasets.base import DATASETS, DatasetNotFoundError, FederatedDataset, not_found
 from wafl.common.datasets.transforms import eval_transform, train_transform
 
 FOLDER = "imagefolder"
@@ -94,6 +94,7 @@ def _not_found(data_dir: str | None, problem: str | None = None) -> DatasetNotFo
     return not_found("imagefolder", FOLDER, expected, how, data_dir, problem, into="folder")
 
 
+@DATASETS.register("imagefolder")
 def load_imagefolder(data_dir: str | None, image_size: int = DEFAULT_IMAGE_SIZE) -> FederatedDataset:
     """Class folders under ``<data_dir>/imagefolder/{train,test}``, images resized to ``image_size``."""
     if data_dir is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
-from wafl.common.datasets.base import DatasetNotFoundError, FederatedDataset, not_found
+from wafl.common.datasets.base import DATASETS, DatasetNotFoundError, FederatedDataset, not_found
 from wafl.common.datasets.cifar import ArrayImageDataset
 from wafl.common.datasets.transforms import eval_transform, train_transform
 
@@ -49,6 +49,7 @@ def _read_mat(path: str) -> tuple[np.ndarray, np.ndarray]:
     return images, y
 
 
+@DATASETS.register("svhn")
 def load_svhn(data_dir: str | None) -> FederatedDataset:
     """SVHN: 73257 train, 26032 test, 10 classes (label == digit), 32x32 RGB; no horizontal flips."""
     if data_dir is None:

@@ -10,7 +10,7 @@ from functools import partial
 
 import numpy as np
 import torch
-from wafl.common.datasets.base import FederatedDataset
+from wafl.common.datasets.base import DATASETS, FederatedDataset
 from wafl.common.datasets.digits import LabeledTensorDataset
 
 SHAPES = {
@@ -52,3 +52,5 @@ def load_synthetic(name: str, data_dir: str | None = None, seed: int = 0) -> Fed
 
 
 LOADERS = {name: partial(load_synthetic, name) for name in SHAPES}
+for _name, _loader in LOADERS.items():
+    DATASETS.add(_name, _loader)

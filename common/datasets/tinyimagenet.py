@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
-from wafl.common.datasets.base import DatasetNotFoundError, FederatedDataset, not_found
+from wafl.common.datasets.base import DATASETS, DatasetNotFoundError, FederatedDataset, not_found
 from wafl.common.datasets.imagefolder import image_files_dataset
 
 URL = "http://cs231n.stanford.edu/tiny-imagenet-200.zip"
@@ -43,6 +43,7 @@ def _jpegs(folder: str) -> list[str]:
     return sorted(e.name for e in os.scandir(folder) if e.is_file() and e.name.lower().endswith((".jpeg", ".jpg")))
 
 
+@DATASETS.register("tinyimagenet")
 def load_tinyimagenet(data_dir: str | None) -> FederatedDataset:
     """Tiny ImageNet: 100000 train, 10000 test (the val split), 200 classes, 64x64 RGB."""
     if data_dir is None:

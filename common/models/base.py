@@ -6,8 +6,11 @@ calls the model. Keeping the split in one base class lets one trainer serve them
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
+from wafl.common.registry import Registry
 
 
 class SplitModel(nn.Module):
@@ -35,3 +38,8 @@ def submodule(model: nn.Module, name: str) -> nn.Module:
     if not isinstance(part, nn.Module):
         raise TypeError(f"{type(model).__name__}.{name} is a {type(part).__name__}, not a module")
     return part
+
+
+# name -> builder(num_classes, in_channels, image_size, code_len) -> SplitModel; each builder's file registers it
+# (@MODELS.register)
+MODELS: Registry[Callable[..., SplitModel]] = Registry("model", "wafl.common.models")

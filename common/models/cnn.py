@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from torch import nn
-from wafl.common.models.base import SplitModel
+from wafl.common.models.base import MODELS, SplitModel
 
 
+@MODELS.register("cnn")
 def digits_cnn(num_classes: int = 10, in_channels: int = 1, image_size: int = 8, code_len: int = 32) -> SplitModel:
     """Two 3x3 convolutions, one 2x2 max-pool, a 128-unit hidden layer, a ``code_len`` projection."""
     pooled = image_size // 2

@@ -12,7 +12,7 @@ do, in a linear projection 512 -> ``code_len``.
 from __future__ import annotations
 
 from torch import nn
-from wafl.common.models.base import SplitModel
+from wafl.common.models.base import MODELS, SplitModel
 from wafl.common.models.lenet5 import conv_features, representation
 
 HIDDEN = 512  # the fully connected layer
@@ -24,11 +24,13 @@ def _cnn2(num_classes: int, in_channels: int, image_size: int, code_len: int, pa
     return SplitModel(features, code_len, num_classes)
 
 
+@MODELS.register("cnn2")
 def cnn2(num_classes: int = 10, in_channels: int = 1, image_size: int = 28, code_len: int = HIDDEN) -> SplitModel:
     """McMahan et al.'s CNN with unpadded convolutions (582,026 parameters at 10 classes, ``code_len`` 512)."""
     return _cnn2(num_classes, in_channels, image_size, code_len, padding=0)
 
 
+@MODELS.register("cnn2-same")
 def cnn2_same(num_classes: int = 10, in_channels: int = 1, image_size: int = 28, code_len: int = HIDDEN) -> SplitModel:
     """McMahan et al.'s CNN with "same" padding (1,663,370 parameters at 10 classes, ``code_len`` 512)."""
     return _cnn2(num_classes, in_channels, image_size, code_len, padding=2)

@@ -11,7 +11,7 @@ the default 32).
 from __future__ import annotations
 
 from torch import nn
-from wafl.common.models.base import SplitModel
+from wafl.common.models.base import MODELS, SplitModel
 
 HIDDEN = 84  # LeNet-5's last hidden layer
 
@@ -42,6 +42,7 @@ def representation(hidden: int, code_len: int) -> list[nn.Module]:
     return [] if code_len == hidden else [nn.Linear(hidden, code_len)]
 
 
+@MODELS.register("lenet5")
 def lenet5(num_classes: int = 10, in_channels: int = 1, image_size: int = 28, code_len: int = HIDDEN) -> SplitModel:
     """LeNet-5: conv 5x5 6, pool, conv 5x5 16, pool, fc 120, fc 84, then the classifier."""
     convs, flat = conv_features(in_channels, image_size, (6, 16), padding=0)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from torch import nn
-from wafl.common.models.base import SplitModel
+from wafl.common.models.base import MODELS, SplitModel
 
 
 def cifar_stem_conv(in_channels: int, out_channels: int) -> nn.Conv2d:
@@ -44,16 +44,19 @@ def _cifar_resnet(arch: str, num_classes: int, in_channels: int, code_len: int) 
     return SplitModel(features, code_len, num_classes)
 
 
+@MODELS.register("resnet18")
 def resnet18(num_classes: int = 10, in_channels: int = 3, image_size: int = 32, code_len: int = 32) -> SplitModel:
     """ResNet-18 (basic blocks 2-2-2-2, 512-d backbone) with the CIFAR stem; any ``image_size``."""
     return _cifar_resnet("resnet18", num_classes, in_channels, code_len)
 
 
+@MODELS.register("resnet34")
 def resnet34(num_classes: int = 10, in_channels: int = 3, image_size: int = 32, code_len: int = 32) -> SplitModel:
     """ResNet-34 (basic blocks 3-4-6-3, 512-d backbone) with the CIFAR stem; any ``image_size``."""
     return _cifar_resnet("resnet34", num_classes, in_channels, code_len)
 
 
+@MODELS.register("resnet50")
 def resnet50(num_classes: int = 10, in_channels: int = 3, image_size: int = 32, code_len: int = 32) -> SplitModel:
     """ResNet-50 (bottlenecks 3-4-6-3, 2048-d backbone) with the CIFAR stem; any ``image_size``."""
     return _cifar_resnet("resnet50", num_classes, in_channels, code_len)

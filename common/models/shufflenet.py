@@ -12,10 +12,11 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from torch import nn
-from wafl.common.models.base import SplitModel
+from wafl.common.models.base import MODELS, SplitModel
 from wafl.common.models.resnet import cifar_stem_conv
 
 
+@MODELS.register("shufflenetv2")
 def shufflenetv2(num_classes: int = 10, in_channels: int = 3, image_size: int = 32, code_len: int = 32) -> SplitModel:
     """ShuffleNetV2 x1.0 (stages of 116, 232, 464 channels) with the CIFAR stem; any ``image_size``."""
     from torchvision import models
