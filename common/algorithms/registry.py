@@ -9,14 +9,13 @@ test): nothing here names it.
 
 from __future__ import annotations
 
-import importlib
 import math
-import pkgutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from wafl.common.algorithms.base import Algorithm, LossTerm
+from wafl.common.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -115,32 +114,21 @@ class Param:
 Builder = Callable[[dict[str, Any], Mapping[str, Any]], Algorithm]
 RegBuilder = Callable[[dict[str, Any]], list[LossTerm]]
 
-_BASES: dict[str, tuple[dict[str, Param], Builder]] = {}
-_REGULARIZERS: dict[str, tuple[dict[str, Param], RegBuilder]] = {}
-_loaded = False
+# each algorithm's module registers itself (every module of this package is imported on first read)
+_BASES: Registry[tuple[dict[str, Param], Builder]] = Registry("algorithm", "wafl.common.algorithms")
+_REGULARIZERS: Registry[tuple[dict[str, Param], RegBuilder]] = Registry("regularizer", "wafl.common.algorithms")
 
 
 def register(name: str, params: dict[str, Param], build: Builder) -> None:
-    _BASES[name] = (params, build)
+    _BASES.add(name, (params, build))
 
 
 def register_regularizer(name: str, params: dict[str, Param], build: RegBuilder) -> None:
-    _REGULARIZERS[name] = (params, build)
-
-
-def _load() -> None:
-    global _loaded
-    if not _loaded:
-        import wafl.common.algorithms as package
-
-        for m in sorted(i.name for i in pkgutil.iter_modules(package.__path__)):
-            importlib.import_module(f"wafl.common.algorithms.{m}")
-        _loaded = True
+    _REGULARIZERS.add(name, (params, build))
 
 
 def names() -> tuple[list[str], list[str]]:
-    _load()
-    return sorted(_BASES), sorted(_REGULARIZERS)
+    return _BASES.names(), _REGULARIZERS.names()
 
 
 def resolve(name: str, params: Mapping[str, Any] | None = None, run: Mapping[str, Any] | None = None) -> Algorithm:
@@ -149,13 +137,12 @@ def resolve(name: str, params: Mapping[str, Any] | None = None, run: Mapping[str
     ``run`` is the run configuration as a mapping, for parts that depend on it (FedDyn's number
     of clients). Raises ``ValueError`` naming the unknown algorithm or the bad parameter.
     """
-    _load()
     base, *regs = name.split("+")
     if base not in _BASES:
-        raise ValueError(f"algorithm={name!r}: {base!r} is not one of {sorted(_BASES)}")
+        raise ValueError(f"algorithm={name!r}: {base!r} is not one of {_BASES.names()}")
     for r in regs:
         if r not in _REGULARIZERS:
-            raise ValueError(f"algorithm={name!r}: regularizer {r!r} is not one of {sorted(_REGULARIZERS)}")
+            raise ValueError(f"algorithm={name!r}: regularizer {r!r} is not one of {_REGULARIZERS.names()}")
     if len(set(regs)) != len(regs):
         raise ValueError(f"algorithm={name!r} repeats a regularizer")
     declared: dict[str, Param] = dict(_BASES[base][0])
