@@ -16,6 +16,14 @@ them, so ``wafl sweep`` skips those points; ``run`` restores, runs the rest, the
     python benchmarks/real_data.py run configs/sweeps/scd_fmnist.toml --out /tmp/sweeps/scd_fmnist \\
         --rerun 'algorithm=pfedme,*'     # after a fix that changes those rows: their records are dropped first
 
+``verify`` runs kept points again from the sweep file, in process as ``wafl sweep`` does (``--point GLOB``,
+repeatable; a temporary folder unless ``--out``), and compares each new ``results.jsonl`` with the kept rows,
+timing fields aside (``*_s``, ``timestamp``, ``run_id``), and the new ``config.json`` with the kept one (fields the
+kept one lacks, added to ``RunConfig`` since, must hold their defaults): a committed table's numbers come back
+bit for bit from its sweep file on a fresh clone, or the first differing round and field is named (exit 1).
+
+    python benchmarks/real_data.py verify configs/sweeps/asd_fmnist.toml --point 'algorithm=fedavg,seed=0'
+
 ``summary`` unpacks the records into ``runs/real-data/<sweep>`` (a scratch folder, rewritten each time)
 and writes ``table.md`` (the commands, the commits, the points done and missing, the plateau rule the
 points ran with, if any, then ``wafl table``'s markdown: the last-10 means, how the points stopped, the
@@ -239,6 +247,66 @@ def save(sweep_file: Path, out: Path, kept: Path) -> int:
         n += 1
     write_records(kept, records)
     return n
+
+
+UNTIMED = ("timestamp", "run_id")  # with every field ending in _s: what differs between two runs of one point
+
+
+def untimed(row: Mapping[str, Any]) -> dict[str, Any]:
+    """A results row without the fields that measure time (they differ between two runs of one point)."""
+    return {k: v for k, v in row.items() if not (k.endswith("_s") or k in UNTIMED)}
+
+
+def differences(kept: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], config: Mapping[str, Any]) -> list[str]:
+    """How a new run of a point differs from its kept record (empty: the same numbers): the rows timing fields
+    aside, then the configuration (a field the kept one lacks must hold its default in the new one)."""
+    from wafl.common.config import RunConfig
+
+    found = []
+    old = [untimed(r) for r in kept["rows"]]
+    new = [untimed(r) for r in rows]
+    if len(old) != len(new):
+        found.append(f"{len(new)} rows, the kept record has {len(old)}")
+    for a, b in zip(old, new):
+        if a != b:
+            fields = sorted(k for k in set(a) | set(b) if a.get(k, "(none)") != b.get(k, "(none)"))
+            found.append(f"round {a.get('round')}: " + ", ".join(f"{k} {a.get(k)} -> {b.get(k)}" for k in fields))
+            break
+    defaults = json.loads(RunConfig().to_json())
+    for k in sorted(set(kept["config"]) | set(config)):
+        want = kept["config"].get(k, defaults.get(k))
+        if config.get(k) != want:
+            found.append(f"config {k}: {want!r} -> {config.get(k)!r}")
+    return found
+
+
+def verify(sweep_file: Path, kept: Path, patterns: Sequence[str], out: Path) -> dict[str, list[str]]:
+    """Runs the kept points that match ``patterns`` again into ``out`` (in process, as ``wafl sweep``) and
+    returns each one's :func:`differences` from its record. A pattern that matches no kept point is an error."""
+    from wafl.cli.experiments.sweep import load_sweep, run_point
+
+    records = read_records(kept)
+    configs = dict(load_sweep(sweep_file)[1])
+    chosen: list[str] = []
+    for pattern in patterns:
+        match = [n for n in configs if fnmatch.fnmatchcase(n, pattern) and n in records]
+        if not match:
+            raise SystemExit(f"real_data: --point {pattern!r} matches no kept point of {_shown(sweep_file)}")
+        chosen += [n for n in match if n not in chosen]
+    found = {}
+    for name in chosen:
+        folder = out / name
+        if folder.exists():
+            shutil.rmtree(folder)
+        folder.mkdir(parents=True)
+        print(f"real_data: verify {name}", file=sys.stderr)
+        result = run_point(configs[name].to_json(), str(folder), False)
+        rows = [json.loads(x) for x in (folder / "results.jsonl").read_text().splitlines() if x.strip()]
+        diff = differences(records[name], rows, json.loads((folder / "config.json").read_text()))
+        found[name] = diff if result["ok"] else ["the point did not finish", *diff]
+        print(f"real_data: {name}: " + ("the same numbers" if not found[name] else "; ".join(found[name])),
+              file=sys.stderr)  # fmt: skip
+    return found
 
 
 WAFL = str(Path(sys.executable).parent / "wafl")  # the command of the environment this runs in
@@ -670,6 +738,12 @@ def smoke(out: Path) -> dict[str, object]:
     write_records(broken, recs)
     partly = restore(broken, out / "c")
     here = summary(sweep_file, kept, out / "work")
+    verified = verify(sweep_file, kept, ["algorithm=fedavg*"], out / "verify")
+    tampered = out / "kept" / "tampered.json"  # a kept accuracy changed in its last digit: verify names it
+    recs = read_records(kept)
+    recs[first_point]["rows"][-1]["gm_accuracy"] += 1e-4
+    write_records(tampered, recs)
+    caught = verify(sweep_file, tampered, [first_point], out / "verify-tampered")
     doc: dict[str, object] = {
         "commit": git_commit(),
         "first_rc": first.returncode,
@@ -679,6 +753,8 @@ def smoke(out: Path) -> dict[str, object]:
         "second_rc": again.returncode,
         "kept_points": {n: sorted(r) for n, r in read_records(kept).items()},
         "round_trip_same_bytes": same,
+        "verified": verified,
+        "tampered_caught": caught,
         "broken_restored": partly,
         "broken_point_left_out": not (out / "c" / first_point).exists(),
         "table_md": (here / "table.md").read_text(),
@@ -694,7 +770,7 @@ def smoke(out: Path) -> dict[str, object]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="benchmarks/real_data.py")
-    p.add_argument("action", nargs="?", choices=["run", "restore", "save", "summary"])
+    p.add_argument("action", nargs="?", choices=["run", "restore", "save", "summary", "verify"])
     p.add_argument("sweep_file", nargs="?", type=Path)
     p.add_argument("--smoke", action="store_true", help="the whole cycle on a tiny digits sweep in --out")
     p.add_argument("--out", type=Path, help="the sweep's output folder (run, restore, save)")
@@ -712,21 +788,38 @@ def main(argv: list[str] | None = None) -> int:
         help="with run: run these points again (names as in records.json, fnmatch patterns such as "
         "'algorithm=pfedme,*'; repeatable): their kept records and finished folders are dropped first",
     )
+    p.add_argument(
+        "--point",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="with verify: the kept points to run again and compare (fnmatch patterns of their names; repeatable)",
+    )
     a = p.parse_args(argv)
     if a.rerun and a.action != "run":
         p.error("--rerun goes with the action run")
+    if bool(a.point) != (a.action == "verify"):
+        p.error("verify needs --point GLOB, and --point goes with verify only")
     if a.smoke:
         if a.out is None:
             p.error("--smoke needs --out, a folder for its sweep")
         smoke(a.out.resolve())
         return 0
     if a.action is None or a.sweep_file is None:
-        p.error("give an action (run, restore, save, summary) and a sweep file, or --smoke")
+        p.error("give an action (run, restore, save, summary, verify) and a sweep file, or --smoke")
     sweep_file = a.sweep_file.resolve()
     kept = (a.records or records_file(sweep_file)).resolve()
     if not sweep_file.is_file():
         p.error(f"sweep file {a.sweep_file} does not exist")
-    if a.action != "summary" and a.out is None:
+    if a.action == "verify":
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="real-data-verify-") as tmp:
+            found = verify(sweep_file, kept, a.point, a.out or Path(tmp))
+        same = [n for n, d in found.items() if not d]
+        print(f"real_data: {len(same)} of {len(found)} point(s) gave the kept numbers", file=sys.stderr)
+        return 0 if len(same) == len(found) else 1
+    if a.action not in ("summary", "verify") and a.out is None:
         p.error(f"{a.action} needs --out, the sweep's output folder")
     if a.rerun:
         dropped = drop(sweep_file, a.out, kept, a.rerun)

@@ -94,6 +94,9 @@ def _real_data(d: dict[str, Any]) -> None:
     assert d["kept_points"] == {f"algorithm={a}": fields for a in ("fedavg", "fedprox")}
     assert len(d["round_trip_same_bytes"]) == 6 and all(d["round_trip_same_bytes"].values()), d["round_trip_same_bytes"]
     assert d["broken_restored"] == 1 and d["broken_point_left_out"]  # a record without rows runs again
+    assert d["verified"] == {"algorithm=fedavg": []}  # run again from the sweep file: the kept numbers
+    (caught,) = d["tampered_caught"]["algorithm=fedavg"]  # a kept accuracy off in its 4th decimal is named
+    assert caught.startswith("round 2: gm_accuracy "), caught
     assert set(d["table"]["rows"]) == {"fedavg", "fedprox mu=0.01"} and set(d["table"]["differences"]) == {
         "fedprox mu=0.01"
     }
