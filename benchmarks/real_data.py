@@ -281,9 +281,13 @@ def differences(kept: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], conf
 
 
 def verify(sweep_file: Path, kept: Path, patterns: Sequence[str], out: Path) -> dict[str, list[str]]:
-    """Runs the kept points that match ``patterns`` again into ``out`` (in process, as ``wafl sweep``) and
-    returns each one's :func:`differences` from its record. A pattern that matches no kept point is an error."""
-    from wafl.cli.experiments.sweep import load_sweep, run_point
+    """Runs the kept points that match ``patterns`` again into ``out`` (in process, as ``wafl sweep`` runs them:
+    each in a fresh interpreter with the sweep's kernels, ``point_kernels``) and returns each one's
+    :func:`differences` from its record. A pattern that matches no kept point is an error."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    from wafl.cli.experiments.sweep import load_sweep, point_kernels, run_point
 
     records = read_records(kept)
     configs = dict(load_sweep(sweep_file)[1])
@@ -300,7 +304,8 @@ def verify(sweep_file: Path, kept: Path, patterns: Sequence[str], out: Path) -> 
             shutil.rmtree(folder)
         folder.mkdir(parents=True)
         print(f"real_data: verify {name}", file=sys.stderr)
-        result = run_point(configs[name].to_json(), str(folder), False)
+        with point_kernels(), ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
+            result = pool.submit(run_point, configs[name].to_json(), str(folder), False).result()
         rows = [json.loads(x) for x in (folder / "results.jsonl").read_text().splitlines() if x.strip()]
         diff = differences(records[name], rows, json.loads((folder / "config.json").read_text()))
         found[name] = diff if result["ok"] else ["the point did not finish", *diff]

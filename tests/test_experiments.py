@@ -393,14 +393,18 @@ def test_sweep_points_compute_with_avx2_kernels_unless_told(tmp_path: Path, monk
 
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("MKL_CBWR", raising=False)
     own = torch.backends.cpu.get_cpu_capability()
     x86 = platform.machine().lower() in ("x86_64", "amd64")
     want = "AVX2" if x86 and own in ("AVX2", "AVX512") else own
     spec = tmp_path / "s.toml"
     spec.write_text("[base]\nnum_clients = 2\nrounds = 1\nround_deadline_s = 3600.0\ncheckpoint = false\n")
     assert sweep(spec, jobs=1, out=tmp_path / "a", show_progress=False) == 0
-    assert json.loads((tmp_path / "a" / "point" / "point.json").read_text())["cpu_capability"] == want
-    assert "ATEN_CPU_CAPABILITY" not in os.environ and "ONEDNN_MAX_CPU_ISA" not in os.environ
+    point = json.loads((tmp_path / "a" / "point" / "point.json").read_text())
+    assert point["cpu_capability"] == want
+    if x86:
+        assert point["kernels"] == {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    assert not {"ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_CBWR"} & set(os.environ)
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
     assert sweep(spec, jobs=1, out=tmp_path / "b", show_progress=False) == 0
     assert json.loads((tmp_path / "b" / "point" / "point.json").read_text())["cpu_capability"] == "DEFAULT"

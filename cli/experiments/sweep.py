@@ -68,7 +68,11 @@ DONE = "point.json"
 # with AVX-512 and on one without differs in its last bits at the first step, and by tenths of a point of
 # accuracy after a few rounds. Sweep points on x86-64 use AVX2, which every such machine of the last
 # decade has, unless the environment already names a set: a point's numbers are then the same on each.
-KERNEL_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+# MKL (torch's BLAS: the linear layers' matrix products) picks its kernels from the CPU too, past both caps:
+# on a machine with AMX the ASD table's FedAvg point differed from its record by 2.5 points at round 3 with
+# only those two; MKL_CBWR=AVX2 (MKL's conditional numerical reproducibility) gives the results of its AVX2
+# path on every CPU that has AVX2.
+KERNEL_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_CBWR": "AVX2"}
 
 
 @contextlib.contextmanager
@@ -220,6 +224,7 @@ def run_point(
         "network": network,
         "commit": git_commit(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the kernels it ran (see KERNEL_ENV)
+        "kernels": {k: os.environ[k] for k in sorted(KERNEL_ENV) if k in os.environ},
     }
     if cfg.plateau_window and rows:  # why it stopped (wafl.common.plateau), and when
         result.update(stop_reason=rows[-1].get("stop_reason"), rounds_run=int(rows[-1]["round"]))
