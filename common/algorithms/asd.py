@@ -10,12 +10,13 @@ Client Drift in Heterogeneous Federated Learning", TMLR 2024.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from wafl.common.algorithms.base import Forward, LossTerm, RoundContext
-from wafl.common.algorithms.registry import Param, register_regularizer
+from wafl.common.algorithms.params import param
+from wafl.common.algorithms.registry import register_regularizer
 from wafl.common.algorithms.regularizers import asd_term
 
 
@@ -31,14 +32,17 @@ class AdaptiveSelfDistillation(LossTerm):
         )
 
 
-def build(p: dict[str, Any]) -> list[LossTerm]:
-    if p["asd_lambda"] == 0:
+@dataclass(frozen=True)
+class ASDParams:
+    asd_lambda: float = param(2.0, ">= 0")
+    asd_temperature: float = param(2.0, "> 0")
+    asd_uniform: bool = param(False, "bool")
+
+
+def build(p: ASDParams) -> list[LossTerm]:
+    if p.asd_lambda == 0:
         return []  # exactly the base method
-    return [AdaptiveSelfDistillation(p["asd_lambda"], p["asd_temperature"], p["asd_uniform"])]
+    return [AdaptiveSelfDistillation(p.asd_lambda, p.asd_temperature, p.asd_uniform)]
 
 
-register_regularizer(
-    "asd",
-    {"asd_lambda": Param(2.0, ">= 0"), "asd_temperature": Param(2.0, "> 0"), "asd_uniform": Param(False, "bool")},
-    build,
-)
+register_regularizer("asd", ASDParams, build)

@@ -315,7 +315,7 @@ class Algorithm:
     """A resolved algorithm: its name, validated parameters and parts (see the module docstring)."""
 
     name: str
-    params: dict[str, Any]
+    params: dict[str, Any] = field(default_factory=dict)  # by public name; registry.resolve sets them
     gm_terms: list[LossTerm] = field(default_factory=list)
     pm_terms: list[LossTerm] | None = None  # not None: a separate PM trained with these terms (Ditto, SCD)
     knowledge: KnowledgeExtractor | None = None  # shared after local training (FedHKD, FedProto)

@@ -4,8 +4,17 @@ Personalization", ICML 2021): the GM trains with plain cross-entropy and is aver
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from wafl.common.algorithms.base import Algorithm
 from wafl.common.algorithms.fedprox import Proximal
-from wafl.common.algorithms.registry import Param, register
+from wafl.common.algorithms.params import param
+from wafl.common.algorithms.registry import register
 
-register("ditto", {"mu": Param(0.1, "> 0")}, lambda p, run: Algorithm("ditto", p, pm_terms=[Proximal(p["mu"])]))
+
+@dataclass(frozen=True)
+class DittoParams:
+    mu: float = param(0.1, "> 0")
+
+
+register("ditto", DittoParams, lambda p, run: Algorithm("ditto", pm_terms=[Proximal(p.mu)]))

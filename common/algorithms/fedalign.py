@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,7 +44,8 @@ from wafl.common.algorithms.base import (
     StepRule,
     backward,
 )
-from wafl.common.algorithms.registry import Param, register
+from wafl.common.algorithms.params import param
+from wafl.common.algorithms.registry import register
 
 EPS = 1e-12
 
@@ -137,12 +139,17 @@ class ClippedStep(StepRule):
         return loss
 
 
-def build(p: dict[str, Any], run: Mapping[str, Any]) -> Algorithm:
+@dataclass(frozen=True)
+class FedAlignParams:
+    mu: float = param(0.45, ">= 0")
+    width: float = param(0.25, "(0, 1]")
+
+
+def build(p: FedAlignParams, run: Mapping[str, Any]) -> Algorithm:
     return Algorithm(
         "fedalign",
-        p,
-        phases=[Phase("gm", terms=[LipschitzAlignment(p["mu"], p["width"])], step=ClippedStep(10.0))],
+        phases=[Phase("gm", terms=[LipschitzAlignment(p.mu, p.width)], step=ClippedStep(10.0))],
     )
 
 
-register("fedalign", {"mu": Param(0.45, ">= 0"), "width": Param(0.25, "(0, 1]")}, build)
+register("fedalign", FedAlignParams, build)

@@ -5,6 +5,7 @@ mean on the server."""
 from __future__ import annotations
 
 from wafl.common.algorithms.base import Algorithm
+from wafl.common.algorithms.params import NoParams
 from wafl.common.algorithms.registry import register
 
-register("fedavg", {}, lambda p, run: Algorithm("fedavg", p))
+register("fedavg", NoParams, lambda p, run: Algorithm("fedavg"))

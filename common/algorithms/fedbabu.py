@@ -26,23 +26,29 @@ final average (version ``rounds + 1``), which no client fine-tunes.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from wafl.common.algorithms.base import BODY, Algorithm, Phase
-from wafl.common.algorithms.registry import Param, register
+from wafl.common.algorithms.params import param
+from wafl.common.algorithms.registry import register
 
 
-def build(p: dict[str, Any], run: Mapping[str, Any]) -> Algorithm:
+@dataclass(frozen=True)
+class FedBABUParams:
+    finetune: Literal["full", "head"] = param("full", "full|head")
+
+
+def build(p: FedBABUParams, run: Mapping[str, Any]) -> Algorithm:
     return Algorithm(
         "fedbabu",
-        p,
         phases=[Phase("body", params="body")],
         shares=BODY,
         personal="separate",
-        pm_phase=Phase("finetune", params="all" if p["finetune"] == "full" else "head", main=False),
+        pm_phase=Phase("finetune", params="all" if p.finetune == "full" else "head", main=False),
         pm_from_global=True,
         pm_when_unselected=True,
     )
 
 
-register("fedbabu", {"finetune": Param("full", "full|head")}, build)
+register("fedbabu", FedBABUParams, build)

@@ -25,12 +25,14 @@ own term next to it.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 from wafl.common.algorithms.base import Algorithm, Forward, LossTerm, RoundContext, ServerUpdate
-from wafl.common.algorithms.registry import Param, register
+from wafl.common.algorithms.params import param
+from wafl.common.algorithms.registry import register
 from wafl.common.algorithms.regularizers import aligned
 from wafl.common.algorithms.server_updates import is_weight, training_clients
 
@@ -143,13 +145,17 @@ class FedDynUpdate(ServerUpdate):
         self.h = dict(state.get("h", {}))
 
 
-def build(p: dict[str, Any], run: Mapping[str, Any]) -> Algorithm:
+@dataclass(frozen=True)
+class FedDynParams:
+    alpha: float = param(0.01, "> 0")
+
+
+def build(p: FedDynParams, run: Mapping[str, Any]) -> Algorithm:
     return Algorithm(
         "feddyn",
-        p,
-        gm_terms=[DynamicRegularizer(p["alpha"])],
-        server=FedDynUpdate(p["alpha"], training_clients(run)),
+        gm_terms=[DynamicRegularizer(p.alpha)],
+        server=FedDynUpdate(p.alpha, training_clients(run)),
     )
 
 
-register("feddyn", {"alpha": Param(0.01, "> 0")}, build)
+register("feddyn", FedDynParams, build)

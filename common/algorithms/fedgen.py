@@ -32,6 +32,7 @@ center (``aggregator`` median or trimmed mean) would zero those rows, so FedGen 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -47,7 +48,8 @@ from wafl.common.algorithms.base import (
     ServerUpdate,
     extra_name,
 )
-from wafl.common.algorithms.registry import Param, register
+from wafl.common.algorithms.params import param
+from wafl.common.algorithms.registry import register
 from wafl.common.models.base import SplitModel, submodule
 
 GEN = "gen."
@@ -143,7 +145,7 @@ class GeneratorServer(ServerUpdate):
 
     buffered_ok = False
 
-    def __init__(self, p: dict[str, Any], seed: int) -> None:
+    def __init__(self, p: FedGenParams, seed: int) -> None:
         self.p, self.seed = p, seed
         self.rounds = 0
 
@@ -161,18 +163,18 @@ class GeneratorServer(ServerUpdate):
         held = [j for j in range(c) if float(counts[:, j].sum()) > 0]
         g = load_generator(
             {k[len(extra_name("")) :]: v for k, v in prev.items() if k.startswith(extra_name(GEN))},
-            self.p["noise_dim"],
+            self.p.noise_dim,
             c,
         )
         g.train()
-        opt = torch.optim.Adam(g.parameters(), lr=self.p["gen_lr"])
+        opt = torch.optim.Adam(g.parameters(), lr=self.p.gen_lr)
         gen = torch.Generator().manual_seed(self.seed * 1000 + self.rounds)
         wb = [(h[:, :-1], h[:, -1]) for h in heads]
-        for _ in range(self.p["gen_steps"]):
-            y = torch.tensor(held)[torch.randint(len(held), (self.p["gen_batch"],), generator=gen)]
-            z = torch.randn(len(y), self.p["noise_dim"], generator=gen)
+        for _ in range(self.p.gen_steps):
+            y = torch.tensor(held)[torch.randint(len(held), (self.p.gen_batch,), generator=gen)]
+            z = torch.randn(len(y), self.p.noise_dim, generator=gen)
             h = generate(g, z, y, c)
-            loss = teacher_loss(h, y, wb, counts) + self.p["eta"] * diversity_loss(h, z)
+            loss = teacher_loss(h, y, wb, counts) + self.p.eta * diversity_loss(h, z)
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -192,7 +194,17 @@ class GeneratorServer(ServerUpdate):
         self.rounds = int(state.get("rounds", 0))
 
 
-def build(p: dict[str, Any], run: Mapping[str, Any]) -> Algorithm:
+@dataclass(frozen=True)
+class FedGenParams:
+    alpha: float = param(1.0, ">= 0")
+    eta: float = param(1.0, ">= 0")
+    noise_dim: int = param(32, "int >= 1")
+    gen_steps: int = param(50, "int >= 1")
+    gen_batch: int = param(32, "int >= 1")
+    gen_lr: float = param(1e-3, "> 0")
+
+
+def build(p: FedGenParams, run: Mapping[str, Any]) -> Algorithm:
     aggregator = run.get("aggregator", "mean")
     if aggregator != "mean":  # refused at start: the rows below are recovered from the weighted mean only
         raise ValueError(
@@ -205,7 +217,7 @@ def build(p: dict[str, Any], run: Mapping[str, Any]) -> Algorithm:
     def extras(model: SplitModel) -> dict[str, torch.Tensor]:
         torch_state = torch.random.get_rng_state()
         torch.manual_seed(int(run.get("seed", 0)) + 12345)  # the same initial generator everywhere
-        g = generator(p["noise_dim"], model.num_classes, model.code_len)
+        g = generator(p.noise_dim, model.num_classes, model.code_len)
         torch.random.set_rng_state(torch_state)
         c, d = model.num_classes, model.code_len
         return {
@@ -217,23 +229,11 @@ def build(p: dict[str, Any], run: Mapping[str, Any]) -> Algorithm:
 
     return Algorithm(
         "fedgen",
-        p,
-        gm_terms=[GenerativeTeacher(p["alpha"], p["noise_dim"])],
+        gm_terms=[GenerativeTeacher(p.alpha, p.noise_dim)],
         extras=extras,
         hooks=Hooks(n),
         server=GeneratorServer(p, int(run.get("seed", 0))),
     )
 
 
-register(
-    "fedgen",
-    {
-        "alpha": Param(1.0, ">= 0"),
-        "eta": Param(1.0, ">= 0"),
-        "noise_dim": Param(32, "int >= 1"),
-        "gen_steps": Param(50, "int >= 1"),
-        "gen_batch": Param(32, "int >= 1"),
-        "gen_lr": Param(1e-3, "> 0"),
-    },
-    build,
-)
+register("fedgen", FedGenParams, build)

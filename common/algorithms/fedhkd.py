@@ -15,7 +15,8 @@ import torch
 from torch import nn
 from wafl.common.algorithms.base import Algorithm, Forward, LossTerm, RoundContext
 from wafl.common.algorithms.hyperknowledge import extract_knowledge, fedhkd_loss_terms
-from wafl.common.algorithms.registry import Param, register
+from wafl.common.algorithms.params import param
+from wafl.common.algorithms.registry import register
 from wafl.common.knowledge import Knowledge
 from wafl.common.models.base import SplitModel, submodule
 from wafl.common.privacy import privacy_report
@@ -32,47 +33,43 @@ class HyperKnowledgeLoss(LossTerm):
         return self.lam * t1 + self.gamma * t2
 
 
-def build(p: dict[str, Any], run: Mapping[str, Any]) -> Algorithm:
+@dataclasses.dataclass(frozen=True)
+class FedHKDParams:
+    lambda_: float = param(0.05, ">= 0", name="lambda")
+    gamma: float = param(0.05, ">= 0")
+    temperature: float = param(0.5, "> 0")
+    nu: float = param(0.25, "[0, 1)")
+    zeta: float = param(3.0, "> 0")
+    sigma: float = param(7.0, ">= 0")
+    delta: float = param(1e-5, "(0, 1)")
+
+
+def build(p: FedHKDParams, run: Mapping[str, Any]) -> Algorithm:
     def knowledge(
         model: SplitModel, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], ctx: RoundContext, gen: torch.Generator
     ) -> Knowledge:
-        return extract_knowledge(
-            model, batches, ctx.label_freq.numel(), p["nu"], p["zeta"], p["sigma"], p["temperature"], gen
-        )
+        return extract_knowledge(model, batches, ctx.label_freq.numel(), p.nu, p.zeta, p.sigma, p.temperature, gen)
 
     def privacy(releases: int) -> dict[str, Any]:
-        if p["sigma"] == 0:
+        if p.sigma == 0:
             return {
                 "sigma": 0.0,
-                "delta": p["delta"],
-                "zeta": p["zeta"],
+                "delta": p.delta,
+                "zeta": p.zeta,
                 "releases": releases,
                 "epsilon_per_release": None,
                 "epsilon_per_run": None,
                 "composition": "none: sigma = 0 adds no noise, epsilon is unbounded",
             }
-        return dataclasses.asdict(privacy_report(p["sigma"], p["delta"], p["zeta"], releases))
+        return dataclasses.asdict(privacy_report(p.sigma, p.delta, p.zeta, releases))
 
     return Algorithm(
         "fedhkd",
-        p,
-        gm_terms=[HyperKnowledgeLoss(p["lambda"], p["gamma"], p["temperature"])],
+        gm_terms=[HyperKnowledgeLoss(p.lambda_, p.gamma, p.temperature)],
         knowledge=knowledge,
         local_model_is_personal=True,
         privacy=privacy,
     )
 
 
-register(
-    "fedhkd",
-    {
-        "lambda": Param(0.05, ">= 0"),
-        "gamma": Param(0.05, ">= 0"),
-        "temperature": Param(0.5, "> 0"),
-        "nu": Param(0.25, "[0, 1)"),
-        "zeta": Param(3.0, "> 0"),
-        "sigma": Param(7.0, ">= 0"),
-        "delta": Param(1e-5, "(0, 1)"),
-    },
-    build,
-)
+register("fedhkd", FedHKDParams, build)

@@ -24,6 +24,7 @@ the round's training, tested on the local test set. The model persists across re
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,7 +39,8 @@ from wafl.common.algorithms.base import (
     RoundContext,
     ServerUpdate,
 )
-from wafl.common.algorithms.registry import Param, register
+from wafl.common.algorithms.params import param
+from wafl.common.algorithms.registry import register
 from wafl.common.models.base import SplitModel
 
 SCORES = "consensus"
@@ -88,22 +90,27 @@ class Consensus(ServerUpdate):
         return mean
 
 
-def build(p: dict[str, Any], run: Mapping[str, Any]) -> Algorithm:
-    size = int(p["public_size"])
+@dataclass(frozen=True)
+class FedMDParams:
+    public_size: int = param(200, "int >= 1")
+    digest_epochs: float = param(1.0, "> 0")
+
+
+def build(p: FedMDParams, run: Mapping[str, Any]) -> Algorithm:
+    size = p.public_size
 
     def scores(model: SplitModel) -> dict[str, torch.Tensor]:
         return {SCORES: torch.zeros(size, model.num_classes)}
 
     return Algorithm(
         "fedmd",
-        p,
         phases=[
             Phase(
                 "digest",
                 terms=[Digest()],
                 data="public",
                 cross_entropy=False,
-                epochs=p["digest_epochs"],
+                epochs=p.digest_epochs,
                 main=False,
                 when=lambda ctx: ctx.round > 1,
             ),
@@ -119,4 +126,4 @@ def build(p: dict[str, Any], run: Mapping[str, Any]) -> Algorithm:
     )
 
 
-register("fedmd", {"public_size": Param(200, "int >= 1"), "digest_epochs": Param(1.0, "> 0")}, build)
+register("fedmd", FedMDParams, build)

@@ -50,12 +50,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from wafl.common import metrics as M
 from wafl.common.algorithms.base import Algorithm, ServerUpdate
-from wafl.common.algorithms.registry import Param, register
+from wafl.common.algorithms.params import param
+from wafl.common.algorithms.registry import register
 from wafl.common.algorithms.server_updates import is_weight
 from wafl.common.errors import Refused
 
@@ -139,16 +141,21 @@ def robust_center(values: list[float], center: str, trim: float) -> float:
     return sum(kept) / len(kept)
 
 
-def build(p: dict[str, Any], run: Mapping[str, Any]) -> Algorithm:
+@dataclass(frozen=True)
+class FedNovaParams:
+    server_momentum: float = param(0.0, "[0, 1)")
+
+
+def build(p: FedNovaParams, run: Mapping[str, Any]) -> Algorithm:
     if run.get("optimizer", "sgd") != "sgd":
         raise ValueError(f"algorithm='fednova' normalizes SGD steps: optimizer={run['optimizer']!r} must be 'sgd'")
     server = NovaUpdate(
         float(run.get("momentum", 0.0)),
-        p["server_momentum"],
+        p.server_momentum,
         str(run.get("aggregator", "mean")),
         float(run.get("trim_fraction", 0.1)),
     )
-    return Algorithm("fednova", p, server=server)
+    return Algorithm("fednova", server=server)
 
 
-register("fednova", {"server_momentum": Param(0.0, "[0, 1)")}, build)
+register("fednova", FedNovaParams, build)

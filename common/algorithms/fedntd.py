@@ -4,10 +4,13 @@ classes, teacher = received global model."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from wafl.common.algorithms.base import Algorithm, Forward, LossTerm, RoundContext
-from wafl.common.algorithms.registry import Param, register
+from wafl.common.algorithms.params import param
+from wafl.common.algorithms.registry import register
 from wafl.common.algorithms.regularizers import ntd_term
 
 
@@ -21,8 +24,14 @@ class NotTrueDistillation(LossTerm):
         return self.beta * ntd_term(out.logits, out.teacher_logits, out.y, self.temperature)
 
 
+@dataclass(frozen=True)
+class FedNTDParams:
+    ntd_beta: float = param(1.0, ">= 0")
+    ntd_temperature: float = param(1.0, "> 0")
+
+
 register(
     "fedntd",
-    {"ntd_beta": Param(1.0, ">= 0"), "ntd_temperature": Param(1.0, "> 0")},
-    lambda p, run: Algorithm("fedntd", p, gm_terms=[NotTrueDistillation(p["ntd_beta"], p["ntd_temperature"])]),
+    FedNTDParams,
+    lambda p, run: Algorithm("fedntd", gm_terms=[NotTrueDistillation(p.ntd_beta, p.ntd_temperature)]),
 )

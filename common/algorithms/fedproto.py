@@ -27,12 +27,15 @@ besides.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
 from wafl.common.algorithms.base import NOTHING, Algorithm, Forward, LossTerm, RoundContext
+from wafl.common.algorithms.params import param
 from wafl.common.algorithms.prototypes import extract_prototypes, fedproto_paper_term, fedproto_term
-from wafl.common.algorithms.registry import Param, register
+from wafl.common.algorithms.registry import register
 from wafl.common.knowledge import Knowledge
 from wafl.common.models.base import SplitModel
 
@@ -54,20 +57,20 @@ def _prototypes(
     return extract_prototypes(model, batches, ctx.label_freq.numel())
 
 
-PARAMS = {
-    "proto_lambda": Param(1.0, ">= 0"),
-    "proto_weighting": Param("count", "count|uniform"),  # the server's per-class average, see above
-}
+@dataclass(frozen=True)
+class FedProtoParams:
+    proto_lambda: float = param(1.0, ">= 0")
+    proto_weighting: Literal["count", "uniform"] = param("count", "count|uniform")  # the server's per-class average
+
 
 register(
     "fedproto",
-    PARAMS,
+    FedProtoParams,
     lambda p, run: Algorithm(
         "fedproto",
-        p,
-        gm_terms=[PrototypeLoss(p["proto_lambda"], over_all_samples=True)],
+        gm_terms=[PrototypeLoss(p.proto_lambda, over_all_samples=True)],
         knowledge=_prototypes,
-        knowledge_weighting=p["proto_weighting"],
+        knowledge_weighting=p.proto_weighting,
         shares=NOTHING,
         evaluates_global=False,
         local_model_is_personal=True,
@@ -76,13 +79,12 @@ register(
 
 register(
     "fedproto-avg",
-    PARAMS,
+    FedProtoParams,
     lambda p, run: Algorithm(
         "fedproto-avg",
-        p,
-        gm_terms=[PrototypeLoss(p["proto_lambda"], over_all_samples=False)],
+        gm_terms=[PrototypeLoss(p.proto_lambda, over_all_samples=False)],
         knowledge=_prototypes,
-        knowledge_weighting=p["proto_weighting"],
+        knowledge_weighting=p.proto_weighting,
         local_model_is_personal=True,
     ),
 )

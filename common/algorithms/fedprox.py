@@ -4,10 +4,13 @@ also serves Ditto's PM."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from wafl.common.algorithms.base import Algorithm, Forward, LossTerm, RoundContext
-from wafl.common.algorithms.registry import Param, register
+from wafl.common.algorithms.params import param
+from wafl.common.algorithms.registry import register
 from wafl.common.algorithms.regularizers import proximal_term
 
 
@@ -23,4 +26,9 @@ class Proximal(LossTerm):
         return proximal_term(model, ctx.global_params, self.mu)
 
 
-register("fedprox", {"mu": Param(0.01, "> 0")}, lambda p, run: Algorithm("fedprox", p, gm_terms=[Proximal(p["mu"])]))
+@dataclass(frozen=True)
+class FedProxParams:
+    mu: float = param(0.01, "> 0")
+
+
+register("fedprox", FedProxParams, lambda p, run: Algorithm("fedprox", gm_terms=[Proximal(p.mu)]))

@@ -30,18 +30,24 @@ body is not averaged again, has no counterpart (wafl's final PM uses the final a
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from wafl.common.algorithms.base import BODY, Algorithm, Phase
-from wafl.common.algorithms.registry import Param, register
+from wafl.common.algorithms.params import param
+from wafl.common.algorithms.registry import register
 
 
-def build(p: dict[str, Any], run: Mapping[str, Any]) -> Algorithm:
-    body_epochs = p["rep_epochs"]
+@dataclass(frozen=True)
+class FedRepParams:
+    rep_epochs: float = param(1.0, "> 0")
+
+
+def build(p: FedRepParams, run: Mapping[str, Any]) -> Algorithm:
+    body_epochs = p.rep_epochs
     head_epochs = max(1.0, float(run.get("local_epochs", 2)) - body_epochs)
     return Algorithm(
         "fedrep",
-        p,
         phases=[
             Phase("head", params="head", epochs=head_epochs, main=False),
             Phase("body", params="body", epochs=body_epochs),
@@ -55,4 +61,4 @@ def build(p: dict[str, Any], run: Mapping[str, Any]) -> Algorithm:
     )
 
 
-register("fedrep", {"rep_epochs": Param(1.0, "> 0")}, build)
+register("fedrep", FedRepParams, build)

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from wafl.common.algorithms.base import Algorithm, Forward, LossTerm, Phase, RoundContext
+from wafl.common.algorithms.params import NoParams
 from wafl.common.algorithms.registry import register
 from wafl.common.models.base import SplitModel, submodule
 
@@ -88,11 +89,10 @@ class PersonalView(nn.Module):
         return submodule(self.model, "classifier")(h) + getattr(self.model, PERSONAL)(h)
 
 
-def build(p: dict[str, Any], run: Mapping[str, Any]) -> Algorithm:
+def build(p: NoParams, run: Mapping[str, Any]) -> Algorithm:
     personal_only = lambda m: list(getattr(m, PERSONAL).parameters())  # noqa: E731
     return Algorithm(
         "fedrod",
-        p,
         phases=[Phase("gm", terms=[BalancedSoftmax(), PersonalHeadLoss()], cross_entropy=False)],
         wrap=with_personal_head,
         shares=lambda k: not k.startswith(PERSONAL + "."),
@@ -103,4 +103,4 @@ def build(p: dict[str, Any], run: Mapping[str, Any]) -> Algorithm:
     )
 
 
-register("fedrod", {}, build)
+register("fedrod", NoParams, build)

@@ -11,12 +11,14 @@ so momentum and weight decay apply to that gradient as in the authors' SAM wrapp
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from wafl.common.algorithms.base import Algorithm, Phase, StepContext, StepRule
-from wafl.common.algorithms.registry import Param, register
+from wafl.common.algorithms.params import param
+from wafl.common.algorithms.registry import register
 
 
 def ascent(params: list[nn.Parameter], grads: list[torch.Tensor | None], rho: float) -> list[torch.Tensor]:
@@ -68,8 +70,13 @@ class SamStep(StepRule):
         return loss
 
 
-def build(p: dict[str, Any], run: Mapping[str, Any]) -> Algorithm:
-    return Algorithm("fedsam", p, phases=[Phase("gm", step=SamStep(p["rho"]))])
+@dataclass(frozen=True)
+class FedSAMParams:
+    rho: float = param(0.05, "> 0")
 
 
-register("fedsam", {"rho": Param(0.05, "> 0")}, build)
+def build(p: FedSAMParams, run: Mapping[str, Any]) -> Algorithm:
+    return Algorithm("fedsam", phases=[Phase("gm", step=SamStep(p.rho))])
+
+
+register("fedsam", FedSAMParams, build)

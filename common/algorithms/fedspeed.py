@@ -20,13 +20,15 @@ digits (the paper tunes per data set): ``lambda`` 10 (a proximal coefficient of 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from wafl.common.algorithms.base import Algorithm, Phase, RoundContext, StepContext, StepRule
 from wafl.common.algorithms.fedsam import sharpness_gradients
-from wafl.common.algorithms.registry import Param, register
+from wafl.common.algorithms.params import param
+from wafl.common.algorithms.registry import register
 
 STATE_KEY = "fedspeed_dual"
 
@@ -60,12 +62,15 @@ class FedSpeedStep(StepRule):
         ctx.client_state[STATE_KEY] = [d.cpu() for d in self.dual]
 
 
-def build(p: dict[str, Any], run: Mapping[str, Any]) -> Algorithm:
-    return Algorithm("fedspeed", p, phases=[Phase("gm", step=FedSpeedStep(p["lambda"], p["alpha"], p["rho"]))])
+@dataclass(frozen=True)
+class FedSpeedParams:
+    lambda_: float = param(10.0, "> 0", name="lambda")
+    alpha: float = param(0.5, "[0, 1)")
+    rho: float = param(0.05, "> 0")
 
 
-register(
-    "fedspeed",
-    {"lambda": Param(10.0, "> 0"), "alpha": Param(0.5, "[0, 1)"), "rho": Param(0.05, "> 0")},
-    build,
-)
+def build(p: FedSpeedParams, run: Mapping[str, Any]) -> Algorithm:
+    return Algorithm("fedspeed", phases=[Phase("gm", step=FedSpeedStep(p.lambda_, p.alpha, p.rho))])
+
+
+register("fedspeed", FedSpeedParams, build)

@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from wafl.common.algorithms.base import Algorithm, AlgorithmStateError, Forward, LossTerm, RoundContext
-from wafl.common.algorithms.registry import Param, register
+from wafl.common.algorithms.params import param
+from wafl.common.algorithms.registry import register
 from wafl.common.models.base import SplitModel
 
 STATE_KEY = "moon_previous_model"
@@ -65,8 +67,14 @@ class ModelContrast(LossTerm):
         self.previous = None
 
 
-def build(p: dict[str, Any], run: Mapping[str, Any]) -> Algorithm:
-    return Algorithm("moon", p, gm_terms=[ModelContrast(p["mu"], p["tau"])])
+@dataclass(frozen=True)
+class MoonParams:
+    mu: float = param(1.0, ">= 0")
+    tau: float = param(0.5, "> 0")
 
 
-register("moon", {"mu": Param(1.0, ">= 0"), "tau": Param(0.5, "> 0")}, build)
+def build(p: MoonParams, run: Mapping[str, Any]) -> Algorithm:
+    return Algorithm("moon", gm_terms=[ModelContrast(p.mu, p.tau)])
+
+
+register("moon", MoonParams, build)

@@ -45,6 +45,7 @@ its theta is tested (``Algorithm.pm_by_local_round``). Defaults: ``lambda`` 15, 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -59,7 +60,8 @@ from wafl.common.algorithms.base import (
     StepContext,
     StepRule,
 )
-from wafl.common.algorithms.registry import Param, register
+from wafl.common.algorithms.params import param
+from wafl.common.algorithms.registry import register
 from wafl.common.algorithms.server_updates import is_weight
 
 
@@ -111,12 +113,19 @@ class PFedMeServer(ServerUpdate):
         return out
 
 
-def build(p: dict[str, Any], run: Mapping[str, Any]) -> Algorithm:
+@dataclass(frozen=True)
+class PFedMeParams:
+    lambda_: float = param(15.0, "> 0", name="lambda")
+    personal_lr: float = param(0.01, "> 0")
+    k: int = param(5, "int >= 1")
+    beta: float = param(1.0, "> 0")
+
+
+def build(p: PFedMeParams, run: Mapping[str, Any]) -> Algorithm:
     return Algorithm(
         "pfedme",
-        p,
-        phases=[Phase("gm", step=MoreauStep(p["lambda"], p["personal_lr"], p["k"]))],
-        server=PFedMeServer(p["beta"]),
+        phases=[Phase("gm", step=MoreauStep(p.lambda_, p.personal_lr, p.k))],
+        server=PFedMeServer(p.beta),
         personal="separate",
         # the PM is theta as the local round left it: no personal phase trains it further (zero steps)
         pm_phase=Phase("pm", steps=0, main=False),
@@ -124,13 +133,4 @@ def build(p: dict[str, Any], run: Mapping[str, Any]) -> Algorithm:
     )
 
 
-register(
-    "pfedme",
-    {
-        "lambda": Param(15.0, "> 0"),
-        "personal_lr": Param(0.01, "> 0"),
-        "k": Param(5, "int >= 1"),
-        "beta": Param(1.0, "> 0"),
-    },
-    build,
-)
+register("pfedme", PFedMeParams, build)

@@ -42,6 +42,7 @@ from wafl.common.algorithms.base import (
     backward,
     extra_name,
 )
+from wafl.common.algorithms.params import NoParams
 from wafl.common.algorithms.registry import register
 from wafl.common.algorithms.server_updates import training_clients
 from wafl.common.models.base import SplitModel
@@ -122,13 +123,12 @@ class ScaffoldServer(ServerUpdate):
         return out
 
 
-def build(p: dict[str, Any], run: Mapping[str, Any]) -> Algorithm:
+def build(p: NoParams, run: Mapping[str, Any]) -> Algorithm:
     def controls(model: SplitModel) -> dict[str, torch.Tensor]:
         return {PREFIX + n: torch.zeros_like(t) for n, t in model.named_parameters() if t.requires_grad}
 
     return Algorithm(
         "scaffold",
-        p,
         phases=[Phase("gm", step=CorrectedStep())],
         extras=controls,
         hooks=Hooks(),
@@ -136,4 +136,4 @@ def build(p: dict[str, Any], run: Mapping[str, Any]) -> Algorithm:
     )
 
 
-register("scaffold", {}, build)
+register("scaffold", NoParams, build)

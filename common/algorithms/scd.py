@@ -12,12 +12,14 @@ trains the GM exactly as FedAvg does.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 from torch import nn
 from wafl.common.algorithms.base import Algorithm, AlgorithmStateError, Forward, LossTerm, RoundContext
-from wafl.common.algorithms.registry import Param, register
+from wafl.common.algorithms.params import param
+from wafl.common.algorithms.registry import register
 from wafl.common.algorithms.spectral import (
     SpectralTarget,
     SpectrumMode,
@@ -48,21 +50,18 @@ class SpectralDistillation(LossTerm):
         return self.weight * spectral_divergence(model, self.target)
 
 
-def build(p: dict[str, Any], run: Mapping[str, Any]) -> Algorithm:
-    gm: list[LossTerm] = (
-        [SpectralDistillation(p["lambda_g"], "pm", p["spectrum"], p["tau"])] if p["lambda_g"] > 0 else []
-    )
-    pm: list[LossTerm] = [SpectralDistillation(p["lambda_p"], "gm", p["spectrum"], None)] if p["lambda_p"] > 0 else []
-    return Algorithm("scd", p, gm_terms=gm, pm_terms=pm)
+@dataclass(frozen=True)
+class SCDParams:
+    lambda_g: float = param(0.3, ">= 0")
+    lambda_p: float = param(0.4, ">= 0")
+    tau: float = param(0.4, "(0, 1]")
+    spectrum: Literal["model", "layer"] = param("model", "model|layer")
 
 
-register(
-    "scd",
-    {
-        "lambda_g": Param(0.3, ">= 0"),
-        "lambda_p": Param(0.4, ">= 0"),
-        "tau": Param(0.4, "(0, 1]"),
-        "spectrum": Param("model", "model|layer"),
-    },
-    build,
-)
+def build(p: SCDParams, run: Mapping[str, Any]) -> Algorithm:
+    gm: list[LossTerm] = [SpectralDistillation(p.lambda_g, "pm", p.spectrum, p.tau)] if p.lambda_g > 0 else []
+    pm: list[LossTerm] = [SpectralDistillation(p.lambda_p, "gm", p.spectrum, None)] if p.lambda_p > 0 else []
+    return Algorithm("scd", gm_terms=gm, pm_terms=pm)
+
+
+register("scd", SCDParams, build)
