@@ -43,7 +43,10 @@ from wafl.common.plateau import PlateauWatch
 from wafl.common.proto import federation_pb2 as pb
 from wafl.common.training import evaluate
 from wafl.common.wire import ChunkBatch, PreEncoded, encode_tensors, write_transfer
-from wafl.server.aggregator import Accumulator, NormBound, RetainedBytes, Rule, bounded
+from wafl.server.aggregation.accumulator import Accumulator
+from wafl.server.aggregation.norm_bound import NormBound, bounded
+from wafl.server.aggregation.rule import Rule
+from wafl.server.aggregation.spill import RetainedBytes
 from wafl.server.auth import ID_PATTERN, Credentials, JoinSecrets, Presence, check_id, load_or_create_key
 from wafl.server.checkpoint import CheckpointError, load_checkpoint, remove_stale_temporaries, save_checkpoint
 from wafl.server.results import ResultsLog, round_

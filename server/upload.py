@@ -33,7 +33,7 @@ from wafl.common.errors import Code, Refused
 from wafl.common.knowledge import Knowledge, from_proto, validate_knowledge
 from wafl.common.proto import federation_pb2 as pb
 from wafl.common.wire import MALFORMED, TransferReader
-from wafl.server.aggregator import FoldState, UploadFold
+from wafl.server.aggregation.accumulator import FoldState, UploadFold
 from wafl.server.strategies.base import Drain, Ticket
 
 if TYPE_CHECKING:

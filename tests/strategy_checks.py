@@ -7,7 +7,7 @@ import torch
 from wafl.common.algorithms import registry
 from wafl.common.codec import iter_chunks, manifest_of
 from wafl.common.config import load_config
-from wafl.server.aggregator import Accumulator
+from wafl.server.aggregation.accumulator import Accumulator
 from wafl.server.strategies import make_strategy
 
 IDS = ["a", "b", "c"]

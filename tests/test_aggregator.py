@@ -8,7 +8,9 @@ import pytest
 import torch
 from wafl.common.algorithms import registry
 from wafl.common.codec import ChunkError, iter_chunks, manifest_of
-from wafl.server.aggregator import Accumulator, RetainedBytes, Rule
+from wafl.server.aggregation.accumulator import Accumulator
+from wafl.server.aggregation.rule import Rule
+from wafl.server.aggregation.spill import RetainedBytes
 
 
 def make_state(seed: int) -> dict[str, torch.Tensor]:

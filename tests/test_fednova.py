@@ -13,7 +13,8 @@ from wafl.common.algorithms.fednova import step_norm
 from wafl.common.codec import manifest_of
 from wafl.common.config import ConfigError, load_config
 from wafl.common.errors import Code, Refused
-from wafl.server.aggregator import Accumulator, Rule
+from wafl.server.aggregation.accumulator import Accumulator
+from wafl.server.aggregation.rule import Rule
 from wafl.server.strategies import make_strategy
 
 STEPS = {"a": 3, "b": 5, "c": 8}

@@ -9,7 +9,8 @@ import torch
 from wafl.common.algorithms import registry
 from wafl.common.codec import iter_chunks, manifest_of
 from wafl.common.config import ConfigError, load_config
-from wafl.server.aggregator import Accumulator, Rule
+from wafl.server.aggregation.accumulator import Accumulator
+from wafl.server.aggregation.rule import Rule
 from wafl.server.strategies import make_strategy
 
 
@@ -165,8 +166,30 @@ def test_robust_options_are_validated() -> None:
             load_config(None, bad)
 
 
+def test_a_registered_center_is_an_aggregator_and_centers_a_collection(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A robust center is one function in the registry: the configuration accepts its name (and lists it
+    among the valid ones), its refusal runs at start, and the accumulator combines each tensor with it."""
+    from wafl.server.aggregation import robust
+
+    with pytest.raises(ConfigError, match=r"is not one of \['mean', 'trimmed_mean', 'median'\]"):
+        load_config(None, {"aggregator": "largest"})
+    refuse = lambda trim, uploads: "largest needs 4 uploads" if uploads < 4 else None
+    monkeypatch.setitem(robust.ROBUST_CENTERS, "largest", robust.RobustCenter(lambda v, trim: v.max(axis=0), refuse))
+    assert robust.center_names() == ["mean", "trimmed_mean", "median", "largest"]
+    with pytest.raises(ConfigError, match="largest needs 4 uploads"):
+        load_config(None, {"aggregator": "largest", "num_clients": 3})
+    load_config(None, {"aggregator": "largest", "num_clients": 4})
+    states = [make_state(s) for s in range(3)]
+    acc = Accumulator(manifest_of(states[0]), rule=Rule(center="largest"))
+    for i, st in enumerate(states):
+        fold(acc, st, float(i + 1))
+    got = acc.center()
+    for k in states[0]:
+        close(got[k], np.stack([as_np(st)[k] for st in states]).max(axis=0))
+
+
 def test_the_default_bound_clips_an_outlier_to_a_multiple_of_the_median() -> None:
-    from wafl.server.aggregator import NormBound
+    from wafl.server.aggregation.norm_bound import NormBound
 
     ref_state = make_state(100)
     ref = as_np(ref_state)
@@ -206,7 +229,7 @@ def test_updates_within_the_default_bound_fold_bit_identically() -> None:
 
 
 def test_the_first_rounds_bound_is_the_models_norm_and_history_is_a_window() -> None:
-    from wafl.server.aggregator import NormBound
+    from wafl.server.aggregation.norm_bound import NormBound
 
     b = NormBound(10.0, window=2)
     assert b.bound(7.5) == pytest.approx(7.5)  # 10 x 0.1 x the model's norm
@@ -272,7 +295,7 @@ def test_the_default_bound_leaves_extra_tensors_alone() -> None:
 
 NORM_SCRIPT = """
 import numpy as np
-from wafl.server.aggregator import sq_norm
+from wafl.server.aggregation.norm_bound import sq_norm
 d = np.random.default_rng(7).standard_normal({n})
 print(sq_norm(d).hex())
 """
@@ -287,7 +310,7 @@ def test_the_update_norm_has_the_same_bits_whatever_the_blas_threads(n: int) -> 
     import subprocess
     import sys
 
-    from wafl.server.aggregator import sq_norm
+    from wafl.server.aggregation.norm_bound import sq_norm
 
     got = set()
     for threads in ("1", "4"):

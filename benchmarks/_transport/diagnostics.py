@@ -10,10 +10,10 @@ from typing import Any
 # (module, class or "" for a module function, function, key): what the server-stage-times diagnostic times;
 # checked to exist before any server starts (a sitecustomize error would only be printed by the server)
 STAGE_WRAPS = [
-    ("wafl.server.aggregator", "UploadFold", "add", "UploadFold.add (executor thread)"),
+    ("wafl.server.aggregation.accumulator", "UploadFold", "add", "UploadFold.add (executor thread)"),
     ("wafl.common.codec", "TransferChecker", "check", "TransferChecker.check (event loop)"),
     ("wafl.server.service", "", "decode_upload", "decode_upload (event loop)"),
-    ("wafl.server.aggregator", "Accumulator", "mean", "Accumulator.mean (per round)"),
+    ("wafl.server.aggregation.accumulator", "Accumulator", "mean", "Accumulator.mean (per round)"),
     ("wafl.server.engine", "RoundEngine", "_encode", "RoundEngine._encode (per round)"),
 ]
 

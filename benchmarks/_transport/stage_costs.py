@@ -28,7 +28,7 @@ def stage_costs(repeat: int = 3) -> dict[str, Any]:
         group_chunks,
         write_transfer,
     )
-    from wafl.server.aggregator import Accumulator
+    from wafl.server.aggregation.accumulator import Accumulator
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

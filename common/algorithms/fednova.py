@@ -61,7 +61,7 @@ from wafl.common.algorithms.registry import register
 from wafl.common.algorithms.server_updates import is_weight
 from wafl.common.errors import Refused
 
-ROBUST = ("median", "trimmed_mean")  # the aggregator's robust centers (wafl.server.aggregator.Center)
+ROBUST = ("median", "trimmed_mean")  # the aggregator's robust centers (wafl.server.aggregation.robust)
 
 
 def step_norm(steps: int, momentum: float) -> float:

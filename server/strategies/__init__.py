@@ -21,7 +21,8 @@ from collections.abc import Callable
 
 from wafl.common.algorithms.base import Algorithm
 from wafl.common.config import ConfigError, RunConfig, register_config_check
-from wafl.server.aggregator import CENTERS, Accumulator, check_robust
+from wafl.server.aggregation.accumulator import Accumulator
+from wafl.server.aggregation.robust import check_robust
 from wafl.server.strategies.base import STRATEGIES, Collection, Deliveries, Drain, RunAborted, Strategy
 
 __all__ = [
@@ -45,10 +46,9 @@ def check_aggregation(cfg: RunConfig) -> None:
     if cfg.aggregation not in STRATEGIES:
         raise ConfigError(f"aggregation={cfg.aggregation!r} is not one of {sorted(STRATEGIES)}")
     settings = STRATEGIES[cfg.aggregation].check_config(cfg)
-    if cfg.aggregator in CENTERS:
-        why = check_robust(cfg.aggregator, cfg.trim_fraction, settings.uploads_per_aggregation(cfg))
-        if why is not None:
-            raise ConfigError(why)
+    why = check_robust(cfg.aggregator, cfg.trim_fraction, settings.uploads_per_aggregation(cfg))
+    if why is not None:
+        raise ConfigError(why)
 
 
 register_config_check("aggregation", check_aggregation)

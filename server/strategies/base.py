@@ -6,7 +6,7 @@ methods from its event loop with the current time, runs :meth:`Strategy.aggregat
 thread, and does every transfer; the in-process simulation drives the very same engine.
 
 A :class:`Collection` gathers the updates of the next version: a streaming weighted sum
-(:class:`~wafl.server.aggregator.Accumulator`), the knowledge, the metrics. A rule is one file
+(:class:`~wafl.server.aggregation.accumulator.Accumulator`), the knowledge, the metrics. A rule is one file
 of this package (``sync.py``, ``buffered.py``, ``fedasync.py``): a subclass decorated with
 :func:`register` under the name ``aggregation = "name"`` selects, with a configuration dataclass
 (:attr:`Strategy.Config`) that reads and checks the rule's settings (its fields of the run
@@ -32,7 +32,7 @@ from wafl.common.algorithms.base import Algorithm
 from wafl.common.config import ConfigError, RunConfig
 from wafl.common.errors import AlreadyAccepted, Code, InvariantError, Refused
 from wafl.common.knowledge import Knowledge, KnowledgeAccumulator
-from wafl.server.aggregator import Accumulator
+from wafl.server.aggregation.accumulator import Accumulator
 from wafl.server.results import weighted_mean
 
 State: TypeAlias = "OrderedDict[str, torch.Tensor]"
