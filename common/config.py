@@ -32,7 +32,7 @@ _SECTION_CHECKS: dict[str, ConfigCheck] = {}
 def register_config_check(section: str, check: ConfigCheck) -> None:
     """A plug-in validates its own configuration section: the round policies (``aggregation``, its fields
     and ``aggregation_params``, ``server/strategies/``) and the aggregation rules (``aggregator``,
-    ``server/aggregator.py``) register here when they are imported, and :meth:`RunConfig.validate` runs
+    ``server/aggregation/rule.py``) register here when they are imported, and :meth:`RunConfig.validate` runs
     every registered check after its own fields'. So this module knows no plug-in: wherever a run starts (the server, an
     in-process run, ``wafl run``) the plug-ins it runs are imported and check the configuration;
     a client validates only the fields it owns, on a configuration its server has checked."""
@@ -88,7 +88,7 @@ class RunConfig:
     trim_fraction: float = 0.1  # trimmed_mean: share of the values dropped at each end of every coordinate
     clip_norm: float | None = None  # L2 bound on each upload's update (difference to the model it trained from)
     # without clip_norm: each update is clipped to this multiple of the median norm of the updates accepted in
-    # the last rounds (in the first, of the global model's norm); 0: no bound (server/aggregator.py NormBound)
+    # the last rounds (in the first, of the global model's norm); 0: no bound (server/aggregation/norm_bound.py)
     norm_bound: float = 10.0
     # heterogeneous clients (reproducible from the seed)
     slowdown: str = "none"  # compute slow-down per client: none, "1,2,4,...", lognormal:sigma=S
