@@ -1,9 +1,10 @@
 """The robust centers: coordinate-wise rules that combine a collection's committed uploads instead of
 their weighted mean, registered by the name the configuration's ``aggregator`` gives them.
 
-A center is one function, registered with :func:`register`: it takes the uploads' values of one tensor
-(float64, shape ``(uploads, numel)``, clipped; the function may reorder them in place) and the
-configuration's ``trim_fraction``, and returns the float64 center of each coordinate, shape ``(numel,)``.
+A center is one function, registered with :func:`register` (in a :class:`~wafl.common.registry.Registry`):
+it takes the uploads' values of one tensor (float64, shape ``(uploads, numel)``, clipped; the function may
+reorder them in place) and the configuration's ``trim_fraction``, and returns the float64 center of each
+coordinate, shape ``(numel,)``.
 Its optional ``refuse`` says why it cannot do what it is for with the uploads one aggregation combines
 (:func:`check_robust`, run when the configuration is checked). The centers ignore the weights (unless the
 algorithm's updates are scaled by them: ``Accumulator.robust``).
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+from wafl.common.registry import Registry
 
 MEAN = "mean"  # the configuration's ``aggregator`` for the weighted mean, folded as the uploads stream in
 
@@ -35,16 +37,17 @@ class RobustCenter:
     refuse: Refuse = _accepts
 
 
-ROBUST_CENTERS: dict[str, RobustCenter] = {}  # by the configuration's ``aggregator``, in registration order
+# by the configuration's ``aggregator``, in registration order; the centers are this module's functions
+ROBUST_CENTERS: Registry[RobustCenter] = Registry("aggregator")
 
 
 def register(name: str, refuse: Refuse = _accepts) -> Callable[[Combine], Combine]:
     """Registers the decorated function as the robust center ``name`` (the ``aggregator`` that selects it)."""
 
     def add(combine: Combine) -> Combine:
-        if name == MEAN or name in ROBUST_CENTERS:
-            raise ValueError(f"aggregator {name!r} is registered already")
-        ROBUST_CENTERS[name] = RobustCenter(combine, refuse)
+        if name == MEAN:
+            raise ValueError(f"aggregator {name!r} is the weighted mean, not a robust center")
+        ROBUST_CENTERS.add(name, RobustCenter(combine, refuse))
         return combine
 
     return add
