@@ -103,6 +103,15 @@ def test_config_refuses(overrides, message) -> None:
         load_config(None, {"num_clients": 3, "algorithm": "fednova", **overrides})
 
 
+def test_a_center_its_rescaling_does_not_know_is_refused() -> None:
+    """FedNova centers the step norms itself (``robust_center``): a robust center registered later is refused,
+    not taken for the mean."""
+    for known in ("mean", "median", "trimmed_mean"):
+        registry.resolve("fednova", {}, {"aggregator": known})
+    with pytest.raises(ValueError, match="algorithm='fednova' with aggregator='largest'"):
+        registry.resolve("fednova", {}, {"aggregator": "largest"})
+
+
 ISSUE_STEPS = {"a": 5, "b": 17, "c": 3}  # issue 50's case
 
 

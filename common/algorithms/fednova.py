@@ -149,11 +149,14 @@ class FedNovaParams:
 def build(p: FedNovaParams, run: Mapping[str, Any]) -> Algorithm:
     if run.get("optimizer", "sgd") != "sgd":
         raise ValueError(f"algorithm='fednova' normalizes SGD steps: optimizer={run['optimizer']!r} must be 'sgd'")
+    center = str(run.get("aggregator", "mean"))
+    if center != "mean" and center not in ROBUST:
+        # its rescaling applies the center to the step norms itself (robust_center), which knows these two only
+        raise ValueError(
+            f"algorithm='fednova' with aggregator={center!r}: its rescaling knows the centers {['mean', *ROBUST]}"
+        )
     server = NovaUpdate(
-        float(run.get("momentum", 0.0)),
-        p.server_momentum,
-        str(run.get("aggregator", "mean")),
-        float(run.get("trim_fraction", 0.1)),
+        float(run.get("momentum", 0.0)), p.server_momentum, center, float(run.get("trim_fraction", 0.1))
     )
     return Algorithm("fednova", server=server)
 
