@@ -164,7 +164,7 @@ class FederationService:
     async def upload(self, requests: AsyncIterator[object], ctx: grpc.aio.ServicerContext) -> pb.UploadReply:
         try:
             self._certificate_bound(ctx)
-            round, nbytes = await receive_upload(self.engine, requests, _credential(ctx))
+            round, nbytes = await receive_upload(self.engine.uploads, requests, _credential(ctx))
         except AlreadyAccepted as e:
             await self._drain(requests)
             return pb.UploadReply(accepted=True, round=e.version, bytes_received=e.nbytes)

@@ -1,14 +1,14 @@
 """One upload, from its header to its commit or rollback, whatever carries its messages.
 
-:func:`receive_upload` is the whole upload path: the engine admits the header (its strategy
-decides the collection and the weight) and hands back an :class:`Upload`; each tensor message is
-checked against the manifest (:class:`~wafl.common.wire.TransferReader`) and folded by the
+:func:`receive_upload` is the whole upload path: the server (an :class:`UploadHost`) admits the
+header (its strategy decides the collection and the weight) and hands back an :class:`Upload`; each
+tensor message is checked against the manifest (:class:`~wafl.common.wire.TransferReader`) and folded by the
 server's fold workers (:class:`FoldPipeline` on :class:`FoldWorkers`, a fixed set of threads
 whatever the uploads in flight) while the next one arrives; the trailer's CRC, the
-knowledge and the chunk count are checked; then the engine commits it. Any failure rolls the
+knowledge and the chunk count are checked; then the host commits it. Any failure rolls the
 fold back before the refusal propagates, so a refused upload never reaches a model.
 
-The commit point is :meth:`Upload.finish`'s call of the engine's ``commit``, after the trailer
+The commit point is :meth:`Upload.finish`'s call of its host's ``commit``, after the trailer
 passed: from then on the upload is in its collection, and a retry under its idempotency key is
 answered with its reply for the rest of the run, whatever became of the first reply (lost, or
 the call cancelled after the trailer). Before that point nothing of it remains after a failure,
@@ -25,10 +25,11 @@ import os
 import queue
 import threading
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from concurrent.futures import Executor
+from typing import Protocol
 
 from wafl.common.checksum import crc32
-from wafl.common.codec import ChunkError, RawChunk, TensorSpec
+from wafl.common.codec import ChunkError, Manifest, RawChunk, TensorSpec
 from wafl.common.errors import Code, Refused
 from wafl.common.knowledge import Knowledge, from_proto, validate_knowledge
 from wafl.common.proto import federation_pb2 as pb
@@ -36,11 +37,54 @@ from wafl.common.wire import MALFORMED, TransferReader
 from wafl.server.aggregation.accumulator import FoldState, UploadFold
 from wafl.server.strategies.base import Drain, Ticket
 
-if TYPE_CHECKING:
-    from wafl.server.engine import RoundEngine
+
+class UploadHost(Protocol):
+    """What an upload needs of the server that receives it, and nothing more: :func:`receive_upload` and
+    :class:`Upload` know the server only through it (the server's upload registry,
+    :class:`~wafl.server.upload_registry.UploadRegistry`, implements it)."""
+
+    @property
+    def upload_stall_s(self) -> float: ...  # an upload with no message for this long is cut off
+
+    @property
+    def manifest(self) -> Manifest: ...  # the tensors every upload carries, in order
+
+    @property
+    def takes_knowledge(self) -> bool: ...  # uploads carry class knowledge (the algorithm shares some)
+
+    @property
+    def num_classes(self) -> int: ...
+
+    @property
+    def code_len(self) -> int: ...  # the length of a knowledge entry's representation
+
+    @property
+    def drain(self) -> Drain: ...  # what becomes of an upload still streaming when its collection closes
+
+    @property
+    def fold_workers(self) -> FoldWorkers: ...  # fold every upload's chunks
+
+    @property
+    def executor(self) -> Executor: ...  # runs a fold's rollback
+
+    async def open_upload(self, h: pb.UploadHeader, credential: str = "") -> Upload:
+        """Admits an upload's header (or raises :class:`Refused`)."""
+        ...
+
+    def commit(self, upload: Upload, knowledge: Knowledge | None) -> None:
+        """The upload passed every check and its fold is committed: it is in its collection."""
+        ...
+
+    def release(self, upload: Upload) -> None:
+        """The upload ended without a commit: its place in the collection is given back."""
+        ...
+
+    def settle(self, upload: Upload) -> None:
+        """The upload's attempt ended, committed or rolled back (a retry under its key may go on)."""
+        ...
 
 
-async def receive_upload(engine: RoundEngine, messages: AsyncIterator[object], credential: str = "") -> tuple[int, int]:
+async def receive_upload(host: UploadHost, messages: AsyncIterator[object], credential: str = "") -> tuple[int, int]:
     """Receives one upload stream; returns ``(round, bytes)`` once it is committed.
 
     ``credential`` is the caller's session credential. Raises :class:`Refused` for anything wrong
@@ -49,7 +93,7 @@ async def receive_upload(engine: RoundEngine, messages: AsyncIterator[object], c
     committed upload.
     """
     it = messages.__aiter__()
-    watch = StallWatch(engine.cfg.upload_stall_s)
+    watch = StallWatch(host.upload_stall_s)
     try:
         first = await _next(it, watch)
     except StopAsyncIteration:
@@ -59,7 +103,7 @@ async def receive_upload(engine: RoundEngine, messages: AsyncIterator[object], c
     if not isinstance(first, pb.UploadMessage) or first.WhichOneof("kind") != "header":
         raise Refused("the first message of an upload must be a header")
     try:
-        upload = await engine.open_upload(first.header, credential)
+        upload = await host.open_upload(first.header, credential)
         try:
             while True:
                 try:
@@ -127,16 +171,16 @@ async def _next(it: AsyncIterator[object], watch: StallWatch) -> object:
 class Upload:
     """An admitted upload: checks, fold, then :meth:`finish` (commit) or :meth:`close` (rollback)."""
 
-    def __init__(self, engine: RoundEngine, header: pb.UploadHeader, ticket: Ticket) -> None:
-        self.engine = engine
+    def __init__(self, host: UploadHost, header: pb.UploadHeader, ticket: Ticket) -> None:
+        self.host = host
         self.header = header
         self.ticket = ticket
-        knowledge_entries = engine.dataset.num_classes if engine.algorithm.knowledge is not None else 0
+        knowledge_entries = host.num_classes if host.takes_knowledge else 0
         self.reader = TransferReader(
-            engine.manifest, knowledge_entries, compute_crc=False
+            host.manifest, knowledge_entries, compute_crc=False
         )  # the fold thread keeps the CRC
         self.fold = ticket.collection.accumulator.begin(ticket.weight)
-        self.pipeline = FoldPipeline(self.fold, engine.fold_workers)
+        self.pipeline = FoldPipeline(self.fold, host.fold_workers)
         self.committed = False
         self.settled = asyncio.Event()  # set once committed or rolled back (a retry under its key waits)
 
@@ -149,20 +193,20 @@ class Upload:
         await self.pipeline.finish()
         self.reader.finish(self.pipeline.crc)
         knowledge = self._knowledge()
-        if self.ticket.collection.closed and self.engine.strategy.drain is Drain.CANCEL:
+        if self.ticket.collection.closed and self.host.drain is Drain.CANCEL:
             raise Refused(f"round {self.header.round} closed while the upload was streaming", Code.ABORTED)
         self.fold.commit()
-        self.engine.commit(self, knowledge)
+        self.host.commit(self, knowledge)
         self.committed = True
         return self.header.round, self.reader.bytes
 
     def _knowledge(self) -> Knowledge | None:
-        e = self.engine
-        if e.algorithm.knowledge is None:
+        host = self.host
+        if not host.takes_knowledge:
             return None
         try:
             k = from_proto(self.reader.knowledge)
-            validate_knowledge(k, e.dataset.num_classes, e.cfg.code_len)
+            validate_knowledge(k, host.num_classes, host.code_len)
         except ValueError as err:
             raise ChunkError(f"knowledge: {err}") from None
         total = sum(ck.count for ck in k.values())
@@ -183,11 +227,11 @@ class Upload:
         try:
             await self.pipeline.stop()
             if self.fold.state is FoldState.OPEN:
-                await asyncio.get_running_loop().run_in_executor(self.engine.executor, self.fold.rollback)
+                await asyncio.get_running_loop().run_in_executor(self.host.executor, self.fold.rollback)
             if not self.committed:
-                self.engine.release(self)
+                self.host.release(self)
         finally:
-            self.engine.settle(self)
+            self.host.settle(self)
 
 
 class FoldWorkers:

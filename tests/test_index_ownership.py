@@ -39,7 +39,7 @@ def test_a_bare_token_never_takes_an_owned_index_after_resume(tmp_path: Path) ->
     first.join(request("bob", 1))
     first._checkpoint()
     resumed = engine(tmp_path, resume=True)
-    assert resumed.index_owner == {0: "alice", 1: "bob"}
+    assert resumed.roster.index_owner == {0: "alice", 1: "bob"}
     refused(lambda: resumed.join(request("mallory", 0)), Code.ALREADY_EXISTS, "client_index 0")
     refused(lambda: resumed.join(request("alice", 0)), Code.PERMISSION_DENIED, "session credential")
     assert resumed.join(request("alice", 0), credential).session_credential == credential  # the owner re-claims it
@@ -55,7 +55,7 @@ def test_server_key_alone_forges_no_credential(tmp_path: Path) -> None:
     assert stat.S_IMODE((tmp_path / "server.key").stat().st_mode) == 0o600
     # whoever holds server.key but not the token derives another key: the credential is not theirs to make
     other = engine(tmp_path, resume=True, token="another-token-of-the-thief-0123")
-    assert other.credentials.issue("alice", 0) != credential
+    assert other.roster.credentials.issue("alice", 0) != credential
     refused(
         lambda: other.join(request("alice", 0, token="another-token-of-the-thief-0123"), credential),
         Code.PERMISSION_DENIED,

@@ -86,16 +86,16 @@ def test_a_simulation_in_a_temporary_folder_writes_no_checkpoint(
 ) -> None:
     """Without ``out_dir`` the run's folder is deleted at the end: it writes no checkpoint (nothing could
     resume from it), and builds the same models; with ``out_dir`` it checkpoints every round as configured."""
-    import wafl.server.engine as engine_module
+    import wafl.server.setup as setup_module
 
     saved: list[Path] = []
-    orig = engine_module.save_checkpoint
+    orig = setup_module.save_checkpoint
 
     def counting(path: Path, payload: dict[str, Any]) -> None:
         saved.append(path)
         orig(path, payload)
 
-    monkeypatch.setattr(engine_module, "save_checkpoint", counting)
+    monkeypatch.setattr(setup_module, "save_checkpoint", counting)
     cfg = load_config(None, {"algorithm": "fedavg", "num_clients": 3, "rounds": 2, "keep_checkpoint_every": 1})
     temporary = simulate(cfg)
     assert saved == []

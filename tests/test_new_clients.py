@@ -172,7 +172,7 @@ def test_the_server_refuses_uploads_from_new_clients_and_their_reports_from_othe
     report(new, {M.NEW_CLIENT_ACCURACY: 0.5, M.NEW_CLIENT_TEST_SAMPLES: 8.0})
     header = pb.UploadHeader(run_id=engine.run_id, round=1, client_id=f"c{new}", num_samples=1, idempotency_key="k")
     with pytest.raises(Refused) as e:
-        asyncio.run(engine.open_upload(header, cred[new]))
+        asyncio.run(engine.uploads.open_upload(header, cred[new]))
     assert e.value.code == Code.FAILED_PRECONDITION and "new client" in str(e.value)
 
 

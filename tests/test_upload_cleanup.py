@@ -39,7 +39,7 @@ async def test_cleanup_survives_a_second_cancellation_and_a_retry_is_admitted(tm
             await asyncio.Event().wait()
 
         key = uuid.uuid4().hex
-        first = asyncio.create_task(receive_upload(engine, stalled(key), session.credential))
+        first = asyncio.create_task(receive_upload(engine.uploads, stalled(key), session.credential))
         await streaming.wait()
         await asyncio.sleep(0.05)  # its chunks are folded
         first.cancel()  # the client cancelled the call ...
@@ -51,10 +51,10 @@ async def test_cleanup_survives_a_second_cancellation_and_a_retry_is_admitted(tm
         except asyncio.CancelledError:
             pass
         for _ in range(200):  # the cleanup finishes on its own
-            if not engine.attempts and not engine.strategy.current.in_flight:
+            if not engine.uploads.attempts and not engine.strategy.current.in_flight:
                 break
             await asyncio.sleep(0.01)
-        assert not engine.strategy.current.in_flight and not engine.attempts
+        assert not engine.strategy.current.in_flight and not engine.uploads.attempts
         assert engine.strategy.current.accumulator.count == 0 and not engine.strategy.current.accumulator.open_folds
 
         async def whole(key: str):
@@ -62,7 +62,7 @@ async def test_cleanup_survives_a_second_cancellation_and_a_retry_is_admitted(tm
             for m in body:
                 yield m
 
-        round_, nbytes = await receive_upload(engine, whole(key), session.credential)  # the retry, same key
+        round_, nbytes = await receive_upload(engine.uploads, whole(key), session.credential)  # the retry, same key
         assert round_ == 1 and nbytes == engine.model_bytes
     finally:
         run.cancel()

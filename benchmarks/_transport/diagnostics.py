@@ -14,7 +14,7 @@ STAGE_WRAPS = [
     ("wafl.common.codec", "TransferChecker", "check", "TransferChecker.check (event loop)"),
     ("wafl.server.service", "", "decode_upload", "decode_upload (event loop)"),
     ("wafl.server.aggregation.accumulator", "Accumulator", "mean", "Accumulator.mean (per round)"),
-    ("wafl.server.engine", "RoundEngine", "_encode", "RoundEngine._encode (per round)"),
+    ("wafl.server.mailbox", "Mailbox", "_encode", "Mailbox._encode (per round)"),
 ]
 
 DIAGNOSTICS: dict[str, dict[str, Any]] = {
@@ -30,7 +30,7 @@ DIAGNOSTICS: dict[str, dict[str, Any]] = {
         "kind": "single",
         "what": (
             "single-client uploads against a server whose UploadFold.add, TransferChecker.check, "
-            "decode_upload, Accumulator.mean and RoundEngine._encode are wrapped in "
+            "decode_upload, Accumulator.mean and Mailbox._encode are wrapped in "
             "time.perf_counter accumulators"
         ),
         "env": {"WAFL_BENCH_STAGE_TIMES": "{dir}/stage_times.json", "WAFL_BENCH_STAGE_WRAPS": json.dumps(STAGE_WRAPS)},

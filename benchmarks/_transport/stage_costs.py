@@ -109,7 +109,7 @@ def stage_costs(repeat: int = 3) -> dict[str, Any]:
 
     warm.total_weight, warm.count = float(NUM_SAMPLES), 1
 
-    def encode_broadcast() -> None:  # RoundEngine._encode: write_transfer, chunk messages encoded once
+    def encode_broadcast() -> None:  # Mailbox._encode: write_transfer, chunk messages encoded once
         [
             m if isinstance(m, pb.BroadcastMessage) else PreEncoded(encode_tensors(m))
             for m in write_transfer(pb.BroadcastMessage, state.items())
@@ -145,7 +145,7 @@ def stage_costs(repeat: int = 3) -> dict[str, Any]:
     }
     per_round = {
         "server: Accumulator.mean": warm.mean,
-        "server: encode the broadcast (write_transfer + encode_tensors, RoundEngine._encode)": encode_broadcast,
+        "server: encode the broadcast (write_transfer + encode_tensors, Mailbox._encode)": encode_broadcast,
         "client: receive one broadcast (decode + ModelAssembler.feed: check, CRC, copy, tensors)": assemble,
     }
     out: dict[str, Any] = {

@@ -60,7 +60,7 @@ class LocalSession:
         """Joins the engine. ``returning``: the engine was resumed from a checkpoint that registered this
         client, whose index stays its own: the session presents the credential the engine issues that client."""
         if returning:
-            self.credential = self.engine.credentials.issue(self.client_id, self.client_index)
+            self.credential = self.engine.roster.credentials.issue(self.client_id, self.client_index)
         req = pb.JoinRequest(
             client_id=self.client_id,
             protocol_version=1,
@@ -92,7 +92,9 @@ class LocalSession:
     ) -> int:
         header = upload_header(self.engine.run_id, round, self.client_id, num_samples, uuid.uuid4().hex, metrics)
         try:
-            _, nbytes = await receive_upload(self.engine, upload_messages(header, state, knowledge), self.credential)
+            _, nbytes = await receive_upload(
+                self.engine.uploads, upload_messages(header, state, knowledge), self.credential
+            )
         except AlreadyAccepted as e:
             return e.nbytes
         except Refused as e:

@@ -104,16 +104,17 @@ class Snapshot:
     def restore_engine(self, engine: RoundEngine) -> None:
         """After the engine was built with ``resume=True``: the results lines still waiting (also to the plateau
         watch, which read the written ones back), the bytes sent since the last line, the run's clock."""
-        if not engine.resumed or engine.strategy.version != self.round + 1:
+        if not engine.rounds.resumed or engine.strategy.version != self.round + 1:
             raise RuntimeError(f"the engine did not resume from the snapshot of version {self.round}")
         results = json.loads(self.state["results"])
         engine.results.load_state_dict(results)
-        if engine.plateau is not None:
+        plateau = engine.rounds.plateau
+        if plateau is not None:
             for _, row, _ in results["pending"]:
-                engine.plateau.row(row)  # a GM watch's values (a PM watch gets its value as the line is written)
-        engine.bytes_down = int(self.state["bytes_down"])
-        engine.run_start -= float(self.state["wall_s"])  # the lines' wall_s go on from the snapshot's
-        engine.results.run_start = engine.run_start
+                plateau.row(row)  # a GM watch's values (a PM watch gets its value as the line is written)
+        engine.mailbox.bytes_down = int(self.state["bytes_down"])
+        engine.rounds.run_start -= float(self.state["wall_s"])  # the lines' wall_s go on from the snapshot's
+        engine.results.run_start = engine.rounds.run_start
         log.info("resume.snapshot", round=self.round, run_id=engine.run_id)
 
     def trainer_state(self, index: int) -> dict[str, Any]:
@@ -214,8 +215,9 @@ class Snapshots:
 
     # ------------------------------------------------------------ writing
     def pause(self, engine: RoundEngine, clients: Sequence[Any]) -> Callable[[], Awaitable[None]]:
-        """The engine's ``between_versions``: records this sitting's time, and takes a snapshot when one is due.
-        ``clients``: every client's round protocol (``client_protocol``), in index order."""
+        """The round loop's ``between_versions`` (:class:`~wafl.server.rounds.RoundLoop`): records this sitting's
+        time, and takes a snapshot when one is due. ``clients``: every client's round protocol
+        (``client_protocol``), in index order."""
 
         async def between_versions() -> None:
             self._record_sitting()
@@ -247,8 +249,8 @@ class Snapshots:
             "tag": self.tag,
             "engine": f"engine-{version}.pt",
             "results": json.dumps(engine.results.state_dict()),
-            "bytes_down": engine.bytes_down,
-            "wall_s": engine.wall(),
+            "bytes_down": engine.mailbox.bytes_down,
+            "wall_s": engine.rounds.wall(),
             "clients": [
                 {"trainer": t, "pm_trained_round": c.pm_trained_round, "bytes_up": c.bytes_up}
                 for c, t in zip(clients, trainers)
@@ -276,7 +278,7 @@ async def _settled(engine: RoundEngine, clients: Sequence[Any]) -> None:
     """Returns once every client is done with the newest model it was sent, its uploads and reports sent."""
 
     def done(c: Any) -> bool:
-        d = engine.mailbox.get(c.session.client_id)
+        d = engine.mailbox.boxes.get(c.session.client_id)
         return (d is None or d.publication.version == c.handled) and not c.uploads and not c.reports
 
     while not all(done(c) for c in clients):

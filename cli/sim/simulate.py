@@ -103,9 +103,9 @@ async def _simulate(
             for c in clients:
                 found.restore_protocol(c)
             snapshots.found = None  # taken back: its tensors can go
-        engine.between_versions = snapshots.pause(engine, clients)
+        engine.rounds.between_versions = snapshots.pause(engine, clients)
     if cfg.grad_dissimilarity_every:
-        engine.round_probe = dissimilarity_probe(cfg, engine, {c.session.client_id: c.trainer for c in clients})
+        engine.rounds.round_probe = dissimilarity_probe(cfg, engine, {c.session.client_id: c.trainer for c in clients})
     tasks = [asyncio.create_task(_client_run(c.run(), c.session.client_id)) for c in clients]
     try:
         # a client that fails ends the simulation with its error at once: the server would otherwise

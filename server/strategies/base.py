@@ -1,9 +1,10 @@
 """What every round policy is: the :class:`Strategy` interface the engine calls, the
 :class:`Collection` of updates that becomes the next version, and the registry of rules.
 
-Transport-free: no gRPC, no asyncio, no clock of its own. The engine (``engine.py``) calls these
-methods from its event loop with the current time, runs :meth:`Strategy.aggregate` in a worker
-thread, and does every transfer; the in-process simulation drives the very same engine.
+Transport-free: no gRPC, no asyncio, no clock of its own. The engine (``engine.py``: its round loop,
+roster and upload registry) calls these methods from its event loop with the current time, runs
+:meth:`Strategy.aggregate` in a worker thread, and does every transfer; the in-process simulation
+drives the very same engine.
 
 A :class:`Collection` gathers the updates of the next version: a streaming weighted sum
 (:class:`~wafl.server.aggregation.accumulator.Accumulator`), the knowledge, the metrics. A rule is one file
