@@ -204,4 +204,8 @@ def test_buffered_run_with_dropouts_keeps_making_versions(tmp_path) -> None:
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == list(range(1, 7))
     events = [json.loads(line)["event"] for line in log.splitlines()]
-    assert "version.short" in events or "version.empty" in events  # what happened is logged
+    # a version made with fewer than buffer_size uploads is logged as such; whether one was needed depends on
+    # when the surviving clients' uploads arrived (on a loaded machine every version may fill up)
+    short = [r["round"] for r in rows if r["clients"] < 3]
+    if short:
+        assert "version.short" in events or "version.empty" in events, (short, sorted(set(events)))
