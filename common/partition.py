@@ -10,12 +10,22 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from wafl.common.config import RunConfig
+
+class PartitionSettings(Protocol):
+    """The fields of a run's configuration (``RunConfig``) that choose its partition; declared here so that
+    this module does not import the configuration that imports it."""
+
+    num_clients: int
+    partition: str
+    alpha: float
+    delta: float
+    seed: int
+    client_size: int | None
+
 
 PARTITIONS = ("dirichlet", "dirichlet-equal", "iid")
 
@@ -202,7 +212,7 @@ def federation_shards(
     return [pool[s] for s in partition(labels[pool], num_clients, kind, alpha, delta, seed, size)]
 
 
-def run_shards(cfg: RunConfig, train_labels: np.ndarray, public_size: int = 0) -> list[np.ndarray]:
+def run_shards(cfg: PartitionSettings, train_labels: np.ndarray, public_size: int = 0) -> list[np.ndarray]:
     """:func:`federation_shards` with a run's own partition settings (``num_clients``, ``partition``,
     ``alpha``, ``delta``, ``seed``, ``client_size``): what the server weighs and the analysis measures."""
     return federation_shards(

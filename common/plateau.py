@@ -48,11 +48,22 @@ import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from wafl.common.algorithms.base import Algorithm
-    from wafl.common.config import RunConfig
+
+
+class PlateauSettings(Protocol):
+    """The fields of a run's configuration (``RunConfig``) that the rule reads; declared here so that this
+    module does not import the configuration that imports it."""
+
+    rounds: int
+    plateau_window: int
+    plateau_delta: float
+    plateau_z: float
+    plateau_metric: str
+
 
 GM, PM = "gm_accuracy", "pm_accuracy"
 METRICS = ("auto", GM, PM)  # plateau_metric's values
@@ -123,7 +134,7 @@ class PlateauWatch:
     @classmethod
     def of(
         cls,
-        cfg: RunConfig,
+        cfg: PlateauSettings,
         algorithm: Algorithm,
         listeners: list[Callable[[dict[str, Any]], None]],
         resumed_from: Path | None = None,
