@@ -40,6 +40,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from wafl.cli.experiments.bench import adaptive_vs_best
+
 RESULTS = Path(__file__).resolve().parent / "results" / "protocols" / "crossover"
 WAFL = str(Path(sys.executable).parent / "wafl")
 PROTOCOLS = ("compute-and-wait", "wait-free")  # the two whose ratio places a point against the crossover
@@ -98,15 +100,6 @@ def pre_upload_share(timelines: dict[str, Any]) -> float | None:
     return round(pre / decided, 4) if decided else None
 
 
-def adaptive_vs_best(zeta: dict[str, float | None]) -> float | None:
-    """Adaptive's time to the target over the better of compute-and-wait's and wait-free's; None when adaptive
-    was not run or neither other protocol reached the target; ``inf`` when adaptive alone missed it."""
-    others = [zeta.get(p) for p in PROTOCOLS if zeta.get(p)]
-    if "adaptive" not in zeta or not others:
-        return None
-    return round(zeta["adaptive"] / min(others), 4) if zeta["adaptive"] else math.inf
-
-
 def point(folder: Path) -> dict[str, Any]:
     """What one bench run (``folder/protocols.json``) says about the crossover."""
     doc = json.loads((folder / "protocols.json").read_text())
@@ -141,7 +134,8 @@ def point(folder: Path) -> dict[str, Any]:
     if "adaptive" in runs:
         tl = folder / "adaptive" / "timelines.json"
         out["adaptive_pre_upload"] = pre_upload_share(json.loads(tl.read_text())) if tl.is_file() else None
-        out["adaptive_vs_best"] = adaptive_vs_best(zeta)
+        ratio = adaptive_vs_best(zeta)
+        out["adaptive_vs_best"] = round(ratio, 4) if ratio is not None and math.isfinite(ratio) else ratio
         out["adaptive_vs_cw"] = (
             round(zeta["adaptive"] / zeta["compute-and-wait"], 4)
             if zeta["adaptive"] and zeta["compute-and-wait"]

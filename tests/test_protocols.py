@@ -168,6 +168,13 @@ def test_summarize_run_and_compare(tmp_path: Path) -> None:
     assert c["speedup_vs_ideal"] == pytest.approx(1.5 / (7.75 / 5.75), abs=1e-3)
     assert c["zeta_speedup"] == pytest.approx(1.5)
     assert s["gm_cpu_per_step_s"] is None and c["gm_cpu_per_step_ratio"] is None  # no client logs in this run
+    # adaptive against the better of the two (compute-and-wait 15 s, wait-free 10 s); no ratio when it missed
+    assert "adaptive_zeta_vs_best" not in c
+    with_adaptive = bench.compare({"compute-and-wait": s, "wait-free": wf, "adaptive": {"zeta_total_s": 10.5}})
+    assert with_adaptive["adaptive_zeta_vs_best"] == pytest.approx(1.05)
+    missed = bench.compare({"compute-and-wait": s, "wait-free": wf, "adaptive": {"zeta_total_s": None}})
+    assert missed["adaptive_zeta_vs_best"] is None
+    assert bench.adaptive_vs_best({"compute-and-wait": 15.0, "wait-free": 10.0, "adaptive": None}) == math.inf
 
 
 def test_gm_cpu_per_step_from_the_clients_logs(tmp_path: Path) -> None:

@@ -133,6 +133,17 @@ def equal_time_rounds(rounds: int, caw: Mapping[str, Any]) -> int:
     return max(rounds, math.ceil(rounds * ideal)) if ideal else rounds
 
 
+def adaptive_vs_best(zeta: Mapping[str, float | None]) -> float | None:
+    """Adaptive's time to the PM target (``zeta``: protocol -> ``zeta_total_s``) over the better of
+    compute-and-wait's and wait-free's; None when adaptive was not run or neither other protocol reached the
+    target; ``inf`` when adaptive alone missed it."""
+    others = [z for z in (zeta.get("compute-and-wait"), zeta.get("wait-free")) if z]
+    if "adaptive" not in zeta or not others:
+        return None
+    mine = zeta["adaptive"]
+    return mine / min(others) if mine else math.inf
+
+
 def compare(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     """``speedup``, the ideal speedup and ``speedup_vs_ideal`` from the two protocols' entries."""
     caw, wf = results.get("compute-and-wait", {}), results.get("wait-free", {})
@@ -143,10 +154,9 @@ def compare(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     zeta_speedup = None
     if caw.get("zeta_total_s") and wf.get("zeta_total_s"):
         zeta_speedup = caw["zeta_total_s"] / wf["zeta_total_s"]
-    adaptive, vs_best = results.get("adaptive"), None
-    if adaptive is not None and adaptive.get("zeta_total_s"):
-        others = [z for z in (caw.get("zeta_total_s"), wf.get("zeta_total_s")) if z]
-        vs_best = adaptive["zeta_total_s"] / min(others) if others else None
+    adaptive = results.get("adaptive")
+    vs_best = adaptive_vs_best({p: r.get("zeta_total_s") for p, r in results.items()})
+    vs_best = vs_best if vs_best is None or math.isfinite(vs_best) else None  # adaptive alone missed: no ratio
     round_speedup = None
     if caw.get("round_s") and wf.get("round_s"):
         round_speedup = caw["round_s"] / wf["round_s"]
