@@ -7,6 +7,7 @@ import argparse
 import json
 from typing import Any
 
+from wafl.common.choices import Partition
 from wafl.common.config import RunConfig, load_config
 from wafl.common.contract import PROTOCOLS
 
@@ -52,7 +53,7 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--config", help="TOML or JSON file with configuration fields")
     g.add_argument("--dataset")
     g.add_argument("--data-dir", dest="data_dir", help="folder holding the larger datasets")
-    g.add_argument("--partition", choices=["dirichlet", "dirichlet-equal", "iid"])
+    g.add_argument("--partition", choices=[p.value for p in Partition])
     g.add_argument("--alpha", type=float, help="per-class Dirichlet concentration")
     g.add_argument("--delta", type=float, help="class-prior concentration of dirichlet-equal")
     g.add_argument("--clients", dest="num_clients", type=int)
@@ -90,9 +91,13 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def resolve_config(a: argparse.Namespace) -> RunConfig:
-    """The configuration of the parsed flags ``a``: defaults, then the ``--config`` file, then the flags."""
+    """The configuration of the parsed flags ``a``: defaults, then the ``--config`` file, then the flags;
+    validated (``RunConfig.validate``), and its aggregation rule checked by the rules
+    (:func:`~wafl.server.strategies.check_aggregation`)."""
+    from wafl.server.strategies import check_aggregation
+
     overrides: dict[str, Any] = {n: getattr(a, n) for n in FIELDS if getattr(a, n, None) is not None}
     overrides.update(dict(a.set))
     if a.param:
         overrides["params"] = dict(a.param)
-    return load_config(a.config, overrides)
+    return check_aggregation(load_config(a.config, overrides))

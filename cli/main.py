@@ -12,7 +12,6 @@ from wafl.cli.parser import build_parser
 from wafl.common.config import ConfigError
 from wafl.common.datasets.base import DatasetNotFoundError
 from wafl.common.errors import RunAborted, UsageError
-from wafl.server import strategies as _strategies  # noqa: F401  (the rules validate their configuration sections)
 
 __all__ = ["build_parser", "main"]
 

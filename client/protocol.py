@@ -22,11 +22,13 @@ loaded), then, if selected, train the GM for ``local_epochs`` and
 
 The same code serves every aggregation rule: under an asynchronous one a client receives a model
 when it is asked to train on it; it uploads its difference to that model when the broadcast's
-header says so (``upload_delta``, set by the server's rule), else the trained model. Heterogeneous
-clients (``slowdown``, ``dropout``, see :mod:`wafl.common.heterogeneity`): a slowed-down client
-follows each GM and compute-and-wait PM phase with a ``slowdown`` phase of ``(factor - 1)`` times
-its length (its wait-free PM pauses that long after every step), and a client that drops out
-of a model it was asked to train on spends the time until the next model ``offline``.
+header says so (``upload_delta``, set by the server's rule), else the trained model, and it evaluates
+every model it trains where the header says the rule is ``asynchronous`` (else in the rounds
+``eval_every`` picks). Heterogeneous clients (``slowdown``, ``dropout``, see
+:mod:`wafl.common.heterogeneity`): a slowed-down client follows each GM and compute-and-wait PM phase
+with a ``slowdown`` phase of ``(factor - 1)`` times its length (its wait-free PM pauses that long after
+every step), and a client that drops out of a model it was asked to train on spends the time until the
+next model ``offline``.
 
 Every phase is recorded on the client's timeline; training runs in a worker thread so the
 event loop keeps streaming: the client's own threads (:class:`~wafl.client.compute.OwnThreads`),
@@ -216,7 +218,7 @@ class RoundProtocol:
         if selected:
             cpu = _process_cpu()
             with self.timeline.phase("gm_train", r) as phase:
-                gm = await self.compute.run(t.gm_round, base, cfg.evaluates_locally(r))
+                gm = await self.compute.run(t.gm_round, base, cfg.evaluates_locally(r, not model.asynchronous))
             stats, knowledge, state = gm.stats, gm.knowledge, gm.state
             # only declared, finite values travel (the server refuses others): no steps, no loss
             metrics = {M.TRAIN_STEPS: float(stats.steps)}
@@ -327,7 +329,7 @@ class RoundProtocol:
         on_received = t.algorithm.pm_on_received
         if on_received and not (loaded or model.final):
             return  # evaluated in _round, right after begin_round
-        if not (model.final or t.cfg.evaluates_locally(r)):
+        if not (model.final or t.cfg.evaluates_locally(r, not model.asynchronous)):
             self.pm_trained_round = None
             return
         received = model.state if on_received and not loaded else None

@@ -108,6 +108,7 @@ class ReceivedModel:
     nbytes: int = 0
     adapt: bool = False  # a new client (new_clients) is asked to adapt it and report its accuracy
     upload_delta: bool = False  # an upload trained on it is the difference to it (else the trained model)
+    asynchronous: bool = False  # the run's rule is not lock-step: every model trained is evaluated locally
 
 
 def credential_path(state_dir: Path | None, index: int) -> Path | None:
@@ -424,4 +425,6 @@ class ModelAssembler:
         h, nbytes = self.header, self.reader.bytes
         self.header = self.reader = self.shared = None
         self.buffers = {}
-        return ReceivedModel(h.round, h.train, h.final, state, knowledge, nbytes, h.adapt, h.upload_delta)
+        return ReceivedModel(
+            h.round, h.train, h.final, state, knowledge, nbytes, h.adapt, h.upload_delta, h.asynchronous
+        )

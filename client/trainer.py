@@ -25,6 +25,7 @@ import torch
 from wafl.client.residency import relocate
 from wafl.common.algorithms import registry
 from wafl.common.algorithms.base import Algorithm, Phase, RoundContext, extra_name, parameters_of, split_payload
+from wafl.common.choices import DeviceKind
 from wafl.common.config import ConfigError, RunConfig
 from wafl.common.datasets import FederatedDataset, load_dataset
 from wafl.common.errors import InvariantError
@@ -49,7 +50,7 @@ class GmRound:
 
 
 def resolve_device(name: str) -> torch.device:
-    if name == "auto":
+    if name == DeviceKind.AUTO:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(name)
     if dev.type == "cuda" and not torch.cuda.is_available():

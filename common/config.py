@@ -3,40 +3,37 @@
 Sources, later ones winning: defaults, a TOML or JSON file (``--config``), command-line
 overrides. The server resolves it and hands it to every client in ``JoinReply.config_json``,
 so clients need only the server's address and their index.
+
+A field with a closed set of values holds a member of its :class:`enum.StrEnum`
+(:mod:`wafl.common.choices`, :class:`~wafl.common.contract.ClientProtocol`), which is its string:
+:meth:`RunConfig.validate` converts the strings of a file, a flag or a constructor once. Validation is
+explicit and depends on nothing imported before it: :meth:`RunConfig.validate` checks every field this
+package knows; the aggregation rule (``aggregation``, ``aggregation_params`` and the fields a rule reads,
+such as ``staleness``) and the ``aggregator`` (a robust center the server registers) are checked by whoever
+runs the rules, ``wafl.server.strategies.check_aggregation``, which the command line, the sweep loader, the
+server and an in-process run call.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import math
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from wafl.common.contract import PROTOCOLS
+from wafl.common.choices import DeviceKind, Optimizer, Partition, PlateauMetric
+from wafl.common.contract import ClientProtocol
 
-OPTIMIZERS = ("sgd", "adam")
+E = TypeVar("E", bound=enum.StrEnum)
 
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and the value."""
-
-
-ConfigCheck = Callable[["RunConfig"], None]
-_SECTION_CHECKS: dict[str, ConfigCheck] = {}
-
-
-def register_config_check(section: str, check: ConfigCheck) -> None:
-    """A plug-in validates its own configuration section: the round policies (``aggregation``, its fields
-    and ``aggregation_params``, ``server/strategies/``) and the aggregation rules (``aggregator``,
-    ``server/aggregation/rule.py``) register here when they are imported, and :meth:`RunConfig.validate` runs
-    every registered check after its own fields'. So this module knows no plug-in: wherever a run starts (the server, an
-    in-process run, ``wafl run``) the plug-ins it runs are imported and check the configuration;
-    a client validates only the fields it owns, on a configuration its server has checked."""
-    _SECTION_CHECKS[section] = check
 
 
 @dataclass
@@ -44,7 +41,7 @@ class RunConfig:
     # data
     dataset: str = "digits"
     data_dir: str | None = None
-    partition: str = "dirichlet"
+    partition: Partition = Partition.DIRICHLET
     alpha: float = 0.5  # per-class Dirichlet concentration
     delta: float = 0.3  # class-prior concentration of the equal-size Dirichlet split
     client_size: int | None = None  # dirichlet-equal: samples per client (None: the train split shared out)
@@ -84,7 +81,8 @@ class RunConfig:
     max_staleness: int = 20  # buffered, fedasync: older updates are refused
     server_lr: float = 1.0  # buffered: step size of the averaged update
     # bounded influence of any one client
-    aggregator: str = "mean"  # how uploads combine: mean (weighted), trimmed_mean, median (coordinate-wise)
+    # how uploads combine: mean (weighted) or a robust center (server/aggregation/robust.py: trimmed_mean, median)
+    aggregator: str = "mean"
     trim_fraction: float = 0.1  # trimmed_mean: share of the values dropped at each end of every coordinate
     clip_norm: float | None = None  # L2 bound on each upload's update (difference to the model it trained from)
     # without clip_norm: each update is clipped to this multiple of the median norm of the updates accepted in
@@ -98,20 +96,20 @@ class RunConfig:
     code_len: int = 32
     algorithm: str = "fedavg"
     params: dict[str, Any] = field(default_factory=dict)  # algorithm hyper-parameters
-    optimizer: str = "sgd"
+    optimizer: Optimizer = Optimizer.SGD
     lr: float = 0.05
     momentum: float = 0.9
     weight_decay: float = 0.0
     batch_size: int = 32
     local_epochs: int = 2  # E_G
     # personalized model and protocol
-    protocol: str = "wait-free"
+    protocol: ClientProtocol = ClientProtocol.WAIT_FREE
     pm_epochs: int = 1  # E_P (compute-and-wait)
     pm_min_steps: int = 0
     pm_max_epochs: float | None = None
     pm_nice: int = 19  # wait-free PM thread's nice value: it only fills time the federation would idle
     pm_yield_transfers: bool = False  # wait-free PM: not during the client's own upload and download
-    device: str = "auto"
+    device: str = DeviceKind.AUTO.value  # auto, cpu, cuda or cuda:N (DeviceKind)
     eval_batch_size: int = 256
     # evaluate every N rounds (0: only after the last): the global model, and under sync the clients'
     # local and personal models (RunConfig.evaluates)
@@ -121,7 +119,8 @@ class RunConfig:
     plateau_window: int = 0
     plateau_delta: float = 0.3
     plateau_z: float = 0.0  # > 0: |gap| plus plateau_z standard errors within plateau_delta (1.645: a 95 % bound)
-    plateau_metric: str = "auto"  # auto (the PM of a method with one, else the GM), gm_accuracy, pm_accuracy
+    # auto (the PM of a method with one, else the GM), gm_accuracy, pm_accuracy
+    plateau_metric: PlateauMetric = PlateauMetric.AUTO
     # every N rounds (0: never) record the clients' gradient dissimilarity G_d at the global model (in process only)
     grad_dissimilarity_every: int = 0
     checkpoint: bool = True
@@ -129,22 +128,24 @@ class RunConfig:
     tensorboard: str | None = None  # folder for TensorBoard event files (the server writes them)
 
     def validate(self) -> RunConfig:
-        """Checks every field; returns self. Raises :class:`ConfigError` naming the first bad one."""
+        """Checks every field this package knows, each closed-set field's string becoming its member;
+        returns self. Raises :class:`ConfigError` naming the first bad one. The aggregation rule's fields
+        are not among them (the module docstring): a client validates only what it owns, on a
+        configuration its server has checked."""
         from wafl.common.algorithms import registry
         from wafl.common.datasets import DATASETS
         from wafl.common.models import MODELS
-        from wafl.common.partition import PARTITIONS
 
         _one_of("dataset", self.dataset, sorted(DATASETS))
-        _one_of("partition", self.partition, PARTITIONS)
+        self.partition = _choice("partition", self.partition, Partition)
         _one_of("model", self.model, sorted(MODELS))
-        _one_of("protocol", self.protocol, PROTOCOLS)
-        _one_of("optimizer", self.optimizer, OPTIMIZERS)
+        self.protocol = _choice("protocol", self.protocol, ClientProtocol)
+        self.optimizer = _choice("optimizer", self.optimizer, Optimizer)
         _positive("alpha", self.alpha)
         _positive("delta", self.delta)
         if self.client_size is not None:
             _int_at_least("client_size", self.client_size, 1)
-            if self.partition != "dirichlet-equal":
+            if self.partition != Partition.DIRICHLET_EQUAL:
                 raise ConfigError(f"client_size={self.client_size} needs partition='dirichlet-equal'")
         _in_range("local_test_fraction", self.local_test_fraction, 0.0, 1.0, low_open=True)
         _int_at_least("num_clients", self.num_clients, 1)
@@ -167,7 +168,7 @@ class RunConfig:
                 raise ConfigError(f"{name} must be a finite number >= 0 (got {value!r})")
         _int_at_least("max_round_retries", self.max_round_retries, 0)
         _int_at_least("seed", self.seed, 0)
-        self._validate_aggregation()
+        self._validate_aggregator()
         try:
             from wafl.common.heterogeneity import slowdowns
 
@@ -197,12 +198,9 @@ class RunConfig:
         _int_at_least("keep_checkpoint_every", self.keep_checkpoint_every, 0)
         if self.keep_checkpoint_every and not self.checkpoint:
             raise ConfigError(f"keep_checkpoint_every={self.keep_checkpoint_every} needs checkpoint = true")
-        if not (
-            self.device in ("auto", "cpu", "cuda") or (self.device.startswith("cuda:") and self.device[5:].isdigit())
-        ):
-            raise ConfigError(f"device={self.device!r} is not one of auto, cpu, cuda, cuda:N")
+        _check_device(self.device)
         try:
-            algorithm = registry.resolve(self.algorithm, self.params, dataclasses.asdict(self))
+            algorithm = registry.resolve(self.algorithm, self.params, self.to_dict())
         except ValueError as e:
             raise ConfigError(str(e)) from None
         self.params = algorithm.params
@@ -211,11 +209,11 @@ class RunConfig:
 
     def _validate_plateau(self, algorithm: Any) -> None:
         """The plateau rule's fields (``wafl.common.plateau``), for the run's resolved algorithm."""
-        from wafl.common.plateau import GM, METRICS, PM, watched_metric
+        from wafl.common.plateau import GM, PM, watched_metric
 
         _int_at_least("plateau_window", self.plateau_window, 0)
         _in_range("plateau_delta", self.plateau_delta, 0.0, 100.0)
-        _one_of("plateau_metric", self.plateau_metric, METRICS)
+        self.plateau_metric = _choice("plateau_metric", self.plateau_metric, PlateauMetric)
         _in_range("plateau_z", self.plateau_z, 0.0, 10.0)
         w = self.plateau_window
         if not w:
@@ -248,17 +246,16 @@ class RunConfig:
                 "not evaluated (gm_accuracy is empty); watch pm_accuracy"
             )
 
-    def _validate_aggregation(self) -> None:
-        """The aggregator's fields, then every registered section check; the round policies' fields
-        (``concurrency``, ``staleness``, ...) are checked by their rule's configuration dataclass
-        (``server/strategies/``), when it is the run's rule."""
+    def _validate_aggregator(self) -> None:
+        """The aggregator's numeric fields. Its name (a robust center registered by the server), the rule's
+        own fields (``concurrency``, ``staleness``, ...), ``aggregation_params``, and whether a robust
+        aggregator has enough uploads per aggregation, depend on the server's plug-ins:
+        ``wafl.server.strategies.check_aggregation`` checks them."""
         _in_range("trim_fraction", self.trim_fraction, 0.0, 0.5, high_open=True)
         if self.clip_norm is not None:
             _positive("clip_norm", self.clip_norm)
         if not (math.isfinite(self.norm_bound) and (self.norm_bound == 0 or self.norm_bound >= 1)):
             raise ConfigError(f"norm_bound must be 0 (off) or a finite multiple >= 1 (got {self.norm_bound})")
-        for check in _SECTION_CHECKS.values():
-            check(self)
 
     def _validate_new_clients(self) -> None:
         _int_at_least("new_clients", self.new_clients, 0)
@@ -277,12 +274,14 @@ class RunConfig:
             return True
         return bool(self.plateau_window) and round > self.rounds - 2 * self.plateau_window
 
-    def evaluates_locally(self, round: int) -> bool:
+    def evaluates_locally(self, round: int, lock_step: bool) -> bool:
         """Whether the clients that train in ``round`` evaluate their models on their local test sets
-        (the upload's local or personal accuracy, the personal model's report). Under sync, with the
-        global model (:meth:`evaluates`): a round's line has all its accuracies or none. Under
-        asynchronous aggregation every time, since an upload's round is not its line's."""
-        return self.aggregation != "sync" or self.evaluates(round)
+        (the upload's local or personal accuracy, the personal model's report). ``lock_step``: whether the
+        run's aggregation rule runs lock-step rounds, every client of a round on one version, as the rule
+        declares it (the server's ``Strategy.lock_step``; a client reads it from every broadcast header,
+        ``BroadcastHeader.asynchronous``). Lock-step, with the global model (:meth:`evaluates`): a round's
+        line has all its accuracies or none. Otherwise every time, since an upload's round is not its line's."""
+        return not lock_step or self.evaluates(round)
 
     @property
     def training_clients(self) -> int:
@@ -297,8 +296,13 @@ class RunConfig:
         n, k = self.num_clients, self.new_clients
         return f"the {self.training_clients} training clients (num_clients={n} - new_clients={k})"
 
+    def to_dict(self) -> dict[str, Any]:
+        """Every field as a plain value (a closed-set field as its string): what ``config.json`` holds,
+        and the run mapping the algorithms are built with."""
+        return {k: v.value if isinstance(v, enum.Enum) else v for k, v in dataclasses.asdict(self).items()}
+
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+        return json.dumps(self.to_dict(), sort_keys=True)
 
     @staticmethod
     def from_mapping(data: Mapping[str, Any]) -> RunConfig:
@@ -352,7 +356,8 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
 
 
 def _coerce(name: str, value: Any) -> Any:
-    """``value`` for field ``name`` if its type fits (an int is a float too); no other conversion."""
+    """``value`` for field ``name`` if its type fits (an int is a float too); no other conversion. A
+    closed-set field's value passes as it is: :meth:`RunConfig.validate` turns it into its member."""
     f = {f.name: f for f in dataclasses.fields(RunConfig)}[name]
     t = str(f.type)
     if value is None:
@@ -379,6 +384,24 @@ def _coerce(name: str, value: Any) -> Any:
 def _one_of(name: str, value: Any, allowed: Any) -> None:
     if value not in allowed:
         raise ConfigError(f"{name}={value!r} is not one of {list(allowed)}")
+
+
+def _choice(name: str, value: Any, kind: type[E]) -> E:
+    """``value`` (a string, or already a member) as the member of ``kind`` it names; a
+    :class:`ConfigError` naming the field and every value otherwise."""
+    if isinstance(value, str):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    raise ConfigError(f"{name}={value!r} is not one of {[k.value for k in kind]}")
+
+
+def _check_device(device: str) -> None:
+    """``device``: a :class:`~wafl.common.choices.DeviceKind`, or ``cuda:N``."""
+    kind, sep, index = device.partition(":")
+    if kind not in [k.value for k in DeviceKind] or (sep and not (kind == DeviceKind.CUDA and index.isdigit())):
+        raise ConfigError(f"device={device!r} is not one of auto, cpu, cuda, cuda:N")
 
 
 def _positive(name: str, value: float) -> None:

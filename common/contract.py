@@ -9,7 +9,7 @@ service comment, on purpose.
 
 from __future__ import annotations
 
-import enum
+from wafl.common.choices import Choice
 
 PROTOCOL_VERSION = 2  # JoinRequest.protocol_version that these clients send
 # 1: a client that ignores BroadcastHeader.upload_delta and always uploads its trained model; 2: one that
@@ -20,7 +20,7 @@ DELTA_UPLOADS_VERSION = 2  # the first version that reads BroadcastHeader.upload
 CREDENTIAL_KEY = "wafl-credential"  # gRPC metadata entry of the session credential Join hands out
 
 
-class ClientProtocol(enum.StrEnum):
+class ClientProtocol(Choice):
     """A client protocol (the configuration's ``protocol``): when a client trains its personal model."""
 
     WAIT_FREE = "wait-free"  # in the background, from its upload until the next broadcast arrives

@@ -13,21 +13,27 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
+from wafl.common.choices import Partition
+
+PARTITIONS = tuple(p.value for p in Partition)
 
 
 class PartitionSettings(Protocol):
-    """The fields of a run's configuration (``RunConfig``) that choose its partition; declared here so that
-    this module does not import the configuration that imports it."""
+    """The run-configuration fields a run's partition is built from (a
+    :class:`~wafl.common.config.RunConfig` has them)."""
 
-    num_clients: int
-    partition: str
-    alpha: float
-    delta: float
-    seed: int
-    client_size: int | None
-
-
-PARTITIONS = ("dirichlet", "dirichlet-equal", "iid")
+    @property
+    def num_clients(self) -> int: ...
+    @property
+    def partition(self) -> str: ...
+    @property
+    def alpha(self) -> float: ...
+    @property
+    def delta(self) -> float: ...
+    @property
+    def seed(self) -> int: ...
+    @property
+    def client_size(self) -> int | None: ...
 
 
 def iid_partition(num_samples: int, num_clients: int, seed: int) -> list[np.ndarray]:
@@ -181,13 +187,13 @@ def partition(
 def _partition(
     train_labels: np.ndarray, num_clients: int, kind: str, alpha: float, delta: float, seed: int, size: int | None
 ) -> list[np.ndarray]:
-    if kind == "dirichlet":
+    if kind == Partition.DIRICHLET:
         return dirichlet_partition(train_labels, num_clients, alpha, seed)
-    if kind == "dirichlet-equal":
+    if kind == Partition.DIRICHLET_EQUAL:
         return dirichlet_equal_partition(train_labels, num_clients, delta, seed, size)
-    if kind == "iid":
+    if kind == Partition.IID:
         return iid_partition(len(train_labels), num_clients, seed)
-    raise ValueError(f"partition={kind!r} is not one of {PARTITIONS}")
+    raise ValueError(f"partition={str(kind)!r} is not one of {PARTITIONS}")
 
 
 def federation_shards(

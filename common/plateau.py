@@ -50,30 +50,35 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from wafl.common.choices import PlateauMetric
+
 if TYPE_CHECKING:
     from wafl.common.algorithms.base import Algorithm
 
+GM, PM = PlateauMetric.GM_ACCURACY.value, PlateauMetric.PM_ACCURACY.value  # the results fields watched
+METRICS = tuple(m.value for m in PlateauMetric)  # plateau_metric's values
+PLATEAU, MAX_ROUNDS = "plateau", "max_rounds"  # stop_reason's values
+
 
 class PlateauSettings(Protocol):
-    """The fields of a run's configuration (``RunConfig``) that the rule reads; declared here so that this
-    module does not import the configuration that imports it."""
+    """The run-configuration fields of the rule (a :class:`~wafl.common.config.RunConfig` has them)."""
 
-    rounds: int
-    plateau_window: int
-    plateau_delta: float
-    plateau_z: float
-    plateau_metric: str
-
-
-GM, PM = "gm_accuracy", "pm_accuracy"
-METRICS = ("auto", GM, PM)  # plateau_metric's values
-PLATEAU, MAX_ROUNDS = "plateau", "max_rounds"  # stop_reason's values
+    @property
+    def plateau_window(self) -> int: ...
+    @property
+    def plateau_delta(self) -> float: ...
+    @property
+    def plateau_z(self) -> float: ...
+    @property
+    def plateau_metric(self) -> str: ...
+    @property
+    def rounds(self) -> int: ...
 
 
 def watched_metric(metric: str, algorithm: Algorithm) -> str:
     """The results field ``plateau_metric`` watches for ``algorithm`` (``auto``: the PM where it has one)."""
-    if metric != "auto":
-        return metric
+    if metric != PlateauMetric.AUTO:
+        return str(metric)
     return PM if algorithm.personal != "none" else GM
 
 

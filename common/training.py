@@ -32,6 +32,7 @@ from wafl.common.algorithms.base import (
     cross_entropy,
     parameters_of,
 )
+from wafl.common.choices import Optimizer
 from wafl.common.models.base import SplitModel
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -91,11 +92,11 @@ def epochs(
 def make_optimizer(
     name: str, params: Sequence[nn.Parameter] | Iterator[nn.Parameter], lr: float, momentum: float, weight_decay: float
 ) -> torch.optim.Optimizer:
-    if name == "sgd":
+    if name == Optimizer.SGD:
         return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
-    if name == "adam":
+    if name == Optimizer.ADAM:
         return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
-    raise ValueError(f"optimizer={name!r} is not one of ['sgd', 'adam']")
+    raise ValueError(f"optimizer={str(name)!r} is not one of {[o.value for o in Optimizer]}")
 
 
 @dataclass

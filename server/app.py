@@ -19,6 +19,7 @@ from wafl.server.auth import JoinSecrets, check_token
 from wafl.server.engine import RoundEngine
 from wafl.server.limits import CLIENT_CALLS, LOBBY_SIZE, Admission, ClientCalls, Lobby
 from wafl.server.service import SERVICE, FederationService, handlers
+from wafl.server.strategies import check_aggregation
 
 MESSAGE_LIMIT = MAX_CHUNK_BYTES + (64 << 10)  # one chunk plus its header; nothing larger is ever needed
 GRPC_OPTIONS = [
@@ -150,6 +151,7 @@ async def serve(
     check_token(token)
     check_exposure(host, JoinSecrets(token, dict(enrollment or {})), allow_open, mutual)
     check_networked(cfg)
+    check_aggregation(cfg)
     check_out_dir(out_dir, resume)
     engine = RoundEngine(cfg, out_dir, token=token, resume=resume, enrollment=enrollment)
     if engine.secrets.open and not mutual:

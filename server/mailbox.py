@@ -118,6 +118,7 @@ class Mailbox:
                     train=d.train,
                     adapt=d.adapt,
                     upload_delta=self.strategy.uploads_are_deltas,
+                    asynchronous=not self.strategy.lock_step,
                     num_tensors=len(self.model.manifest),
                     total_bytes=self.model.nbytes,
                 )

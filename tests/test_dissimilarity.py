@@ -19,6 +19,7 @@ from wafl.common.config import ConfigError, load_config
 from wafl.common.datasets import load_dataset
 from wafl.common.models import build_model
 from wafl.server.selection import select_clients
+from wafl.server.strategies import check_aggregation
 
 
 def slow_dissimilarity(grads: list[list[float]]) -> float:
@@ -61,7 +62,7 @@ def tiny_cfg(**over: object):
     base = {"num_clients": 5, "rounds": 1, "local_epochs": 1, "device": "cpu", "checkpoint": False}
     base.update(over)
     base.setdefault("protocol", "compute-and-wait")
-    return load_config(None, base)
+    return check_aggregation(load_config(None, base))
 
 
 def test_the_probe_every_n_rounds_and_identical_data_give_one() -> None:

@@ -15,7 +15,7 @@ from wafl.common.config import ConfigError, load_config
 from wafl.common.errors import Code, Refused
 from wafl.server.aggregation.accumulator import Accumulator
 from wafl.server.aggregation.rule import Rule
-from wafl.server.strategies import make_strategy
+from wafl.server.strategies import check_aggregation, make_strategy
 
 STEPS = {"a": 3, "b": 5, "c": 8}
 
@@ -100,7 +100,7 @@ def test_an_upload_without_steps_is_refused() -> None:
 )
 def test_config_refuses(overrides, message) -> None:
     with pytest.raises(ConfigError, match=message):
-        load_config(None, {"num_clients": 3, "algorithm": "fednova", **overrides})
+        check_aggregation(load_config(None, {"num_clients": 3, "algorithm": "fednova", **overrides}))
 
 
 def test_a_center_its_rescaling_does_not_know_is_refused() -> None:

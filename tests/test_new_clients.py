@@ -130,12 +130,14 @@ def test_over_grpc_new_clients_join_wait_and_report_as_in_process(tmp_path) -> N
     ],
 )
 def test_bad_new_client_settings_are_refused_naming_the_field(fields, fragment) -> None:
+    from wafl.server.strategies import check_aggregation
+
     with pytest.raises(ConfigError, match=fragment.replace("(", r"\(")):
-        load_config(None, {**BASE, **fields})
+        check_aggregation(load_config(None, {**BASE, **fields}))
 
 
 def test_fraction_counts_the_training_clients_only() -> None:
-    from wafl.server.strategies import STRATEGIES
+    from wafl.server.strategies import STRATEGIES, check_aggregation
 
     def per_aggregation(cfg: RunConfig) -> int:
         return STRATEGIES[cfg.aggregation].check_config(cfg).uploads_per_aggregation(cfg)
@@ -146,7 +148,11 @@ def test_fraction_counts_the_training_clients_only() -> None:
     buffered = load_config(None, {**BASE, "num_clients": 10, "new_clients": 6, "aggregation": "buffered"})
     assert per_aggregation(buffered) == 2  # half of the 4 that may train at once
     with pytest.raises(ConfigError, match=r"concurrency=5 is more than the 4 training clients"):
-        load_config(None, {**BASE, "num_clients": 10, "new_clients": 6, "aggregation": "buffered", "concurrency": 5})
+        check_aggregation(
+            load_config(
+                None, {**BASE, "num_clients": 10, "new_clients": 6, "aggregation": "buffered", "concurrency": 5}
+            )
+        )
 
 
 def test_the_server_refuses_uploads_from_new_clients_and_their_reports_from_others(tmp_path) -> None:

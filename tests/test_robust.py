@@ -11,7 +11,7 @@ from wafl.common.codec import iter_chunks, manifest_of
 from wafl.common.config import ConfigError, load_config
 from wafl.server.aggregation.accumulator import Accumulator
 from wafl.server.aggregation.rule import Rule
-from wafl.server.strategies import make_strategy
+from wafl.server.strategies import check_aggregation, make_strategy
 
 
 def make_state(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
@@ -163,7 +163,7 @@ def test_robust_options_are_validated() -> None:
         ({"clip_norm": float("inf")}, "clip_norm="),
     ]:
         with pytest.raises(ConfigError, match=match):
-            load_config(None, bad)
+            check_aggregation(load_config(None, bad))
 
 
 def test_a_registered_center_is_an_aggregator_and_centers_a_collection(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -172,14 +172,14 @@ def test_a_registered_center_is_an_aggregator_and_centers_a_collection(monkeypat
     from wafl.server.aggregation import robust
 
     with pytest.raises(ConfigError, match=r"is not one of \['mean', 'trimmed_mean', 'median'\]"):
-        load_config(None, {"aggregator": "largest"})
+        check_aggregation(load_config(None, {"aggregator": "largest"}))
     refuse = lambda trim, uploads: "largest needs 4 uploads" if uploads < 4 else None
     monkeypatch.setattr(robust.ROBUST_CENTERS, "_things", dict(robust.ROBUST_CENTERS))  # this test's registration only
     robust.register("largest", refuse)(lambda v, trim: v.max(axis=0))
     assert robust.center_names() == ["mean", "trimmed_mean", "median", "largest"]
     with pytest.raises(ConfigError, match="largest needs 4 uploads"):
-        load_config(None, {"aggregator": "largest", "num_clients": 3})
-    load_config(None, {"aggregator": "largest", "num_clients": 4})
+        check_aggregation(load_config(None, {"aggregator": "largest", "num_clients": 3}))
+    check_aggregation(load_config(None, {"aggregator": "largest", "num_clients": 4}))
     states = [make_state(s) for s in range(3)]
     acc = Accumulator(manifest_of(states[0]), rule=Rule(center="largest"))
     for i, st in enumerate(states):
@@ -269,10 +269,10 @@ def test_an_update_beyond_float32_is_refused(value: float) -> None:
 )
 def test_vacuous_robust_settings_are_refused_at_start(fields: dict, fragment: str) -> None:
     with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
-        load_config(None, fields)
+        check_aggregation(load_config(None, fields))
     # the same rules with enough uploads per round are accepted
     kept = {k: v for k, v in fields.items() if k in ("aggregator", "trim_fraction")}
-    load_config(None, {**kept, "num_clients": 10})
+    check_aggregation(load_config(None, {**kept, "num_clients": 10}))
 
 
 def test_the_default_bound_leaves_extra_tensors_alone() -> None:

@@ -11,6 +11,7 @@ import pytest
 from strategy_checks import IDS, SAMPLES, make, state, upload
 from wafl.common.config import ConfigError, load_config
 from wafl.common.errors import AlreadyAccepted, Code, Refused
+from wafl.server.strategies import check_aggregation
 from wafl.server.strategies.base import RunAborted
 from wafl.server.strategies.buffered import BufferedConfig, BufferedStrategy, staleness_function
 
@@ -156,7 +157,7 @@ def test_staleness_functions() -> None:
 )
 def test_buffered_config_refuses_what_makes_no_sense(overrides, message) -> None:
     with pytest.raises(ConfigError, match=message):
-        load_config(None, {"num_clients": 3, "aggregation": "buffered", **overrides})
+        check_aggregation(load_config(None, {"num_clients": 3, "aggregation": "buffered", **overrides}))
 
 
 def test_buffered_default_sizes() -> None:

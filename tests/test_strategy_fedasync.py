@@ -12,6 +12,7 @@ from wafl.common.codec import iter_chunks
 from wafl.common.config import ConfigError, load_config
 from wafl.server.checkpoint import load_checkpoint
 from wafl.server.engine import RoundEngine
+from wafl.server.strategies import check_aggregation
 from wafl.server.strategies.fedasync import FedAsyncStrategy
 
 
@@ -130,13 +131,13 @@ def test_the_mixing_weight_ignores_sample_counts_and_declared_steps() -> None:
 )
 def test_config_refuses_what_makes_no_sense(overrides, message) -> None:
     with pytest.raises(ConfigError, match=message):
-        load_config(None, {"num_clients": 3, "aggregation": "fedasync", **overrides})
+        check_aggregation(load_config(None, {"num_clients": 3, "aggregation": "fedasync", **overrides}))
 
 
 def test_sync_and_buffered_have_no_alpha() -> None:
     for rule in ("sync", "buffered"):
         with pytest.raises(ConfigError, match=f"aggregation_params.alpha is not a setting of aggregation='{rule}'"):
-            load_config(None, {"aggregation": rule, "aggregation_params": {"alpha": 0.5}})
+            check_aggregation(load_config(None, {"aggregation": rule, "aggregation_params": {"alpha": 0.5}}))
 
 
 def test_clients_upload_whole_models_as_the_broadcast_header_says(tmp_path) -> None:

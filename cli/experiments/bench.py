@@ -73,6 +73,7 @@ from wafl.cli.report.timeline_stats import (
     zeta_total,
 )
 from wafl.common.config import RunConfig
+from wafl.common.contract import ClientProtocol
 
 ZETA_TARGETS = (0.5, 0.6, 0.7, 0.8, 0.9)
 DEFAULT_PROTOCOLS = ("compute-and-wait", "wait-free")
@@ -210,7 +211,9 @@ def bench_protocols(
     for i, protocol in enumerate(order, 1):
         if protocol != "compute-and-wait" and not same_rounds:
             rounds[protocol] = equal_time_rounds(cfg.rounds, results.get("compute-and-wait", {}))
-        run_cfg = dataclasses.replace(cfg, protocol=protocol, params=dict(cfg.params), rounds=rounds[protocol])
+        run_cfg = dataclasses.replace(
+            cfg, protocol=ClientProtocol(protocol), params=dict(cfg.params), rounds=rounds[protocol]
+        )
         run_dir = out / protocol
         shutil.rmtree(run_dir / "clients", ignore_errors=True)  # no PM state of an earlier run
         if show_progress:

@@ -43,10 +43,11 @@ from wafl.cli.report.run_records import read_jsonl, read_timelines
 from wafl.cli.report.timeline_stats import idle_fraction, rounded, share_of_wall, training_start
 from wafl.common.config import RunConfig
 from wafl.common.contract import ClientProtocol
+from wafl.server.strategies import check_aggregation
 from wafl.server.strategies.buffered import BufferedConfig
 
 AGGREGATIONS = ("sync", "buffered")
-PROTOCOLS = (ClientProtocol.COMPUTE_AND_WAIT.value, ClientProtocol.WAIT_FREE.value)  # the baseline first
+PROTOCOLS = (ClientProtocol.COMPUTE_AND_WAIT, ClientProtocol.WAIT_FREE)  # the baseline first
 
 
 def _phase_fraction(timelines: Mapping[str, Any], phase: str) -> float | None:
@@ -165,11 +166,14 @@ def bench_async(
         rounds, equal = cfg.rounds, None
         if aggregation == "buffered":
             probe = dataclasses.replace(cfg, aggregation="buffered", params=dict(cfg.params)).validate()
+            check_aggregation(probe)
             equal = math.ceil(cfg.rounds * cfg.num_clients / BufferedConfig.of(probe).buffer_size)
             rounds = equal * versions_factor
-        run_cfg = dataclasses.replace(
-            cfg, aggregation=aggregation, protocol=protocol, rounds=rounds, params=dict(cfg.params)
-        ).validate()
+        run_cfg = check_aggregation(
+            dataclasses.replace(
+                cfg, aggregation=aggregation, protocol=protocol, rounds=rounds, params=dict(cfg.params)
+            ).validate()
+        )
         run_dir = out / name
         if show_progress:
             print(

@@ -60,6 +60,7 @@ from typing import Any
 from wafl.cli.report.provenance import git_commit
 from wafl.common.config import ConfigError, RunConfig, load_config
 from wafl.common.plateau import ran_to_end
+from wafl.server.strategies import check_aggregation
 
 DONE = "point.json"
 
@@ -91,7 +92,8 @@ def point_kernels() -> Iterator[None]:
 
 
 def load_sweep(path: Path) -> tuple[Path, list[tuple[str, RunConfig]]]:
-    """The output folder and every point as ``(folder name, validated configuration)``."""
+    """The output folder and every point as ``(folder name, validated configuration)``, each point's
+    aggregation rule checked (:func:`~wafl.server.strategies.check_aggregation`)."""
     if not path.is_file():
         raise ConfigError(f"sweep file {str(path)!r} does not exist")
     spec = _read_toml(path)
@@ -126,7 +128,7 @@ def load_sweep(path: Path) -> tuple[Path, list[tuple[str, RunConfig]]]:
                 data[k] = v
         data["params"] = params
         try:
-            cfg = load_config(None, data)
+            cfg = check_aggregation(load_config(None, data))
         except ConfigError as e:
             raise ConfigError(f"sweep point {o}: {e}") from None
         name = ",".join(f"{k}={_short(o[k])}" for k in varying if k in o) or "point"
@@ -190,7 +192,7 @@ def run_point(
     import torch
 
     torch.set_num_threads(1)
-    cfg = RunConfig.from_json(cfg_json).validate()
+    cfg = check_aggregation(RunConfig.from_json(cfg_json).validate())
     out = Path(folder)
     t0 = time.monotonic()
     snapshots = None

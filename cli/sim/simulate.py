@@ -28,6 +28,7 @@ from wafl.common.algorithms.base import split_payload
 from wafl.common.analysis.dissimilarity import full_gradient, gradient_dissimilarity
 from wafl.common.config import RunConfig
 from wafl.server.engine import RoundEngine
+from wafl.server.strategies import check_aggregation
 
 
 def simulate(
@@ -46,11 +47,13 @@ def simulate(
     (:class:`~wafl.client.process_slots.ProcessSlots`, compute-and-wait only), the protocol, the
     transport and the server staying in this one. ``snapshots`` (of ``out_dir``): the run resumes from the
     snapshot found there, if any, and takes snapshots as it goes (:mod:`wafl.cli.sim.resume`); the rows
-    returned are then every line of ``results.jsonl``, the earlier sittings' included.
+    returned are then every line of ``results.jsonl``, the earlier sittings' included. ``cfg`` is validated
+    (``RunConfig.validate``); its aggregation rule is checked here (:func:`~wafl.server.strategies.check_aggregation`).
     """
+    check_aggregation(cfg)
     if slot_processes and (pool is not None or not trains_in_processes(cfg)):
         raise ValueError(
-            f"slot_processes={slot_processes} needs protocol='compute-and-wait' (not {cfg.protocol!r}), "
+            f"slot_processes={slot_processes} needs protocol='compute-and-wait' (not {str(cfg.protocol)!r}), "
             "no new clients and no pool"
         )
     if snapshots is not None and (out_dir is None or snapshots.out_dir != out_dir):

@@ -119,7 +119,7 @@ class BroadcastRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., client_id: _Optional[str] = ...) -> None: ...
 
 class BroadcastHeader(_message.Message):
-    __slots__ = ("run_id", "round", "final", "num_tensors", "total_bytes", "train", "adapt", "upload_delta")
+    __slots__ = ("run_id", "round", "final", "num_tensors", "total_bytes", "train", "adapt", "upload_delta", "asynchronous")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +128,7 @@ class BroadcastHeader(_message.Message):
     TRAIN_FIELD_NUMBER: _ClassVar[int]
     ADAPT_FIELD_NUMBER: _ClassVar[int]
     UPLOAD_DELTA_FIELD_NUMBER: _ClassVar[int]
+    ASYNCHRONOUS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     round: int
     final: bool
@@ -136,7 +137,8 @@ class BroadcastHeader(_message.Message):
     train: bool
     adapt: bool
     upload_delta: bool
-    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., final: _Optional[bool] = ..., num_tensors: _Optional[int] = ..., total_bytes: _Optional[int] = ..., train: _Optional[bool] = ..., adapt: _Optional[bool] = ..., upload_delta: _Optional[bool] = ...) -> None: ...
+    asynchronous: bool
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., final: _Optional[bool] = ..., num_tensors: _Optional[int] = ..., total_bytes: _Optional[int] = ..., train: _Optional[bool] = ..., adapt: _Optional[bool] = ..., upload_delta: _Optional[bool] = ..., asynchronous: _Optional[bool] = ...) -> None: ...
 
 class BroadcastTrailer(_message.Message):
     __slots__ = ("crc32", "num_chunks")

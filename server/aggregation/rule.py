@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from wafl.common.config import ConfigError, RunConfig, register_config_check
+from wafl.common.config import ConfigError, RunConfig
 from wafl.server.aggregation.robust import MEAN, center_names
 
 
@@ -30,11 +30,9 @@ class Rule:
 
 
 def check_aggregator(cfg: RunConfig) -> None:
-    """The ``aggregator`` section: a known rule. Whether it can do what it is for with the uploads one
+    """The ``aggregator``: the weighted mean or a registered robust center (called by
+    ``wafl.server.strategies.check_aggregation``). Whether it can do what it is for with the uploads one
     aggregation combines (:func:`~wafl.server.aggregation.robust.check_robust`) depends on the round policy,
-    which checks it (``wafl.server.strategies.check_aggregation``)."""
+    which checks it there."""
     if cfg.aggregator not in center_names():
         raise ConfigError(f"aggregator={cfg.aggregator!r} is not one of {center_names()}")
-
-
-register_config_check("aggregator", check_aggregator)

@@ -9,8 +9,10 @@ update, when the next version is published, and how the gathered updates become 
 
 Every module of this package is imported here, so a new rule is one new file (and its test):
 a :class:`~wafl.server.strategies.base.Strategy` subclass decorated with ``@register("name")``,
-whose ``Config`` reads and checks its settings. Importing this package registers the
-``aggregation`` section check with the configuration (:func:`check_aggregation`).
+whose ``Config`` reads and checks its settings. :func:`check_aggregation` checks a run's rule and its
+aggregator; it is called explicitly where a configuration enters (the command line's flags, a sweep's
+points, the server's start, an in-process run), since ``RunConfig.validate`` knows no rule and no
+aggregator.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ import pkgutil
 from collections.abc import Callable
 
 from wafl.common.algorithms.base import Algorithm
-from wafl.common.config import ConfigError, RunConfig, register_config_check
+from wafl.common.config import ConfigError, RunConfig
 from wafl.server.aggregation.accumulator import Accumulator
 from wafl.server.aggregation.robust import check_robust
+from wafl.server.aggregation.rule import check_aggregator
 from wafl.server.strategies.base import STRATEGIES, Collection, Deliveries, Drain, RunAborted, Strategy
 
 __all__ = [
@@ -34,27 +37,35 @@ __all__ = [
     "Strategy",
     "check_aggregation",
     "make_strategy",
+    "strategy_class",
 ]
 
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
     importlib.import_module(f"{__name__}.{_module}")
 
 
-def check_aggregation(cfg: RunConfig) -> None:
-    """The ``aggregation`` section: a known rule, its settings (its ``Config``), and an aggregator
-    that can do what it is for with the uploads one aggregation of this rule combines."""
-    if cfg.aggregation not in STRATEGIES:
-        raise ConfigError(f"aggregation={cfg.aggregation!r} is not one of {sorted(STRATEGIES)}")
-    settings = STRATEGIES[cfg.aggregation].check_config(cfg)
+def check_aggregation(cfg: RunConfig) -> RunConfig:
+    """The aggregation of a validated configuration (``RunConfig.validate``): a known aggregator
+    (:func:`~wafl.server.aggregation.rule.check_aggregator`), a known rule, its settings (its ``Config``),
+    and an aggregator that can do what it is for with the uploads one aggregation of this rule combines;
+    returns ``cfg``. Raises ``ConfigError`` naming the field."""
+    check_aggregator(cfg)
+    settings = strategy_class(cfg).check_config(cfg)
     why = check_robust(cfg.aggregator, cfg.trim_fraction, settings.uploads_per_aggregation(cfg))
     if why is not None:
         raise ConfigError(why)
+    return cfg
 
 
-register_config_check("aggregation", check_aggregation)
+def strategy_class(cfg: RunConfig) -> type[Strategy]:
+    """The rule ``aggregation`` names; ``ConfigError`` naming every rule when it names none."""
+    rule = STRATEGIES.get(cfg.aggregation)
+    if rule is None:
+        raise ConfigError(f"aggregation={cfg.aggregation!r} is not one of {sorted(STRATEGIES)}")
+    return rule
 
 
 def make_strategy(
     cfg: RunConfig, algorithm: Algorithm, num_classes: int, new_accumulator: Callable[[], Accumulator]
 ) -> Strategy:
-    return STRATEGIES[cfg.aggregation](cfg, algorithm, num_classes, new_accumulator)
+    return strategy_class(cfg)(cfg, algorithm, num_classes, new_accumulator)

@@ -13,8 +13,8 @@ of this package (``sync.py``, ``buffered.py``, ``fedasync.py``): a subclass deco
 (:attr:`Strategy.Config`) that reads and checks the rule's settings (its fields of the run
 configuration and its ``aggregation_params``). The package imports every module in it, so
 nothing else names a rule. What a client must know about the rule travels on the wire from the
-class attributes (:attr:`Strategy.uploads_are_deltas` in every broadcast header), not as a test
-of the configuration's ``aggregation`` string.
+class attributes (:attr:`Strategy.uploads_are_deltas` and :attr:`Strategy.lock_step` in every
+broadcast header), not as a test of the configuration's ``aggregation`` string.
 """
 
 from __future__ import annotations
@@ -132,6 +132,12 @@ class Strategy(ABC):
     #: every broadcast header says so (``BroadcastHeader.upload_delta``), so clients never ask the configuration
     uploads_are_deltas: ClassVar[bool] = False
 
+    #: whether rounds are lock-step, every client of a round training on one version (sync). Clients then
+    #: evaluate their models only in the rounds the global model is evaluated (``RunConfig.evaluates_locally``);
+    #: under a rule that is not, every time, since an upload's round is not its results line's. Every broadcast
+    #: header says so (``BroadcastHeader.asynchronous`` is its negation), so clients never ask the configuration
+    lock_step: ClassVar[bool] = True
+
     #: whether clients train on different versions at once: a results line then does not wait for
     #: the PM reports of its round, and its ``pm_accuracy`` is the mean of each client's latest report
     latest_pm: ClassVar[bool] = False
@@ -155,7 +161,7 @@ class Strategy(ABC):
     @classmethod
     def check_config(cls, cfg: RunConfig) -> RuleConfig:
         """The rule's settings; raises ``ConfigError`` for a configuration this policy cannot run
-        (called by ``RunConfig.validate`` through the ``aggregation`` section check)."""
+        (called by :func:`wafl.server.strategies.check_aggregation`)."""
         return cls.Config.of(cfg)
 
     # ------------------------------------------------------------------ clients and versions
@@ -341,6 +347,11 @@ class Strategy(ABC):
     def expected_reports(self, c: Collection) -> set[str]:
         """Clients whose PM report for this row's round the results line waits for."""
         return set()
+
+    def evaluates_locally(self, version: int) -> bool:
+        """Whether the clients that train on ``version`` evaluate their models on their local test sets
+        (:attr:`lock_step`, ``RunConfig.evaluates_locally``): what the clients decide from the header."""
+        return self.cfg.evaluates_locally(version, self.lock_step)
 
 
 def local_accuracy(uploads: Iterable[Mapping[str, float]], personal: bool) -> float | None:

@@ -34,7 +34,6 @@ versions and staleness rules here serve FedAsync too (``fedasync.py``).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ from typing import Any, ClassVar
 import numpy as np
 import structlog
 import torch
+from wafl.common.choices import Choice
 from wafl.common.config import ConfigError, RunConfig, int_at_least, one_of, positive
 from wafl.common.errors import Code, Refused
 from wafl.server.strategies.base import (
@@ -59,7 +59,18 @@ from wafl.server.strategies.base import (
 
 log = structlog.get_logger("server")
 
-STALENESS = ("sqrt", "constant", "poly", "hinge")
+
+class Staleness(Choice):
+    """``staleness``: an asynchronous rule's weight of an update by its age ``s`` in versions (the rule
+    checks it: a run of another rule ignores it)."""
+
+    SQRT = "sqrt"  # 1/sqrt(1+s) (FedBuff)
+    CONSTANT = "constant"  # 1
+    POLY = "poly"  # (1+s)^-a
+    HINGE = "hinge"  # 1 up to b, then 1/(a(s-b)+1)
+
+
+STALENESS = tuple(s.value for s in Staleness)
 
 
 def staleness_function(kind: str, a: float, b: int) -> Callable[[int], float]:
@@ -67,11 +78,11 @@ def staleness_function(kind: str, a: float, b: int) -> Callable[[int], float]:
     (Xie et al. 2019) ``constant`` 1, ``poly`` ``(1+s)^-a`` and ``hinge`` (1 up to ``b``, then
     ``1/(a(s-b)+1)``), ``s = t - tau`` the versions published since the update's own."""
     return {
-        "sqrt": lambda s: 1.0 / math.sqrt(1.0 + s),
-        "constant": lambda s: 1.0,
-        "poly": lambda s: (1.0 + s) ** -a,
-        "hinge": lambda s: 1.0 if s <= b else 1.0 / (a * (s - b) + 1.0),
-    }[kind]
+        Staleness.SQRT: lambda s: 1.0 / math.sqrt(1.0 + s),
+        Staleness.CONSTANT: lambda s: 1.0,
+        Staleness.POLY: lambda s: (1.0 + s) ** -a,
+        Staleness.HINGE: lambda s: 1.0 if s <= b else 1.0 / (a * (s - b) + 1.0),
+    }[Staleness(kind)]
 
 
 @dataclass(frozen=True)
@@ -107,7 +118,7 @@ class AsyncConfig(RuleConfig):
         from wafl.common.algorithms import registry
 
         try:
-            algo = registry.resolve(cfg.algorithm, cfg.params, dataclasses.asdict(cfg))
+            algo = registry.resolve(cfg.algorithm, cfg.params, cfg.to_dict())
         except ValueError as e:
             raise ConfigError(str(e)) from None
         if not algo.server.buffered_ok:
@@ -156,6 +167,7 @@ class BufferedStrategy(Strategy):
     Config: ClassVar[type[BufferedConfig]] = BufferedConfig
     drain = Drain.WAIT
     uploads_are_deltas = True
+    lock_step = False
     latest_pm = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -50,6 +50,7 @@ class SyncConfig(RuleConfig):
 class SyncStrategy(Strategy):
     Config = SyncConfig
     drain = Drain.CANCEL
+    lock_step = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -143,7 +144,7 @@ class SyncStrategy(Strategy):
         if (
             self.algorithm.personalized
             and not self.algorithm.local_model_is_personal
-            and self.cfg.evaluates_locally(c.version)
+            and self.evaluates_locally(c.version)
         ):
             unselected = set(self.clients) - self.selected if self.algorithm.pm_when_unselected else set()
             return set(c.metrics) | unselected
