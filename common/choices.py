@@ -7,9 +7,9 @@ every message that quotes a field read as before.
 the field and its values when the string is none of them. The client protocol (``protocol``) is
 :class:`wafl.common.contract.ClientProtocol`, beside the wire's other agreements. Open sets stay
 strings: the aggregation rule (``aggregation``, one file per rule in ``server/strategies/``), the
-``aggregator`` (the robust centers registered in ``server/aggregation/robust.py``), the algorithm, the
-dataset and the model (their registries). A rule's own settings are the rule's to check: the asynchronous
-rules' ``staleness`` is their ``Staleness`` (``server/strategies/buffered.py``).
+``aggregator`` (the robust centers registered in ``server/aggregation/robust.py``), the asynchronous rules'
+``staleness`` (one file per function in ``server/staleness/``, checked by the rule), the algorithm, the
+dataset and the model (their registries).
 """
 
 from __future__ import annotations

@@ -47,6 +47,11 @@ class Registry(Mapping[str, T], Generic[T]):
                 raise ValueError(f"{self.field} {name!r} is registered twice")
             self._things[name] = thing
 
+    def remove(self, name: str) -> None:
+        """Unregisters ``name`` (a test's registration of its own, undone); an unknown name is ignored."""
+        with self._lock:
+            self._things.pop(name, None)
+
     def lookup(self, name: str) -> T:
         """The thing registered as ``name``; ``ValueError`` naming the field and the known names otherwise."""
         self._load()

@@ -170,7 +170,7 @@ def test_validate_knows_no_rule_and_the_rules_check_it() -> None:
     [
         (
             {"aggregation": "buffered", "staleness": "cubic"},
-            "staleness='cubic' is not one of ['sqrt', 'constant', 'poly', 'hinge']",
+            "staleness='cubic' is not one of ['constant', 'hinge', 'poly', 'sqrt']",
         ),
         ({"aggregator": "mode"}, "aggregator='mode' is not one of ['mean', 'trimmed_mean', 'median']"),
     ],

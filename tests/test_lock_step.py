@@ -39,7 +39,7 @@ def renamed_sync() -> Iterator[str]:
     try:
         yield "lockstep-copy"
     finally:
-        STRATEGIES.pop("lockstep-copy")
+        STRATEGIES.remove("lockstep-copy")
 
 
 def _untimed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -55,6 +55,9 @@ def test_a_registry_without_a_package_holds_what_was_added() -> None:
     assert dict(reg) == {"a": 1}
     with pytest.raises(ValueError, match="number='b' is not one of \\['a'\\]"):
         reg.lookup("b")
+    reg.remove("a")  # a test's own registration, undone
+    reg.remove("a")  # an unknown name: nothing to undo
+    assert dict(reg) == {}
 
 
 def test_datasets_and_models_are_registered_by_their_files() -> None:
@@ -63,3 +66,15 @@ def test_datasets_and_models_are_registered_by_their_files() -> None:
 
     assert {"digits", "fashion-mnist", "cifar10", "synthetic-digits"} <= set(DATASETS)
     assert {"cnn", "lenet5", "resnet18", "shufflenetv2"} <= set(MODELS)
+
+
+def test_rules_and_staleness_functions_are_registered_by_their_files() -> None:
+    from wafl.server.staleness import STALENESS
+    from wafl.server.strategies import STRATEGIES
+
+    assert STRATEGIES.names() == ["buffered", "fedasync", "sync"]
+    assert all(STRATEGIES[name].name == name for name in STRATEGIES)
+    assert STALENESS.names() == ["constant", "hinge", "poly", "sqrt"]
+    assert {name: STALENESS[name].__module__ for name in STALENESS} == {
+        name: f"wafl.server.staleness.{name}" for name in STALENESS
+    }

@@ -11,9 +11,10 @@ import pytest
 from strategy_checks import IDS, SAMPLES, make, state, upload
 from wafl.common.config import ConfigError, load_config
 from wafl.common.errors import AlreadyAccepted, Code, Refused
+from wafl.server.staleness import staleness_function
 from wafl.server.strategies import check_aggregation
 from wafl.server.strategies.base import RunAborted
-from wafl.server.strategies.buffered import BufferedConfig, BufferedStrategy, staleness_function
+from wafl.server.strategies.buffered import BufferedConfig, BufferedStrategy
 
 
 def fedbuff(x: dict, buffer: list, lr: float, weighting: str) -> dict:

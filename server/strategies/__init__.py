@@ -7,18 +7,17 @@ update, when the next version is published, and how the gathered updates become 
 * ``buffered.py``: buffered asynchronous aggregation, FedBuff (``"buffered"``);
 * ``fedasync.py``: each update mixed in as it arrives, FedAsync (``"fedasync"``).
 
-Every module of this package is imported here, so a new rule is one new file (and its test):
-a :class:`~wafl.server.strategies.base.Strategy` subclass decorated with ``@register("name")``,
-whose ``Config`` reads and checks its settings. :func:`check_aggregation` checks a run's rule and its
-aggregator; it is called explicitly where a configuration enters (the command line's flags, a sweep's
-points, the server's start, an in-process run), since ``RunConfig.validate`` knows no rule and no
-aggregator.
+A new rule is one new file (and its test): a :class:`~wafl.server.strategies.base.Strategy` subclass
+decorated with ``@register("name")``, whose ``Config`` reads and checks its settings. The rules' registry,
+:data:`~wafl.server.strategies.base.STRATEGIES` (a :class:`~wafl.common.registry.Registry`), imports every
+module of this package the first time it is read, so no list of rules is kept anywhere.
+:func:`check_aggregation` checks a run's rule and its aggregator; it is called explicitly where a
+configuration enters (the command line's flags, a sweep's points, the server's start, an in-process run),
+since ``RunConfig.validate`` knows no rule and no aggregator.
 """
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from collections.abc import Callable
 
 from wafl.common.algorithms.base import Algorithm
@@ -40,9 +39,6 @@ __all__ = [
     "strategy_class",
 ]
 
-for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
-    importlib.import_module(f"{__name__}.{_module}")
-
 
 def check_aggregation(cfg: RunConfig) -> RunConfig:
     """The aggregation of a validated configuration (``RunConfig.validate``): a known aggregator
@@ -59,10 +55,10 @@ def check_aggregation(cfg: RunConfig) -> RunConfig:
 
 def strategy_class(cfg: RunConfig) -> type[Strategy]:
     """The rule ``aggregation`` names; ``ConfigError`` naming every rule when it names none."""
-    rule = STRATEGIES.get(cfg.aggregation)
-    if rule is None:
-        raise ConfigError(f"aggregation={cfg.aggregation!r} is not one of {sorted(STRATEGIES)}")
-    return rule
+    try:
+        return STRATEGIES.lookup(cfg.aggregation)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def make_strategy(

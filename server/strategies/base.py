@@ -11,8 +11,9 @@ A :class:`Collection` gathers the updates of the next version: a streaming weigh
 of this package (``sync.py``, ``buffered.py``, ``fedasync.py``): a subclass decorated with
 :func:`register` under the name ``aggregation = "name"`` selects, with a configuration dataclass
 (:attr:`Strategy.Config`) that reads and checks the rule's settings (its fields of the run
-configuration and its ``aggregation_params``). The package imports every module in it, so
-nothing else names a rule. What a client must know about the rule travels on the wire from the
+configuration and its ``aggregation_params``). The registry :data:`STRATEGIES`
+(a :class:`~wafl.common.registry.Registry`) imports every module of the package the first time it is
+read, so nothing else names a rule. What a client must know about the rule travels on the wire from the
 class attributes (:attr:`Strategy.uploads_are_deltas` and :attr:`Strategy.lock_step` in every
 broadcast header), not as a test of the configuration's ``aggregation`` string.
 """
@@ -33,6 +34,7 @@ from wafl.common.algorithms.base import Algorithm
 from wafl.common.config import ConfigError, RunConfig
 from wafl.common.errors import AlreadyAccepted, Code, InvariantError, Refused
 from wafl.common.knowledge import Knowledge, KnowledgeAccumulator
+from wafl.common.registry import Registry
 from wafl.server.aggregation.accumulator import Accumulator
 from wafl.server.results import weighted_mean
 
@@ -363,17 +365,18 @@ def local_accuracy(uploads: Iterable[Mapping[str, float]], personal: bool) -> fl
 
 
 S = TypeVar("S", bound=type[Strategy])
-STRATEGIES: dict[str, type[Strategy]] = {}
+
+# by the configuration's ``aggregation``; each file of this package registers its rule (@register)
+STRATEGIES: Registry[type[Strategy]] = Registry("aggregation", "wafl.server.strategies")
 
 
 def register(name: str) -> Callable[[S], S]:
-    """Class decorator: the rule is ``aggregation = name``."""
+    """Class decorator: the rule is ``aggregation = name`` (in :data:`STRATEGIES`; a name claimed twice is
+    refused), and its :attr:`Strategy.name` is ``name``."""
 
     def add(cls: S) -> S:
-        if name in STRATEGIES:
-            raise ValueError(f"aggregation rule {name!r} is registered twice")
+        STRATEGIES.add(name, cls)
         cls.name = name
-        STRATEGIES[name] = cls
         return cls
 
     return add

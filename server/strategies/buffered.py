@@ -12,39 +12,38 @@ upload is a delta ``delta_i`` against the version it started from. ``buffer_size
   deltas uniformly): ``x + server_lr * sum_i s(age_i) n_i delta_i / sum_i n_i``, ``n_i`` the
   upload's sample count.
 
-``age_i`` (``t - tau_i`` in the paper) is the versions between the one the update was trained
-from and the one its buffer is applied to: an upload that arrives after a buffer closed but before
-its version is built goes into the next buffer, which is applied to that new version, so it is
-already one version old. ``s`` is the run's ``staleness`` rule (FedBuff's ``sqrt``
-``1/sqrt(1+age)``; FedAsync's ``constant``, ``poly``, ``hinge``). Freed slots go at once to idle
-clients chosen at random (reproducibly from the seed), with the newest version; a client is never
-given one version twice, and a slot held longer than ``round_deadline_s`` goes to another client.
-When nobody trains and no client may be asked (every client was given the newest version and
-dropped out, timed out or was refused), the buffer can never fill: it closes with the updates it
-holds, ``K`` fewer than ``buffer_size`` (logged as ``version.short``; a departure from the paper,
-whose buffer always holds ``K`` updates), or with none (``version.empty``: the previous model again,
-as a new version that every client is offered); ``max_round_retries + 1`` empty versions in a row
-abort the run, as a sync round with no upload does.
+``age_i`` (``t - tau_i`` in the paper) is the versions between the one the update was trained from and
+the one its buffer is applied to: an upload that arrives after a buffer closed but before its version is
+built goes into the next buffer, which is applied to that new version, so it is already one version old.
+``s`` is the run's ``staleness`` function, one file each in :mod:`wafl.server.staleness` (FedBuff's
+``sqrt`` ``1/sqrt(1+age)``; FedAsync's ``constant``, ``poly``, ``hinge``). Freed slots go at once to
+idle clients chosen at random (reproducibly from the seed), with the newest version; a client is never
+given one version twice, and a slot held longer than ``round_deadline_s`` goes to another client. When
+nobody trains and no client may be asked (every client was given the newest version and dropped out,
+timed out or was refused), the buffer can never fill: it closes with the updates it holds, ``K`` fewer
+than ``buffer_size`` (logged as ``version.short``; a departure from the paper, whose buffer always holds
+``K`` updates), or with none (``version.empty``: the previous model again, as a new version that every
+client is offered); ``max_round_retries + 1`` empty versions in a row abort the run, as a sync round
+with no upload does.
 
 Its settings are run-wide fields (``concurrency``, ``buffer_size``, ``staleness``, ``staleness_a``,
 ``staleness_b``, ``max_staleness``, ``server_lr``, ``round_deadline_s``, ``max_round_retries``),
 checked by :class:`BufferedConfig`, and its own ``aggregation_params.weighting``; the slots,
-versions and staleness rules here serve FedAsync too (``fedasync.py``).
+versions and staleness weights here serve FedAsync too (``fedasync.py``).
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
 import structlog
 import torch
-from wafl.common.choices import Choice
 from wafl.common.config import ConfigError, RunConfig, int_at_least, one_of, positive
 from wafl.common.errors import Code, Refused
+from wafl.server.staleness import STALENESS, StalenessFunction
 from wafl.server.strategies.base import (
     Collection,
     Deliveries,
@@ -60,41 +59,16 @@ from wafl.server.strategies.base import (
 log = structlog.get_logger("server")
 
 
-class Staleness(Choice):
-    """``staleness``: an asynchronous rule's weight of an update by its age ``s`` in versions (the rule
-    checks it: a run of another rule ignores it)."""
-
-    SQRT = "sqrt"  # 1/sqrt(1+s) (FedBuff)
-    CONSTANT = "constant"  # 1
-    POLY = "poly"  # (1+s)^-a
-    HINGE = "hinge"  # 1 up to b, then 1/(a(s-b)+1)
-
-
-STALENESS = tuple(s.value for s in Staleness)
-
-
-def staleness_function(kind: str, a: float, b: int) -> Callable[[int], float]:
-    """The weight of an update ``s`` versions old: FedBuff's ``sqrt`` ``1/sqrt(1+s)``, and FedAsync's
-    (Xie et al. 2019) ``constant`` 1, ``poly`` ``(1+s)^-a`` and ``hinge`` (1 up to ``b``, then
-    ``1/(a(s-b)+1)``), ``s = t - tau`` the versions published since the update's own."""
-    return {
-        Staleness.SQRT: lambda s: 1.0 / math.sqrt(1.0 + s),
-        Staleness.CONSTANT: lambda s: 1.0,
-        Staleness.POLY: lambda s: (1.0 + s) ** -a,
-        Staleness.HINGE: lambda s: 1.0 if s <= b else 1.0 / (a * (s - b) + 1.0),
-    }[Staleness(kind)]
-
-
 @dataclass(frozen=True)
 class AsyncConfig(RuleConfig):
     """The settings every asynchronous rule here shares: slots, the staleness weight and bound."""
 
     concurrency: int  # clients training at once
-    staleness: Callable[[int], float]  # the weight of an update by its age in versions
+    staleness: StalenessFunction  # the weight of an update by its age in versions (wafl.server.staleness)
     max_staleness: int  # older updates are refused
 
     @classmethod
-    def async_fields(cls, cfg: RunConfig) -> tuple[int, Callable[[int], float], int]:
+    def async_fields(cls, cfg: RunConfig) -> tuple[int, StalenessFunction, int]:
         """Checks the shared fields and the algorithm; returns ``(concurrency, staleness, max_staleness)``."""
         name = cfg.aggregation
         if cfg.fraction != 1.0 or cfg.act_prob is not None or cfg.min_clients is not None:
@@ -111,7 +85,10 @@ class AsyncConfig(RuleConfig):
             int_at_least("concurrency", cfg.concurrency, 1)
             if cfg.concurrency > cfg.training_clients:
                 raise ConfigError(f"concurrency={cfg.concurrency} is more than {cfg.training_clients_text}")
-        one_of("staleness", cfg.staleness, STALENESS)
+        try:
+            staleness = STALENESS.lookup(cfg.staleness)  # a registered staleness function (wafl.server.staleness)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         positive("staleness_a", cfg.staleness_a)
         int_at_least("staleness_b", cfg.staleness_b, 0)
         int_at_least("max_staleness", cfg.max_staleness, 0)
@@ -127,7 +104,7 @@ class AsyncConfig(RuleConfig):
                 f"({type(algo.server).__name__}) keeps state built from one round's full models, while "
                 "asynchronous aggregation publishes versions from stale, staleness-weighted updates"
             )
-        weight = staleness_function(cfg.staleness, cfg.staleness_a, cfg.staleness_b)
+        weight = staleness(cfg.staleness_a, cfg.staleness_b)
         return cfg.concurrency or cfg.training_clients, weight, cfg.max_staleness
 
 

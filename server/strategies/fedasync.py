@@ -5,9 +5,9 @@ model as it arrives.
 An update trained from version ``tau`` whose collection is applied to version ``v`` (the newest
 one, or the one being built when the update arrives after a close and before that version is
 published) becomes version ``v + 1``: ``x <- (1 - a) x + a x_new`` with ``a = alpha * s(k)``; ``s``
-is the run's ``staleness`` rule (FedAsync's ``constant`` 1, ``poly`` ``(k + 1)^-a`` and ``hinge``
-1 up to ``b``, then ``1/(a(k - b) + 1)``; or FedBuff's ``sqrt`` ``1/sqrt(1 + k)``), and
-``k = age + fresh_staleness`` with ``age = v - tau`` (0 for an update trained on ``x_v``):
+is the run's ``staleness`` function (:mod:`wafl.server.staleness`: FedAsync's ``constant`` 1, ``poly``
+``(k + 1)^-a`` and ``hinge`` 1 up to ``b``, then ``1/(a(k - b) + 1)``; or FedBuff's ``sqrt``
+``1/sqrt(1 + k)``), and ``k = age + fresh_staleness`` with ``age = v - tau`` (0 for an update trained on ``x_v``):
 
 * ``aggregation_params.fresh_staleness = 1`` (the default) is Xie et al.'s index: their updater's
   epoch ``t`` builds ``x_t`` from ``x_{t-1}`` and weighs the update with ``s(t - tau)``; here
