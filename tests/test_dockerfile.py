@@ -95,3 +95,25 @@ def test_dockerfile_dependency_split(tmp_path: Path) -> None:
     rest = (tmp_path / "requirements.txt").read_text().split()
     assert sorted(d.split("==")[0] for d in torch) == ["torch", "torchvision"]
     assert sorted(torch + rest) == sorted(deps)
+
+
+def test_every_package_folder_is_installed() -> None:
+    """pyproject.toml names the packages one by one (``[tool.setuptools] packages``): a folder of ``common``,
+    ``server``, ``client`` or ``cli`` with an ``__init__.py`` that it does not name is left out of the wheel and
+    of the image, whose processes then fail on its import, while the editable install of the tests finds it."""
+    import tomllib
+
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(setuptools["packages"])
+    folders = {f"wafl.{root}": REPO / root for root in ("common", "server", "client", "cli")}
+    assert {name: str(path) for name, path in folders.items()} == {
+        name: str(REPO / where) for name, where in setuptools["package-dir"].items()
+    }
+    on_disk = {
+        ".".join([name, *init.parent.relative_to(path).parts])
+        for name, path in folders.items()
+        for init in path.rglob("__init__.py")
+        if "__pycache__" not in init.parts
+    }
+    assert on_disk - listed == set(), "add them to [tool.setuptools] packages in pyproject.toml"
+    assert listed - on_disk == set(), "pyproject.toml names packages that have no folder"
