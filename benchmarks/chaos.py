@@ -234,7 +234,7 @@ class Federation:
                 sets[k] = json.loads(v)
             except json.JSONDecodeError:
                 sets[k] = v
-        cfg = RunConfig(**sets).validate()
+        cfg = RunConfig.from_mapping(sets).validate()
         self.cfg = cfg
         (self.out / "run.json").write_text(cfg.to_json())
         argv = ["enroll", "--clients", str(self.n), "--out", str(self.out / "enroll.txt"),
@@ -463,8 +463,8 @@ class Saved(Federation):
 
         meta = json.loads((run_dir / "driver.json").read_text())
         a = argparse.Namespace(**meta["args"])
-        cfg = RunConfig(**json.loads((run_dir / "run.json").read_text()))
-        super().__init__(a, cfg.aggregation, cfg.protocol, run_dir, 0.0, meta["seed"])
+        cfg = RunConfig.from_json((run_dir / "run.json").read_text())
+        super().__init__(a, cfg.rule.aggregation, cfg.client.protocol, run_dir, 0.0, meta["seed"])
         self.cfg = cfg
         self.t0, self.t_end, self.incarnation, self.netem = (
             meta["t0"],
@@ -499,11 +499,11 @@ def analyse(fed: Federation, faults: list[Fault]) -> dict[str, Any]:
     out, t0, t_end, n = fed.out, fed.t0, fed.t_end, fed.n
     deadline = fed.a.deadline
     cfg = fed.cfg
-    if cfg.aggregation == "sync":
+    if cfg.rule.aggregation == "sync":
         per_round = 1
     else:  # the versions in which every training client uploads once: concurrency / buffer_size (FedAsync: each)
-        concurrency = cfg.concurrency or n
-        size = 1 if cfg.aggregation == "fedasync" else cfg.buffer_size or max(1, concurrency // 2)
+        concurrency = cfg.rule.concurrency or n
+        size = 1 if cfg.rule.aggregation == "fedasync" else cfg.rule.buffer_size or max(1, concurrency // 2)
         per_round = -(-concurrency // size)
     incs = []
     for k in range(1, fed.incarnation + 1):

@@ -117,7 +117,7 @@ def measure(name: str, cfg: Any, workers: int | None, run_dir: Path, timeout_s: 
     after = os.getloadavg()
     rounds = [r["round_s"] for r in s.rows]
     steady = rounds[1:] or rounds
-    n = cfg.num_clients
+    n = cfg.federation.num_clients
     procs = workers or n
     row = {
         "name": name,
@@ -246,9 +246,9 @@ def main(argv: list[str] | None = None) -> int:
             over["local_epochs"] = a.paper_local_epochs
         cfg = load_config(str(PAPER), over)
         name = f"paper: {PAPER.stem}, synthetic-cifar100" + (
-            f", local_epochs {cfg.local_epochs}" * bool(a.paper_local_epochs)
+            f", local_epochs {cfg.training.local_epochs}" * bool(a.paper_local_epochs)
         )
-        record(measure(name, cfg, default_workers(cfg.num_clients), runs / "paper", a.timeout))
+        record(measure(name, cfg, default_workers(cfg.federation.num_clients), runs / "paper", a.timeout))
     for n in [x for x in points if x > 100]:
         record(measure(f"{n} in workers", digits(n, a.rounds), default_workers(n), runs / f"w{n}", a.timeout))
     print((out / "fleet.md").read_text())

@@ -155,13 +155,19 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         sync()
         gm_marks.append(time.perf_counter())
 
-    data = epochs(trainer.data.train, trainer.train_idx, cfg.batch_size, trainer.rng, None, dev)
+    data = epochs(trainer.data.train, trainer.train_idx, cfg.training.batch_size, trainer.rng, None, dev)
     gm_stats = run_phase(
         trainer.gm,
         trainer.algorithm.gm_terms,
         ctx,
         islice(data, a.gm_steps),
-        make_optimizer(cfg.optimizer, trainer.gm.parameters(), cfg.lr, cfg.momentum, cfg.weight_decay),
+        make_optimizer(
+            cfg.training.optimizer,
+            trainer.gm.parameters(),
+            cfg.training.lr,
+            cfg.training.momentum,
+            cfg.training.weight_decay,
+        ),
         on_step=on_gm_step,
     )
     gm_steps_ms = [(b - a_) * 1e3 for a_, b in zip([gm_start, *gm_marks[:-1]], gm_marks)]
@@ -274,7 +280,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         "num_params": num_params,
         "dataset": a.dataset,
         "algorithm": "scd",
-        "batch_size": cfg.batch_size,
+        "batch_size": cfg.training.batch_size,
         "setup_s": setup_s,
         "gm": {
             "steps": gm_stats.steps,

@@ -57,7 +57,7 @@ def model_digest(checkpoint: Path) -> str:
 def run_point(base: dict[str, Any], label: str) -> dict[str, Any]:
     runs = {}
     for bound in BOUNDS:
-        cfg = RunConfig(**{**base, "norm_bound": bound, "checkpoint": True}).validate()
+        cfg = RunConfig.from_mapping({**base, "norm_bound": bound, "checkpoint": True}).validate()
         with tempfile.TemporaryDirectory() as d:
             rows = simulate(cfg, Path(d))
             runs[str(bound)] = {

@@ -338,9 +338,9 @@ def bare_main(args: argparse.Namespace) -> None:
     from wafl.server.selection import select_clients
 
     cfg = load_config(args.config)
-    torch.manual_seed(cfg.seed)
-    ds = load_dataset(cfg.dataset, cfg.data_dir)
-    model = build_model(cfg.model, ds.num_classes, ds.in_channels, ds.image_size, cfg.code_len)
+    torch.manual_seed(cfg.federation.seed)
+    ds = load_dataset(cfg.data.dataset, cfg.data.data_dir)
+    model = build_model(cfg.training.model, ds.num_classes, ds.in_channels, ds.image_size, cfg.training.code_len)
     state = model.state_dict()
     transfer = [encode_broadcast(m) for m in write_transfer(pb.BroadcastMessage, state.items())]
     run_id = uuid.uuid4().hex[:12]
@@ -417,14 +417,14 @@ def bare_main(args: argparse.Namespace) -> None:
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         Path(args.ready_file).write_text(json.dumps({"port": port, "run_id": run_id}))
-        while len(joined) < cfg.num_clients:
+        while len(joined) < cfg.federation.num_clients:
             changed.clear()
             await changed.wait()
         ids = [c for c, _ in sorted(joined.items(), key=lambda kv: kv[1])]
         start = time.monotonic()
         with rounds_path.open("a") as f:
-            for r in range(1, cfg.rounds + 1):
-                selected = select_clients(cfg.seed, r, ids, cfg.fraction, cfg.act_prob)
+            for r in range(1, cfg.federation.rounds + 1):
+                selected = select_clients(cfg.federation.seed, r, ids, cfg.federation.fraction, cfg.federation.act_prob)
                 target = uploads[0] + len(selected)
                 publish(r, {c: True for c in ids if c in selected}, False)
                 while uploads[0] < target:
@@ -432,11 +432,11 @@ def bare_main(args: argparse.Namespace) -> None:
                     await changed.wait()
                 f.write(json.dumps({"round": r, "wall_s": time.monotonic() - start}) + "\n")
                 f.flush()
-            publish(cfg.rounds + 1, {c: False for c in ids}, True)
+            publish(cfg.federation.rounds + 1, {c: False for c in ids}, True)
             while finals[0] < len(ids):  # as the real server: until final_report_s without a report
                 changed.clear()
                 try:
-                    await asyncio.wait_for(changed.wait(), cfg.final_report_s)
+                    await asyncio.wait_for(changed.wait(), cfg.federation.final_report_s)
                 except TimeoutError:
                     break
         await server.stop(grace=2.0)

@@ -166,8 +166,8 @@ def _replay(
         if selected:
             steps += t.train_gm().steps
             t.knowledge()
-        if t.algorithm.trains_pm(selected) and cfg.pm_epochs > 0:
-            steps += t.train_pm(None, float(cfg.pm_epochs)).steps
+        if t.algorithm.trains_pm(selected) and cfg.client.pm_epochs > 0:
+            steps += t.train_pm(None, float(cfg.client.pm_epochs)).steps
     return steps
 
 
@@ -181,8 +181,8 @@ def train_alone(
     """Replays the recorded rounds' training split over ``cores`` forked processes (or threads of this
     process, ``mode="threads"``: what Python's GIL leaves of the cores), in a federation's order (or
     ``by_client``: see :func:`_replay`); their wall-clock and steps."""
-    data = load_dataset(cfg.dataset, cfg.data_dir)
-    trainers = [Trainer(cfg, i, dataset=data, device="cpu") for i in range(cfg.num_clients)]
+    data = load_dataset(cfg.data.dataset, cfg.data.data_dir)
+    trainers = [Trainer(cfg, i, dataset=data, device="cpu") for i in range(cfg.federation.num_clients)]
     # shares of nearly equal samples, as the simulation's slot processes get them: both cores kept busy
     parts = [[trainers[i] for i in g] for g in balanced_groups([t.num_samples for t in trainers], cores)]
     if mode == "threads":
@@ -229,8 +229,8 @@ def slot_calls_alone(
 async def _slot_calls(
     cfg: RunConfig, received: dict[int, list[tuple[int, Any, Any, bool]]], cores: int
 ) -> dict[str, Any]:
-    data = load_dataset(cfg.dataset, cfg.data_dir)
-    trainers = [Trainer(cfg, i, dataset=data, device="cpu") for i in range(cfg.num_clients)]
+    data = load_dataset(cfg.data.dataset, cfg.data.data_dir)
+    trainers = [Trainer(cfg, i, dataset=data, device="cpu") for i in range(cfg.federation.num_clients)]
     children_before, own = _cpu(resource.RUSAGE_CHILDREN), _cpu(resource.RUSAGE_SELF)
     t0 = time.monotonic()  # from the fork, as the simulation's processes start once its trainers are built
     slots = ProcessSlots(cores, trainers)
@@ -241,8 +241,8 @@ async def _slot_calls(
         await slots.run(t.begin_round, r, state, knowledge, selected)
         if selected:
             n += (await slots.run(t.gm_round, None, False)).stats.steps
-        if t.algorithm.trains_pm(selected) and cfg.pm_epochs > 0:
-            n += (await slots.run(t.train_pm, None, float(cfg.pm_epochs))).steps
+        if t.algorithm.trains_pm(selected) and cfg.client.pm_epochs > 0:
+            n += (await slots.run(t.train_pm, None, float(cfg.client.pm_epochs))).steps
         return n
 
     by_round: dict[int, list[tuple[Trainer, tuple[int, Any, Any, bool]]]] = {}
@@ -295,9 +295,9 @@ def measure(cfg: RunConfig, cores: int, profile: bool, slots: str = SLOTS) -> di
     threads = train_alone(cfg, rec.received, cores, "threads")
     by_client = train_alone(cfg, rec.received, cores, by_client=True)
     out: dict[str, Any] = {
-        "algorithm": cfg.algorithm,
-        "clients": cfg.num_clients,
-        "rounds": cfg.rounds,
+        "algorithm": cfg.training.algorithm,
+        "clients": cfg.federation.num_clients,
+        "rounds": cfg.federation.rounds,
         "slots": slots,
         "simulation_s": round(sim_wall, 3),
         "training_alone_s": alone["wall_s"],
@@ -385,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
             r = measure(cfg, a.cores, a.profile, a.slots)
             points.append(r)
             print(
-                f"{algo:<7} {n:>4} clients {cfg.rounds:>3} rounds: simulation {r['simulation_s']:7.2f} s, training "
+                f"{algo:<7} {n:>4} clients {cfg.federation.rounds:>3} rounds: simulation {r['simulation_s']:7.2f} s, "
+                "training "
                 f"alone {r['training_alone_s']:7.2f} s, ratio {r['ratio']:.2f} ({floor_text(r)}alone in threads "
                 f"{r['training_alone_threads_s']:.2f} s, ratio {r['ratio_to_threads']:.2f}; gm {r['gm_accuracy']:.4f}, "
                 f"load {r['loadavg_before'][0]:.1f})",

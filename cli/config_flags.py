@@ -86,7 +86,7 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
         type=_kv,
         default=[],
         metavar="FIELD=VALUE",
-        help="any configuration field, repeatable",
+        help="any configuration field (FIELD or SECTION.FIELD), repeatable",
     )
 
 

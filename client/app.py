@@ -39,7 +39,7 @@ async def run_client(
             samples=trainer.num_samples,
             local_test=len(trainer.test_idx),
             device=dev,
-            protocol="new client" if trainer.is_new else cfg.protocol,
+            protocol="new client" if trainer.is_new else cfg.client.protocol,
         )
     )
     return 0

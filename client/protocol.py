@@ -110,7 +110,8 @@ class RoundProtocol:
         self.trainer = trainer
         self.protocol = ClientProtocol(protocol)
         cfg = trainer.cfg
-        self.slowdown = slowdowns(cfg.slowdown, cfg.num_clients, cfg.seed)[trainer.index]
+        fed = cfg.federation
+        self.slowdown = slowdowns(fed.slowdown, fed.num_clients, fed.seed)[trainer.index]
         self.timeline = Timeline()
         self.pm_trained_round: int | None = None
         self.handled = 0  # the version of the last model this client has done with (a simulation's snapshot waits)
@@ -122,7 +123,7 @@ class RoundProtocol:
         session.on_header = self._on_header
         self.wake = asyncio.Event()  # set as a broadcast's header or its end arrives (the wait-free PM's stop)
         self.compute = compute or OwnThreads(
-            self.protocol is not ClientProtocol.COMPUTE_AND_WAIT and trainer.algorithm.personalized, cfg.pm_nice
+            self.protocol is not ClientProtocol.COMPUTE_AND_WAIT and trainer.algorithm.personalized, cfg.client.pm_nice
         )
         self.planner = AdaptivePlanner(pm_budget_steps(trainer)) if self.protocol is ClientProtocol.ADAPTIVE else None
         # adaptive: the open background window (its start on the timeline, the pre-upload PM seconds before it),
@@ -170,7 +171,7 @@ class RoundProtocol:
 
     def _on_header(self) -> None:
         self.headers += 1
-        if self.trainer.cfg.pm_yield_transfers:
+        if self.trainer.cfg.client.pm_yield_transfers:
             self._close_window()
         self.wake.set()
 
@@ -212,7 +213,7 @@ class RoundProtocol:
         # the upload's reference when the server asks for differences (its header says), else nothing to keep
         base = model.state if model.upload_delta else None
         model.state = {}  # loaded into the local model: the received copy is freed during the round
-        if selected and drops_out(cfg.seed, t.index, r, cfg.dropout):
+        if selected and drops_out(cfg.federation.seed, t.index, r, cfg.federation.dropout):
             log.info("offline", round=r)
             return False
         if selected:
@@ -239,10 +240,10 @@ class RoundProtocol:
         # the personal phase: after the GM (selected), or alone when the algorithm trains the personal
         # part of an unselected client on the model it received (README, "Partial participation")
         trains_pm = t.algorithm.trains_pm(selected)
-        if trains_pm and self.protocol is ClientProtocol.COMPUTE_AND_WAIT and cfg.pm_epochs > 0:
+        if trains_pm and self.protocol is ClientProtocol.COMPUTE_AND_WAIT and cfg.client.pm_epochs > 0:
             cpu = _process_cpu()
             with self.timeline.phase("pm_train", r) as phase:
-                pm_stats = await self.compute.run(t.train_pm, None, float(cfg.pm_epochs))
+                pm_stats = await self.compute.run(t.train_pm, None, float(cfg.client.pm_epochs))
             _trained("pm", r, pm_stats.steps, phase.duration_s, _process_cpu() - cpu)
             await self._slow_down(phase.duration_s, r)
             self.pm_trained_round = r
@@ -256,7 +257,8 @@ class RoundProtocol:
             if self.protocol is ClientProtocol.COMPUTE_AND_WAIT:
                 await upload
         if trains_pm and self.protocol is not ClientProtocol.COMPUTE_AND_WAIT:
-            if cfg.pm_yield_transfers:  # the client's own transfers get its CPU: PM after the upload, until a header
+            # the client's own transfers get its CPU: PM after the upload, until a header
+            if cfg.client.pm_yield_transfers:
                 if selected:
                     await asyncio.wait({upload})  # its outcome is the upload task's (drained at the end)
                 stop = lambda: self.headers > heads or self.arrived > seen  # noqa: E731
@@ -264,7 +266,7 @@ class RoundProtocol:
                 stop = lambda: self.arrived > seen  # noqa: E731
             if selected and self.planner is not None and not stop():
                 self.window = (self.timeline.now(), pre_s)
-            max_epochs, min_steps = cfg.pm_max_epochs, max(0, cfg.pm_min_steps - pre_steps)
+            max_epochs, min_steps = cfg.client.pm_max_epochs, max(0, cfg.client.pm_min_steps - pre_steps)
             if max_epochs is not None and pre_steps:  # the pre-upload steps count towards the round's cap
                 max_epochs -= pre_steps / pm_steps_per_epoch(t)
             if max_epochs is None or max_epochs * pm_steps_per_epoch(t) >= 0.5:
@@ -286,7 +288,7 @@ class RoundProtocol:
         if planner is None or not selected:
             return 0, 0.0
         d = planner.decide(r)
-        cap = self.trainer.cfg.pm_max_epochs
+        cap = self.trainer.cfg.client.pm_max_epochs
         if cap is not None:  # pm_max_epochs bounds the round's PM, the pre-upload part included
             d = _capped(d, math.floor(cap * pm_steps_per_epoch(self.trainer) + 0.5))
         now = self.timeline.now()
@@ -353,18 +355,18 @@ def pm_steps_per_epoch(trainer: Trainer) -> int:
     if phase is not None and phase.steps is not None:
         return max(1, phase.steps)
     data = trainer.public_idx if phase is not None and phase.data == "public" else trainer.train_idx
-    return max(1, math.ceil(len(data) / trainer.cfg.batch_size))
+    return max(1, math.ceil(len(data) / trainer.cfg.training.batch_size))
 
 
 def pm_budget_steps(trainer: Trainer) -> int:
     """The adaptive protocol's PM budget per round: the steps of ``pm_epochs`` epochs, compute-and-wait's amount
     (a phase with fixed ``steps`` trains them once per call, whatever the epochs)."""
     cfg, phase = trainer.cfg, trainer.algorithm.pm_phase
-    if cfg.pm_epochs <= 0 or phase is None:
+    if cfg.client.pm_epochs <= 0 or phase is None:
         return 0
     if phase.steps is not None:
         return max(1, phase.steps)
-    return max(1, round(cfg.pm_epochs * pm_steps_per_epoch(trainer)))
+    return max(1, round(cfg.client.pm_epochs * pm_steps_per_epoch(trainer)))
 
 
 def _capped(d: Decision, cap_steps: int) -> Decision:
@@ -456,7 +458,7 @@ class NewClientProtocol:
             if model.adapt:
                 with self.timeline.phase("evaluate", r):
                     acc, n = await self.compute.run(
-                        t.adapt, model.round, model.state, model.knowledge, t.cfg.new_client_epochs
+                        t.adapt, model.round, model.state, model.knowledge, t.cfg.federation.new_client_epochs
                     )
                 self.adapted.append(r)
                 log.info("new_client.adapted", round=r, accuracy=round(acc, 6), test_samples=n)
@@ -474,4 +476,4 @@ def client_protocol(session: Transport, trainer: Trainer, compute: Any = None) -
     """What runs a client: the round protocol of its configuration, or a new client's wait-and-adapt."""
     if trainer.is_new:
         return NewClientProtocol(session, trainer, compute)
-    return RoundProtocol(session, trainer, trainer.cfg.protocol, compute)
+    return RoundProtocol(session, trainer, trainer.cfg.client.protocol, compute)

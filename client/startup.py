@@ -66,9 +66,9 @@ async def start(
     reply = await probe.join()
     await probe.close()
     cfg = RunConfig.from_json(reply.config_json).validate()
-    if max(indices) >= cfg.num_clients:
-        raise ConfigError(f"client index {max(indices)} is outside 0..{cfg.num_clients - 1} of this run")
-    dev = str(resolve_device(device or cfg.device))
+    if max(indices) >= cfg.federation.num_clients:
+        raise ConfigError(f"client index {max(indices)} is outside 0..{cfg.federation.num_clients - 1} of this run")
+    dev = str(resolve_device(device or cfg.training.device))
     trainers = await asyncio.to_thread(build, cfg, dev)
     await warm
     return cfg, dev, trainers

@@ -70,23 +70,23 @@ class Trainer:
     ) -> None:
         self.cfg = cfg
         self.index = index
-        self.device = resolve_device(device or cfg.device)
-        self.algorithm: Algorithm = registry.resolve(cfg.algorithm, cfg.params, vars(cfg))
-        self.data = dataset or load_dataset(cfg.dataset, data_dir or cfg.data_dir)
+        self.device = resolve_device(device or cfg.training.device)
+        self.algorithm: Algorithm = registry.resolve(cfg.training.algorithm, cfg.training.params, cfg.to_dict())
+        self.data = dataset or load_dataset(cfg.data.dataset, data_dir or cfg.data.data_dir)
         self.public_idx = np.zeros(0, dtype=np.int64)
         if self.algorithm.public_size:
-            self.public_idx = public_split(self.data.train_labels, self.algorithm.public_size, cfg.seed)[0]
+            self.public_idx = public_split(self.data.train_labels, self.algorithm.public_size, cfg.federation.seed)[0]
         shard = client_shard(
             self.data.train_labels,
             self.data.test_labels,
-            cfg.num_clients,
-            cfg.partition,
-            cfg.alpha,
-            cfg.delta,
-            cfg.seed,
+            cfg.federation.num_clients,
+            cfg.data.partition,
+            cfg.data.alpha,
+            cfg.data.delta,
+            cfg.federation.seed,
             index,
-            cfg.local_test_fraction,
-            cfg.client_size,
+            cfg.data.local_test_fraction,
+            cfg.data.client_size,
             self.algorithm.public_size,
         )
         self.train_idx = shard.train
@@ -94,9 +94,15 @@ class Trainer:
         counts = np.bincount(self.data.train_labels[self.train_idx], minlength=self.data.num_classes)
         self.label_freq = torch.as_tensor(counts / counts.sum(), dtype=torch.float32, device=self.device)
         self.label_counts = torch.as_tensor(counts, dtype=torch.float32)
-        torch.manual_seed(cfg.seed)  # every process starts from the same initial weights
+        torch.manual_seed(cfg.federation.seed)  # every process starts from the same initial weights
         self.gm = self.algorithm.build(
-            build_model(cfg.model, self.data.num_classes, self.data.in_channels, self.data.image_size, cfg.code_len)
+            build_model(
+                cfg.training.model,
+                self.data.num_classes,
+                self.data.in_channels,
+                self.data.image_size,
+                cfg.training.code_len,
+            )
         ).to(self.device)
         algo = self.algorithm
         self.local_keys = [k for k in self.gm.state_dict() if not algo.shares(k)]  # never travel
@@ -107,8 +113,8 @@ class Trainer:
             self.pm = self.gm
         self.pm_initialized = False
         self.client_state: dict[str, Any] = {}
-        self.rng = np.random.default_rng([cfg.seed, 6, index])
-        self.generator = torch.Generator().manual_seed(cfg.seed * 1000 + index)
+        self.rng = np.random.default_rng([cfg.federation.seed, 6, index])
+        self.generator = torch.Generator().manual_seed(cfg.federation.seed * 1000 + index)
         self.state_path = (state_dir / f"client-{index}.pt") if state_dir is not None else None
         self._started: tuple[Any, ...] | None = None  # the latest round begun, and what it began from
         self.ctx: RoundContext | None = None
@@ -118,7 +124,9 @@ class Trainer:
         self._offloaded: list[torch.Tensor] | None = None  # what offload() moved to the host, outside the models
         # a new client (new_clients) adapts every evaluated global model from this same start: its initial
         # non-travelling tensors (FedRep's head, FedRoD's personal head)
-        self.is_new = index in new_client_indices(cfg.num_clients, cfg.new_clients, cfg.seed)
+        self.is_new = index in new_client_indices(
+            cfg.federation.num_clients, cfg.federation.new_clients, cfg.federation.seed
+        )
         gm_state = self.gm.state_dict()
         self._fresh_local = {k: gm_state[k].detach().clone() for k in self.local_keys} if self.is_new else {}
         self._load_state()
@@ -173,15 +181,15 @@ class Trainer:
     def _optimizer(self, params: list[torch.nn.Parameter], phase: Phase | None = None) -> torch.optim.Optimizer:
         if phase is not None and phase.optimizer is not None:
             return phase.optimizer(params)
-        c = self.cfg
-        return make_optimizer(c.optimizer, params, c.lr, c.momentum, c.weight_decay)
+        t = self.cfg.training
+        return make_optimizer(t.optimizer, params, t.lr, t.momentum, t.weight_decay)
 
     def public_batches(self, batch_size: int | None = None, shuffle: bool = False) -> Iterator[Batch]:
         """One pass over the public split as ``(x, position in the public split)``."""
         pos = np.arange(len(self.public_idx))
         if shuffle:
             pos = self.rng.permutation(pos)
-        bs = batch_size or self.cfg.eval_batch_size
+        bs = batch_size or self.cfg.evaluation.eval_batch_size
         for start in range(0, len(pos), bs):
             part = pos[start : start + bs]
             x, _ = next(batches(self.data.train, self.public_idx[part], len(part), False, device=self.device))
@@ -192,16 +200,17 @@ class Trainer:
 
             def passes() -> Iterator[Batch]:
                 while True:
-                    yield from self.public_batches(self.cfg.batch_size, shuffle=True)
+                    yield from self.public_batches(self.cfg.training.batch_size, shuffle=True)
 
-            per_epoch = max(1, -(-len(self.public_idx) // self.cfg.batch_size))
+            per_epoch = max(1, -(-len(self.public_idx) // self.cfg.training.batch_size))
             limit = phase.steps if phase.steps is not None else max(1, round((num_epochs or 1) * per_epoch))
             return itertools.islice(passes(), limit)
         if phase.steps is not None:
             return itertools.islice(
-                epochs(self.data.train, self.train_idx, self.cfg.batch_size, self.rng, None, self.device), phase.steps
+                epochs(self.data.train, self.train_idx, self.cfg.training.batch_size, self.rng, None, self.device),
+                phase.steps,
             )
-        return epochs(self.data.train, self.train_idx, self.cfg.batch_size, self.rng, num_epochs, self.device)
+        return epochs(self.data.train, self.train_idx, self.cfg.training.batch_size, self.rng, num_epochs, self.device)
 
     def _context(self) -> RoundContext:
         """The current round's context; raises :class:`InvariantError` before the first :meth:`begin_round`."""
@@ -219,7 +228,7 @@ class Trainer:
         for phase in phases:
             if phase.when is not None and not phase.when(ctx):
                 continue
-            default = num_epochs if num_epochs is not None else self.cfg.local_epochs
+            default = num_epochs if num_epochs is not None else self.cfg.training.local_epochs
             data = self._data(phase, phase.epochs if phase.epochs is not None else default)
             opt = self._optimizer(parameters_of(self.gm, phase.params), phase)
             stats = stats.add(train_phase(self.gm, phase, ctx, data, opt))
@@ -338,11 +347,11 @@ class Trainer:
     def knowledge(self) -> Any:
         if self.algorithm.knowledge is None or self.ctx is None:
             return None
-        data = batches(self.data.train, self.train_idx, self.cfg.eval_batch_size, False, device=self.device)
+        data = batches(self.data.train, self.train_idx, self.cfg.evaluation.eval_batch_size, False, device=self.device)
         return self.algorithm.knowledge(self.gm, data, self.ctx, self.generator)
 
     def evaluate_local(self, model: torch.nn.Module) -> tuple[float, int]:
-        acc, n, _ = evaluate(model, self.data.test, self.test_idx, self.cfg.eval_batch_size, self.device)
+        acc, n, _ = evaluate(model, self.data.test, self.test_idx, self.cfg.evaluation.eval_batch_size, self.device)
         return acc, n
 
     # -------------------------------------------------------------- device residency

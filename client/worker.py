@@ -89,7 +89,7 @@ async def run_worker(
     conn = Connection(address, token, reconnect_s, tls, state_dir)
 
     def build(cfg: RunConfig, dev: str) -> list[Trainer]:
-        data = load_dataset(cfg.dataset, data_dir or cfg.data_dir)  # loaded once, shared by every client
+        data = load_dataset(cfg.data.dataset, data_dir or cfg.data.data_dir)  # loaded once, shared by every client
         # one after another: each trainer seeds torch's global generator before building its model
         return [Trainer(cfg, i, state_dir, data_dir, dev, data) for i in indices]
 

@@ -18,12 +18,9 @@ from wafl.common.choices import Partition
 PARTITIONS = tuple(p.value for p in Partition)
 
 
-class PartitionSettings(Protocol):
-    """The run-configuration fields a run's partition is built from (a
-    :class:`~wafl.common.config.RunConfig` has them)."""
+class PartitionData(Protocol):
+    """The data section's fields a partition is built from (a :class:`~wafl.common.config.DataSection`)."""
 
-    @property
-    def num_clients(self) -> int: ...
     @property
     def partition(self) -> str: ...
     @property
@@ -31,9 +28,27 @@ class PartitionSettings(Protocol):
     @property
     def delta(self) -> float: ...
     @property
-    def seed(self) -> int: ...
-    @property
     def client_size(self) -> int | None: ...
+
+
+class PartitionFederation(Protocol):
+    """The federation section's fields a partition is built from (a
+    :class:`~wafl.common.config.FederationSection`)."""
+
+    @property
+    def num_clients(self) -> int: ...
+    @property
+    def seed(self) -> int: ...
+
+
+class PartitionSettings(Protocol):
+    """The sections of the run configuration a run's partition is built from (a
+    :class:`~wafl.common.config.RunConfig` has them)."""
+
+    @property
+    def data(self) -> PartitionData: ...
+    @property
+    def federation(self) -> PartitionFederation: ...
 
 
 def iid_partition(num_samples: int, num_clients: int, seed: int) -> list[np.ndarray]:
@@ -219,10 +234,12 @@ def federation_shards(
 
 
 def run_shards(cfg: PartitionSettings, train_labels: np.ndarray, public_size: int = 0) -> list[np.ndarray]:
-    """:func:`federation_shards` with a run's own partition settings (``num_clients``, ``partition``,
-    ``alpha``, ``delta``, ``seed``, ``client_size``): what the server weighs and the analysis measures."""
+    """:func:`federation_shards` with a run's own partition settings (``data``: ``partition``, ``alpha``,
+    ``delta``, ``client_size``; ``federation``: ``num_clients``, ``seed``): what the server weighs and the
+    analysis measures."""
+    data, fed = cfg.data, cfg.federation
     return federation_shards(
-        train_labels, cfg.num_clients, cfg.partition, cfg.alpha, cfg.delta, cfg.seed, cfg.client_size, public_size
+        train_labels, fed.num_clients, data.partition, data.alpha, data.delta, fed.seed, data.client_size, public_size
     )
 
 

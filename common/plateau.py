@@ -60,8 +60,8 @@ METRICS = tuple(m.value for m in PlateauMetric)  # plateau_metric's values
 PLATEAU, MAX_ROUNDS = "plateau", "max_rounds"  # stop_reason's values
 
 
-class PlateauSettings(Protocol):
-    """The run-configuration fields of the rule (a :class:`~wafl.common.config.RunConfig` has them)."""
+class PlateauFields(Protocol):
+    """The evaluation section's fields of the rule (a :class:`~wafl.common.config.EvaluationSection`)."""
 
     @property
     def plateau_window(self) -> int: ...
@@ -71,8 +71,22 @@ class PlateauSettings(Protocol):
     def plateau_z(self) -> float: ...
     @property
     def plateau_metric(self) -> str: ...
+
+
+class PlateauRounds(Protocol):
+    """The federation section's field of the rule, the maximum (a :class:`~wafl.common.config.FederationSection`)."""
+
     @property
     def rounds(self) -> int: ...
+
+
+class PlateauSettings(Protocol):
+    """The sections of the run configuration the rule reads (a :class:`~wafl.common.config.RunConfig` has them)."""
+
+    @property
+    def evaluation(self) -> PlateauFields: ...
+    @property
+    def federation(self) -> PlateauRounds: ...
 
 
 def watched_metric(metric: str, algorithm: Algorithm) -> str:
@@ -148,10 +162,11 @@ class PlateauWatch:
         """The watch of a run whose configuration enables the rule (None otherwise). A PM watch listens
         to the results lines as they are written (``listeners``); a resumed run reads the lines of the
         rounds up to ``resumed_through`` back from ``resumed_from`` (its ``results.jsonl``)."""
-        if not cfg.plateau_window:
+        ev = cfg.evaluation
+        if not ev.plateau_window:
             return None
-        metric = watched_metric(cfg.plateau_metric, algorithm)
-        watch = cls(cfg.plateau_window, cfg.plateau_delta, metric, cfg.rounds, cfg.plateau_z)
+        metric = watched_metric(ev.plateau_metric, algorithm)
+        watch = cls(ev.plateau_window, ev.plateau_delta, metric, cfg.federation.rounds, ev.plateau_z)
         if resumed_from is not None and resumed_from.is_file():
             for line in resumed_from.read_text().splitlines():
                 if line.strip() and int((row := json.loads(line)).get("round", 0)) <= resumed_through:

@@ -21,11 +21,11 @@ class AccumulatorPool:
     def __init__(self, cfg: RunConfig, model: GlobalModel) -> None:
         self.model = model
         self.free: list[Accumulator] = []  # zeroed sums, ready for the next collection
-        adaptive = cfg.norm_bound if cfg.clip_norm is None else 0.0
-        self.rule = Rule(cfg.aggregator, cfg.trim_fraction, cfg.clip_norm, adaptive)
+        adaptive = cfg.security.norm_bound if cfg.security.clip_norm is None else 0.0
+        self.rule = Rule(cfg.security.aggregator, cfg.security.trim_fraction, cfg.security.clip_norm, adaptive)
         self.norm_bound = NormBound(self.rule.adaptive)
         # shared by every accumulator
-        self.retained = RetainedBytes.of_mb(cfg.rollback_memory_mb, cfg.rollback_upload_mb)
+        self.retained = RetainedBytes.of_mb(cfg.federation.rollback_memory_mb, cfg.federation.rollback_upload_mb)
 
     def take(self, uploads_are_deltas: bool) -> Accumulator:
         """A zeroed accumulator; ``uploads_are_deltas``: the uploads are differences to the model sent (the

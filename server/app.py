@@ -45,12 +45,12 @@ def max_concurrent_rpcs(cfg: RunConfig) -> int:
     """Calls served at once before new ones get RESOURCE_EXHAUSTED: the last line of defence only.
     Admission per peer (:mod:`wafl.server.limits`) keeps every caller far below it: each client's
     own budget, the lobby of calls without a credential, and room for calls being refused."""
-    return (CLIENT_CALLS + 1) * cfg.num_clients + lobby_size(cfg) + 256
+    return (CLIENT_CALLS + 1) * cfg.federation.num_clients + lobby_size(cfg) + 256
 
 
 def lobby_size(cfg: RunConfig) -> int:
     """Calls without a credential waiting at once: every client joining at the same moment fits."""
-    return LOBBY_SIZE + cfg.num_clients
+    return LOBBY_SIZE + cfg.federation.num_clients
 
 
 def grpc_options(cfg: RunConfig) -> list[tuple[str, int]]:
@@ -88,9 +88,10 @@ def check_exposure(host: str, secrets: JoinSecrets, allow_open: bool, client_cer
 def check_networked(cfg: RunConfig) -> None:
     """Refuses what only an in-process run can measure: the gradient dissimilarity needs every selected
     client's full gradient at the global model, a model-sized tensor the protocol does not carry."""
-    if cfg.grad_dissimilarity_every:
+    if cfg.evaluation.grad_dissimilarity_every:
         raise ConfigError(
-            f"grad_dissimilarity_every={cfg.grad_dissimilarity_every} is measured in process only (wafl sweep "
+            f"grad_dissimilarity_every={cfg.evaluation.grad_dissimilarity_every} is measured in process only "
+            "(wafl sweep "
             "without --network, wafl.cli.sim.simulate): over the network each client would have to send its full "
             "gradient, which the protocol does not carry; set it to 0"
         )

@@ -72,7 +72,7 @@ class RoundEngine:
         self.max_upload_messages = parts.max_upload_messages
         self.run_id = uuid.uuid4().hex[:12]
         # new clients (wafl.common.heterogeneity): joined, never in the strategy, sent each evaluated model
-        new_indices = new_client_indices(cfg.num_clients, cfg.new_clients, cfg.seed)
+        new_indices = new_client_indices(cfg.federation.num_clients, cfg.federation.new_clients, cfg.federation.seed)
         self.presence = Presence()  # whether each index's session is live (a Join without its credential)
         self.pool = AccumulatorPool(cfg, self.global_model)
         self.strategy = make_strategy(cfg, self.algorithm, self.dataset.num_classes, self._new_accumulator)
@@ -80,7 +80,7 @@ class RoundEngine:
         self.fold_workers = FoldWorkers()  # fold every upload's chunks: a bounded set of threads
         run_start = time.monotonic()
         self.results = ResultsLog(
-            out_dir, run_start, latest_pm=self.strategy.latest_pm, new_clients=bool(cfg.new_clients)
+            out_dir, run_start, latest_pm=self.strategy.latest_pm, new_clients=bool(cfg.federation.new_clients)
         )
         self.checkpoints = Checkpoints(
             cfg,
@@ -91,7 +91,7 @@ class RoundEngine:
             model=self.global_model,
             norm_bound=self.pool.norm_bound,
         )
-        tensorboard = TensorBoardLog(cfg.tensorboard, cfg) if cfg.tensorboard else None
+        tensorboard = TensorBoardLog(cfg.output.tensorboard, cfg) if cfg.output.tensorboard else None
         if tensorboard is not None:
             self.results.listeners.append(tensorboard.row)
         restored = self.checkpoints.restore(self.presence) if resume else None
@@ -173,13 +173,13 @@ class RoundEngine:
         issued = self.roster.join(req, credential)
         return pb.JoinReply(
             run_id=self.run_id,
-            algorithm=self.cfg.algorithm,
+            algorithm=self.cfg.training.algorithm,
             config_json=self.cfg.to_json(),
-            model=self.cfg.model,
+            model=self.cfg.training.model,
             manifest=[s.to_proto() for s in self.manifest],
             round=self.strategy.version if self.mailbox.publication is not None else 0,
             num_classes=self.dataset.num_classes,
-            code_len=self.cfg.code_len,
+            code_len=self.cfg.training.code_len,
             session_credential=issued,
             max_samples=self.roster.shard_sizes[req.client_index],
         )

@@ -32,15 +32,15 @@ class Reports:
         self.roster.authorize(req.client_id, credential)
         if req.run_id != self.run_id:
             raise Refused(f"run_id {req.run_id[:64]!r} is not this run ({self.run_id!r})", Code.FAILED_PRECONDITION)
-        if not 1 <= req.round <= self.cfg.rounds:
-            raise Refused(f"report round {req.round} is outside 1..{self.cfg.rounds}")
+        if not 1 <= req.round <= self.cfg.federation.rounds:
+            raise Refused(f"report round {req.round} is outside 1..{self.cfg.federation.rounds}")
         M.check(req.metrics, M.REPORT, "report")
         new = req.client_id in self.roster.new_clients
         wrong = M.PM_ACCURACY if new else M.NEW_CLIENT_ACCURACY
         if wrong in req.metrics:
             kind = "a new client (new_clients), which has no PM" if new else "a training client, not a new one"
             raise Refused(f"report metric {wrong!r}: client {req.client_id!r} is {kind}")
-        _check_timeline(req, self.cfg.rounds)
+        _check_timeline(req, self.cfg.federation.rounds)
         timeline = [{"phase": e.phase, "round": e.round, "start_s": e.start_s, "end_s": e.end_s} for e in req.timeline]
         self.results.add_report(req.client_id, req.round, dict(req.metrics), timeline, req.client_start_unix or None)
         if req.metrics.get(M.FINAL, 0.0) == 1.0 and req.client_id not in self.final_reports:

@@ -75,8 +75,8 @@ class Roster:
         if not resumes and not self.secrets.admits(req.client_index, req.token):
             what = "enrollment secret of this client_index" if self.secrets.enrollment else "token"
             raise Refused(f"bad or missing {what}", Code.UNAUTHENTICATED)
-        if not 0 <= req.client_index < self.cfg.num_clients:
-            raise Refused(f"client_index {req.client_index} is outside 0..{self.cfg.num_clients - 1}")
+        if not 0 <= req.client_index < self.cfg.federation.num_clients:
+            raise Refused(f"client_index {req.client_index} is outside 0..{self.cfg.federation.num_clients - 1}")
         owner = self.index_owner.get(req.client_index)
         if owner is not None and owner != req.client_id:
             raise Refused(f"client_index {req.client_index} already belongs to another client", Code.ALREADY_EXISTS)
@@ -116,7 +116,7 @@ class Roster:
                 rejoin=rejoin,
                 joined=len(self.clients),
             )
-            if len(self.clients) >= self.cfg.num_clients:
+            if len(self.clients) >= self.cfg.federation.num_clients:
                 self.all_joined.set()
         return issued
 

@@ -112,30 +112,34 @@ class RoundLoop:
         roster = self.roster
         loop = asyncio.get_running_loop()
         begun = loop.time()
-        grace = min(RESUME_GRACE * cfg.round_deadline_s, cfg.join_timeout_s) if self.resumed else cfg.join_timeout_s
+        grace = (
+            min(RESUME_GRACE * cfg.federation.round_deadline_s, cfg.federation.join_timeout_s)
+            if self.resumed
+            else cfg.federation.join_timeout_s
+        )
         try:
             await asyncio.wait_for(roster.all_joined.wait(), grace)
             return
         except TimeoutError:
             if not self.resumed:
                 raise RunAborted(
-                    f"only {len(roster.clients)} of num_clients={cfg.num_clients} joined "
-                    f"within join_timeout_s={cfg.join_timeout_s}"
+                    f"only {len(roster.clients)} of num_clients={cfg.federation.num_clients} joined "
+                    f"within join_timeout_s={cfg.federation.join_timeout_s}"
                 ) from None
-        needed = min(cfg.min_clients or 1, cfg.training_clients)
+        needed = min(cfg.federation.min_clients or 1, cfg.federation.training_clients)
         while len(self.strategy.clients) < needed and not roster.all_joined.is_set():
-            left = begun + cfg.join_timeout_s - loop.time()
+            left = begun + cfg.federation.join_timeout_s - loop.time()
             if left <= 0:
                 raise RunAborted(
-                    f"resumed: only {len(roster.clients)} of num_clients={cfg.num_clients} joined within "
-                    f"join_timeout_s={cfg.join_timeout_s} ({needed} training clients needed)"
+                    f"resumed: only {len(roster.clients)} of num_clients={cfg.federation.num_clients} joined within "
+                    f"join_timeout_s={cfg.federation.join_timeout_s} ({needed} training clients needed)"
                 )
             roster.client_joined.clear()
             try:
                 await asyncio.wait_for(roster.client_joined.wait(), left)
             except TimeoutError:
                 pass
-        absent = sorted(set(range(cfg.num_clients)) - {c.index for c in roster.clients.values()})
+        absent = sorted(set(range(cfg.federation.num_clients)) - {c.index for c in roster.clients.values()})
         log.warning(
             "resume.partial",
             joined=len(roster.clients),
@@ -152,9 +156,9 @@ class RoundLoop:
             "run.start",
             run_id=self.run_id,
             clients=len(self.roster.clients),
-            rounds=self.cfg.rounds,
-            algorithm=self.cfg.algorithm,
-            aggregation=self.cfg.aggregation,
+            rounds=self.cfg.federation.rounds,
+            algorithm=self.cfg.training.algorithm,
+            aggregation=self.cfg.rule.aggregation,
             model_bytes=self.global_model.nbytes,
         )
         await self.mailbox.publish(self.strategy.start(loop.time()))
@@ -186,7 +190,7 @@ class RoundLoop:
         received): the final model goes to every client at once, which takes a while for thousands
         of them, and each of them reports only once it holds the whole model."""
         if final_report_timeout_s is None:
-            final_report_timeout_s = self.cfg.final_report_s
+            final_report_timeout_s = self.cfg.federation.final_report_s
         await self.run()
         reports = self.reports
         while not reports.final_reported.is_set():
@@ -199,7 +203,7 @@ class RoundLoop:
                         "final_reports.missing", got=len(reports.final_reports), clients=len(self.roster.clients)
                     )
                     break
-        self.results.close_before(self.cfg.rounds + 1)
+        self.results.close_before(self.cfg.federation.rounds + 1)
         await asyncio.get_running_loop().run_in_executor(self.executor, self.results.write_timelines)
         if self.tensorboard is not None:
             self.tensorboard.timelines(self.results.timelines)
@@ -223,7 +227,7 @@ class RoundLoop:
     async def _drain(self, c: Collection) -> None:
         loop = asyncio.get_running_loop()
         if self.strategy.drain is Drain.WAIT:
-            deadline = loop.time() + self.cfg.round_deadline_s
+            deadline = loop.time() + self.cfg.federation.round_deadline_s
             while c.in_flight and loop.time() < deadline:
                 self.changed.clear()
                 try:
@@ -263,7 +267,7 @@ class RoundLoop:
         else:
             acc = loss = None
         self.adapt_due = evaluated and bool(self.roster.new_clients)
-        if self.cfg.checkpoint:
+        if self.cfg.output.checkpoint:
             await loop.run_in_executor(self.executor, self.checkpoint)
         r = c.version  # the results line's "round"
         self.results.close_before(r)
@@ -299,4 +303,4 @@ class RoundLoop:
             return None, 0, None  # the shared tensors make no model (FedMD, FedProto, FedRep's body)
         self.model.load_state_dict(split_payload(self.global_model.state)[0], strict=False)
         test_idx = np.arange(len(self.dataset.test_labels))
-        return evaluate(self.model, self.dataset.test, test_idx, self.cfg.eval_batch_size)
+        return evaluate(self.model, self.dataset.test, test_idx, self.cfg.evaluation.eval_batch_size)

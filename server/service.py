@@ -124,7 +124,7 @@ class FederationService:
             if req.protocol_version < DELTA_UPLOADS_VERSION and self.engine.strategy.uploads_are_deltas:
                 raise Refused(
                     f"protocol_version {req.protocol_version}: this run's aggregation "
-                    f"({self.engine.cfg.aggregation}) takes uploads as differences to the model sent, which a "
+                    f"({self.engine.cfg.rule.aggregation}) takes uploads as differences to the model sent, which a "
                     f"version {req.protocol_version} client does not upload; use a client of version "
                     f"{DELTA_UPLOADS_VERSION}",
                     Code.FAILED_PRECONDITION,

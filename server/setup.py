@@ -53,11 +53,13 @@ class RunParts:
 def build(cfg: RunConfig) -> RunParts:
     """The algorithm, the dataset and the model, built after seeding torch with ``seed`` (the initial global
     model of a seed is always the same), and what follows from them."""
-    algorithm = registry.resolve(cfg.algorithm, cfg.params, vars(cfg))
-    torch.manual_seed(cfg.seed)
-    dataset = load_dataset(cfg.dataset, cfg.data_dir)
+    algorithm = registry.resolve(cfg.training.algorithm, cfg.training.params, cfg.to_dict())
+    torch.manual_seed(cfg.federation.seed)
+    dataset = load_dataset(cfg.data.dataset, cfg.data.data_dir)
     model = algorithm.build(
-        build_model(cfg.model, dataset.num_classes, dataset.in_channels, dataset.image_size, cfg.code_len)
+        build_model(
+            cfg.training.model, dataset.num_classes, dataset.in_channels, dataset.image_size, cfg.training.code_len
+        )
     )
     # what travels: the tensors of the model the algorithm shares, then its extra tensors
     global_model = GlobalModel.of(algorithm.payload(model))
@@ -79,7 +81,7 @@ def write_run_files(cfg: RunConfig, out_dir: Path, algorithm: Algorithm) -> None
     ``privacy.json`` (per release and per run; logged as ``privacy``)."""
     (out_dir / "config.json").write_text(dumps(json.loads(cfg.to_json()), indent=2))
     if algorithm.privacy is not None:
-        report = {"per_release": algorithm.privacy(1), "per_run": algorithm.privacy(cfg.rounds)}
+        report = {"per_release": algorithm.privacy(1), "per_run": algorithm.privacy(cfg.federation.rounds)}
         (out_dir / "privacy.json").write_text(dumps(report, indent=2))
         log.info(
             "privacy",
@@ -148,13 +150,17 @@ class Checkpoints:
         if not isinstance(state, dict) or manifest_of(state) != self.model.manifest:
             raise CheckpointError(f"checkpoint {path}: its model does not match this run's tensor manifest")
         # the checkpoint's "round": the versions built when it was written (it holds version round + 1)
-        if not (isinstance(ck["round"], int) and 0 <= ck["round"] <= self.cfg.rounds and isinstance(ck["run_id"], str)):
+        if not (
+            isinstance(ck["round"], int)
+            and 0 <= ck["round"] <= self.cfg.federation.rounds
+            and isinstance(ck["run_id"], str)
+        ):
             raise CheckpointError(f"checkpoint {path}: round or run id out of range")
         try:
             knowledge = {
                 int(j): ClassKnowledge(int(j), int(k["count"]), k["rep"], k["soft"]) for j, k in ck["knowledge"].items()
             }
-            validate_knowledge(knowledge, self.num_classes, self.cfg.code_len)
+            validate_knowledge(knowledge, self.num_classes, self.cfg.training.code_len)
         except (TypeError, KeyError, ValueError, AttributeError):
             raise CheckpointError(f"checkpoint {path}: its knowledge is malformed") from None
         try:
@@ -168,8 +174,10 @@ class Checkpoints:
         except (TypeError, ValueError, AttributeError):
             raise CheckpointError(f"checkpoint {path}: its norm history or index owners are malformed") from None
         for i, c in owners.items():
-            if not 0 <= i < self.cfg.num_clients:
-                raise CheckpointError(f"checkpoint {path}: index owner {i} is outside 0..{self.cfg.num_clients - 1}")
+            if not 0 <= i < self.cfg.federation.num_clients:
+                raise CheckpointError(
+                    f"checkpoint {path}: index owner {i} is outside 0..{self.cfg.federation.num_clients - 1}"
+                )
             if not ID_PATTERN.fullmatch(c):
                 raise CheckpointError(f"checkpoint {path}: index {i} has a malformed owner")
         restored = Restored(
@@ -186,7 +194,7 @@ class Checkpoints:
 
     def save(self, run_id: str, index_owner: dict[int, str], index_epoch: dict[int, int]) -> None:
         """Writes ``checkpoint.pt`` (and, every ``keep_checkpoint_every`` versions, its copy)."""
-        n, keep = self.strategy.version - 1, self.cfg.keep_checkpoint_every  # versions built
+        n, keep = self.strategy.version - 1, self.cfg.output.keep_checkpoint_every  # versions built
         if keep and n % keep == 0:  # kept as it is written: the same bytes as checkpoint.pt
             self.write(self.out_dir / "checkpoints" / f"round-{n}.pt", run_id, index_owner, index_epoch)
         self.write(self.path, run_id, index_owner, index_epoch)

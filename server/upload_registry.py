@@ -63,11 +63,11 @@ class UploadRegistry:
 
     @property
     def upload_stall_s(self) -> float:
-        return self.cfg.upload_stall_s
+        return self.cfg.federation.upload_stall_s
 
     @property
     def code_len(self) -> int:
-        return self.cfg.code_len
+        return self.cfg.training.code_len
 
     @property
     def drain(self) -> Drain:

@@ -41,7 +41,7 @@ def future_batches(t: Trainer, *phase_epochs: float) -> list[list[tuple[torch.Te
     """The batches the trainer's next phases (of ``phase_epochs`` epochs each) will draw; its RNG is
     not advanced."""
     rng = copy.deepcopy(t.rng)
-    return [list(epochs(t.data.train, t.train_idx, t.cfg.batch_size, rng, n)) for n in phase_epochs]
+    return [list(epochs(t.data.train, t.train_idx, t.cfg.training.batch_size, rng, n)) for n in phase_epochs]
 
 
 def sgd_steps(

@@ -22,7 +22,7 @@ def state(seed: int) -> dict[str, torch.Tensor]:
 def make(**overrides):
     cfg = load_config(None, {"num_clients": 3, **overrides})
     manifest = manifest_of(state(0))
-    algo = registry.resolve(cfg.algorithm, cfg.params, vars(cfg))
+    algo = registry.resolve(cfg.training.algorithm, cfg.training.params, cfg.to_dict())
     s = make_strategy(cfg, algo, 10, lambda: Accumulator(manifest))
     for i, cid in enumerate(IDS):
         s.join(cid, i, SAMPLES[cid])

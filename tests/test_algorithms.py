@@ -125,7 +125,7 @@ def test_pm_persists_across_a_restart(digits, tmp_path) -> None:
 def test_fedhkd_shares_knowledge_and_reports_privacy(digits) -> None:
     t = one_round(digits, "fedhkd", {"sigma": 0.0})
     k = t.knowledge()
-    assert k and all(len(c.rep) == t.cfg.code_len and abs(float(c.soft.sum()) - 1) < 1e-4 for c in k.values())
+    assert k and all(len(c.rep) == t.cfg.training.code_len and abs(float(c.soft.sum()) - 1) < 1e-4 for c in k.values())
     counts = torch.bincount(torch.as_tensor(digits.train_labels[t.train_idx]), minlength=10)
     assert {c.class_id for c in k.values()} == {j for j in range(10) if counts[j] >= 0.25 * counts.sum()}
     noisy = registry.resolve("fedhkd", {"sigma": 7.0})

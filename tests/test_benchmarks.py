@@ -221,7 +221,7 @@ def test_sim_overhead_replays_the_same_training_in_either_order(monkeypatch: pyt
     with Recorder() as rec:  # it records what the training slots are handed
         simulate(cfg, pool=lambda: SharedSlots(2))
     assert sorted(rec.received) == [0, 1, 2] and all(len(v) == 2 for v in rec.received.values())
-    data = load_dataset(cfg.dataset)
+    data = load_dataset(cfg.data.dataset)
     models = []
     for by_client in (False, True):
         part = [Trainer(cfg, i, dataset=data, device="cpu") for i in range(3)]

@@ -107,11 +107,11 @@ def test_slowdown_becomes_a_cpu_share(tmp_path, monkeypatch):
     from wafl.cli.launch.launcher import _cpu_groups
 
     monkeypatch.setenv("WAFL_CGROUP_ROOT", str(_fake_v1(tmp_path)))
-    cfg = RunConfig(num_clients=2, slowdown="1,4")
+    cfg = RunConfig.from_mapping(dict(num_clients=2, slowdown="1,4"))
     groups, plan = _cpu_groups(cfg, parse_hosts(cfg, host_cpus="0.4", quota_optional=False))
     try:
         assert plan["clients"] == pytest.approx([0.4, 0.1]) and plan["slowdowns"] == [1.0, 4.0]
-        assert plan["_proc_cfg"].slowdown == "none" and cfg.slowdown == "1,4"
+        assert plan["_proc_cfg"].federation.slowdown == "none" and cfg.federation.slowdown == "1,4"
         assert groups.quota("client1") == (1000, 10000)
     finally:
         groups.close()
@@ -122,7 +122,7 @@ def test_optional_quotas_only_warn(tmp_path, monkeypatch, capsys):
     from wafl.cli.launch.launcher import _cpu_groups
 
     monkeypatch.setenv("WAFL_CGROUP_ROOT", str(tmp_path))
-    cfg = RunConfig(num_clients=2)
+    cfg = RunConfig.from_mapping(dict(num_clients=2))
     assert _cpu_groups(cfg, parse_hosts(cfg, host_cpus="auto", quota_optional=True)) == (None, {})
     assert "warning" in capsys.readouterr().err
     with pytest.raises(CpuQuotaUnavailable):

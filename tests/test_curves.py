@@ -12,7 +12,7 @@ from wafl.common.config import RunConfig
 
 def write_run(folder: Path, seed: int, tau: float, lambda_p: float, rows: list[dict]) -> None:
     folder.mkdir(parents=True)
-    cfg = json.loads(RunConfig(algorithm="scd", rounds=len(rows), seed=seed).to_json())
+    cfg = json.loads(RunConfig.from_mapping(dict(algorithm="scd", rounds=len(rows), seed=seed)).to_json())
     cfg["params"] = {"tau": tau, "lambda_p": lambda_p, "lambda_g": 0.3, "spectrum": "model"}
     (folder / "config.json").write_text(json.dumps(cfg))
     (folder / "results.jsonl").write_text("".join(json.dumps({"round": i + 1, **r}) + "\n" for i, r in enumerate(rows)))
@@ -92,7 +92,7 @@ def test_base_algorithm_panels_put_a_method_and_its_regularized_variants_togethe
     for algorithm, acc in (("fedavg", 0.5), ("fedavg+asd", 0.6), ("fedprox", 0.4), ("fedprox+asd", 0.45)):
         folder = root / algorithm
         folder.mkdir(parents=True)
-        cfg = json.loads(RunConfig(algorithm=algorithm, rounds=2).to_json())
+        cfg = json.loads(RunConfig.from_mapping(dict(algorithm=algorithm, rounds=2)).to_json())
         (folder / "config.json").write_text(json.dumps(cfg))
         (folder / "results.jsonl").write_text(
             "".join(json.dumps({"round": r, "gm_accuracy": acc}) + "\n" for r in (1, 2))

@@ -34,7 +34,7 @@ needs_no_cuda = pytest.mark.skipif(HAS_CUDA, reason="checks the error on a machi
 def test_device_flag_reaches_the_run_configuration(device: str) -> None:
     for command in (["run"], ["server"]):
         args = build_parser().parse_args([*command, "--device", device])
-        assert _resolve_config(args).device == device
+        assert _resolve_config(args).training.device == device
 
 
 def test_client_device_flag_is_parsed() -> None:

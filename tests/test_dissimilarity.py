@@ -86,16 +86,23 @@ def test_an_in_process_run_records_g_d_at_the_global_model(tmp_path: Path) -> No
     rows = simulate(cfg, tmp_path / "run")
     assert all(r["grad_dissimilarity"] >= 1.0 for r in rows)
     data = load_dataset("digits")
-    torch.manual_seed(cfg.seed)  # as the engine builds the first global model
-    model = registry.resolve(cfg.algorithm, cfg.params, vars(cfg)).build(
-        build_model(cfg.model, data.num_classes, data.in_channels, data.image_size, cfg.code_len)
+    torch.manual_seed(cfg.federation.seed)  # as the engine builds the first global model
+    model = registry.resolve(cfg.training.algorithm, cfg.training.params, cfg.to_dict()).build(
+        build_model(cfg.training.model, data.num_classes, data.in_channels, data.image_size, cfg.training.code_len)
     )
-    ids = [f"client-{i}" for i in range(cfg.num_clients)]
-    selected = sorted(select_clients(cfg.seed, 1, ids, cfg.fraction), key=ids.index)
+    ids = [f"client-{i}" for i in range(cfg.federation.num_clients)]
+    selected = sorted(select_clients(cfg.federation.seed, 1, ids, cfg.federation.fraction), key=ids.index)
     assert len(selected) == 3
     from wafl.common.partition import partition
 
-    shards = partition(data.train_labels, cfg.num_clients, cfg.partition, cfg.alpha, cfg.delta, cfg.seed)
+    shards = partition(
+        data.train_labels,
+        cfg.federation.num_clients,
+        cfg.data.partition,
+        cfg.data.alpha,
+        cfg.data.delta,
+        cfg.federation.seed,
+    )
     grads = []
     for c in selected:
         idx = shards[ids.index(c)]

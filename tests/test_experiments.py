@@ -151,15 +151,16 @@ def test_learning_check_sweep_files_load(repo: Path) -> None:
             continue
         out, points = load_sweep(f)
         assert out == Path(f"runs/sweep-{f.stem}")
-        seeds = {c.seed for _, c in points}
+        seeds = {c.federation.seed for _, c in points}
         if f.stem.endswith(("_flatness", "_dissimilarity", "_sensitivity")):  # analysis sweeps: fewer seeds
             assert len(seeds) >= (2 if f.stem.endswith("_flatness") else 1)
-            assert all(c.checkpoint for _, c in points) or not f.stem.endswith("_flatness")  # flatness reads them
+            flatness = f.stem.endswith("_flatness")
+            assert all(c.output.checkpoint for _, c in points) or not flatness  # flatness reads them
             continue
         if f.stem.endswith("_tuning"):  # tuning runs a seed apart from the evaluation seeds
-            assert {c.seed for _, c in points}.isdisjoint({0, 1, 2})
+            assert {c.federation.seed for _, c in points}.isdisjoint({0, 1, 2})
             continue
-        seeds = {c.seed for _, c in points}
+        seeds = {c.federation.seed for _, c in points}
         assert seeds in ({0, 1, 2}, {0, 1}) and len(points) % len(seeds) == 0  # 3 seeds where they fit, never < 2
 
 
@@ -172,11 +173,15 @@ def test_fashion_mnist_sweep_files_hold_the_papers_settings(repo: Path) -> None:
     files = {name: load(name) for name in ("scd_fmnist", "fedhkd_fmnist", "asd_fmnist", "asd_fmnist_500")}
     for name, points in files.items():
         for c in points:
-            assert (c.dataset, c.model, c.code_len) == ("fashion-mnist", "lenet5", 84), name  # LeNet-5 exactly
-            assert c.round_deadline_s >= 3600  # no round closes short on a busy machine: deterministic points
+            # LeNet-5 exactly
+            assert (c.data.dataset, c.training.model, c.training.code_len) == ("fashion-mnist", "lenet5", 84), name
+            # no round closes short on a busy machine: deterministic points
+            assert c.federation.round_deadline_s >= 3600
     scd = files["scd_fmnist"]
-    assert {(c.num_clients, c.partition, c.alpha, c.fraction) for c in scd} == {(100, "dirichlet", 0.1, 1.0)}
-    assert {c.algorithm for c in scd} == {
+    assert {(c.federation.num_clients, c.data.partition, c.data.alpha, c.federation.fraction) for c in scd} == {
+        (100, "dirichlet", 0.1, 1.0)
+    }
+    assert {c.training.algorithm for c in scd} == {
         "scd",
         "ditto",
         "fedrep",
@@ -189,7 +194,11 @@ def test_fashion_mnist_sweep_files_hold_the_papers_settings(repo: Path) -> None:
         "fedgen",
         "fedavgm",
     }
-    ablation = {(c.params["lambda_g"] > 0, c.params["lambda_p"] > 0, c.protocol) for c in scd if c.algorithm == "scd"}
+    ablation = {
+        (c.training.params["lambda_g"] > 0, c.training.params["lambda_p"] > 0, c.client.protocol)
+        for c in scd
+        if c.training.algorithm == "scd"
+    }
     assert ablation == {
         (True, True, "compute-and-wait"),
         (True, False, "compute-and-wait"),
@@ -197,13 +206,14 @@ def test_fashion_mnist_sweep_files_hold_the_papers_settings(repo: Path) -> None:
         (False, False, "compute-and-wait"),
         (True, True, "wait-free"),
     }
-    assert all(c.pm_max_epochs == 1 and c.pm_min_steps == 0 for c in scd)  # wait-free: until the broadcast
+    # wait-free: until the broadcast
+    assert all(c.client.pm_max_epochs == 1 and c.client.pm_min_steps == 0 for c in scd)
     hkd = files["fedhkd_fmnist"]
-    assert {c.num_clients for c in hkd} == {10, 20, 50}
-    assert {(c.partition, c.delta, c.client_size) for c in hkd} == {("dirichlet-equal", 0.5, 1024)}
-    fedhkd = {(c.params["gamma"], c.params["sigma"]) for c in hkd if c.algorithm == "fedhkd"}
+    assert {c.federation.num_clients for c in hkd} == {10, 20, 50}
+    assert {(c.data.partition, c.data.delta, c.data.client_size) for c in hkd} == {("dirichlet-equal", 0.5, 1024)}
+    fedhkd = {(c.training.params["gamma"], c.training.params["sigma"]) for c in hkd if c.training.algorithm == "fedhkd"}
     assert fedhkd == {(0.05, 7.0), (0.0, 7.0), (0.05, 0.0), (0.0, 0.0)}
-    assert {c.algorithm for c in hkd} == {
+    assert {c.training.algorithm for c in hkd} == {
         "fedhkd",
         "fedavg",
         "fedprox",
@@ -216,10 +226,10 @@ def test_fashion_mnist_sweep_files_hold_the_papers_settings(repo: Path) -> None:
     bases = {"fedavg", "fedprox", "feddyn", "fedntd", "fedspeed", "fedsam", "scaffold"}
     for name, clients, fraction in (("asd_fmnist", 100, 0.1), ("asd_fmnist_500", 500, 0.01)):
         points = files[name]
-        assert {(c.num_clients, c.partition, c.delta, c.fraction) for c in points} == {
+        assert {(c.federation.num_clients, c.data.partition, c.data.delta, c.federation.fraction) for c in points} == {
             (clients, "dirichlet-equal", 0.3, fraction)
         }
-        rows = {(c.algorithm, c.params.get("asd_uniform")) for c in points}
+        rows = {(c.training.algorithm, c.training.params.get("asd_uniform")) for c in points}
         assert rows == {(b, None) for b in bases} | {(f"{b}+asd", u) for b in bases for u in (False, True)}
 
 
@@ -227,7 +237,6 @@ def test_fashion_mnist_analysis_sweeps_run_the_comparison_tables_settings(repo: 
     """The flatness, G_d and sensitivity sweeps run on their paper's comparison table's setting: their
     points are that table's points (flatness, the G_d sweep's lambda 2, SCD at its default weights)
     but for what they measure, so their accuracies are the table's and the runs check each other."""
-    import dataclasses
 
     from wafl.cli.experiments.sweep import load_sweep
 
@@ -236,26 +245,31 @@ def test_fashion_mnist_analysis_sweeps_run_the_comparison_tables_settings(repo: 
 
     asd, scd = load("asd_fmnist"), load("scd_fmnist")
     flat = load("asd_fmnist_flatness")
-    assert {c.algorithm for c in flat.values()} == {
+    assert {c.training.algorithm for c in flat.values()} == {
         f"{b}{a}" for b in ("fedavg", "feddyn", "fedspeed") for a in ("", "+asd")
     }
     for name, c in flat.items():
-        assert c.checkpoint and dataclasses.replace(c, checkpoint=False) == asd[name], name
+        assert c.output.checkpoint and {**c.to_dict(), "checkpoint": False} == asd[name].to_dict(), name
     gd = load("asd_fmnist_dissimilarity")
-    assert sorted({c.params["asd_lambda"] for c in gd.values()}) == [0.0, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0]
+    assert sorted({c.training.params["asd_lambda"] for c in gd.values()}) == [0.0, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0]
     for c in gd.values():
-        assert c.grad_dissimilarity_every == 1
-        same = dataclasses.replace(c, grad_dissimilarity_every=0, params={**c.params, "asd_lambda": 2.0})
-        assert same == asd[f"algorithm=fedavg+asd,params.asd_lambda=2.0,params.asd_temperature=2.0,seed={c.seed}"]
+        assert c.evaluation.grad_dissimilarity_every == 1
+        same = {**c.to_dict(), "grad_dissimilarity_every": 0, "params": {**c.training.params, "asd_lambda": 2.0}}
+        seed = c.federation.seed
+        assert (
+            same == asd[f"algorithm=fedavg+asd,params.asd_lambda=2.0,params.asd_temperature=2.0,seed={seed}"].to_dict()
+        )
     sens = load("scd_fmnist_sensitivity")
     default = {"tau": 0.4, "lambda_p": 0.4, "lambda_g": 0.3}
     scd_point = "algorithm=scd,params.lambda_g=0.3,params.lambda_p=0.4,params.spectrum=model,params.tau=0.4,seed=0"
     for c in sens.values():
-        moved = [k for k in default if c.params[k] != default[k]]
+        moved = [k for k in default if c.training.params[k] != default[k]]
         assert len(moved) <= 1  # one knob at a time
-        assert dataclasses.replace(c, params={**c.params, **default}) == scd[scd_point]
+        assert {**c.to_dict(), "params": {**c.training.params, **default}} == scd[scd_point].to_dict()
     assert sorted(
-        c.params["tau"] for c in sens.values() if c.params["lambda_p"] == 0.4 and c.params["lambda_g"] == 0.3
+        c.training.params["tau"]
+        for c in sens.values()
+        if c.training.params["lambda_p"] == 0.4 and c.training.params["lambda_g"] == 0.3
     ) == [0.1, 0.2, 0.4, 0.6, 0.8, 1.0]
 
 
@@ -268,7 +282,10 @@ def test_sweep_point_params_table_and_dotted_keys_merge(tmp_path: Path) -> None:
         '[[points]]\nalgorithm = "ditto"\n"params.mu" = 0.25\n'
     )
     _, points = load_sweep(spec)
-    assert [(c.algorithm, c.params) for _, c in points] == [("fedprox", {"mu": 0.5}), ("ditto", {"mu": 0.25})]
+    assert [(c.training.algorithm, c.training.params) for _, c in points] == [
+        ("fedprox", {"mu": 0.5}),
+        ("ditto", {"mu": 0.25}),
+    ]
     spec.write_text('[[points]]\nalgorithm = "fedprox"\nparams = 3\n')
     with pytest.raises(ConfigError, match="params must be a table"):
         load_sweep(spec)
@@ -289,8 +306,8 @@ def test_a_sweep_file_extends_another(tmp_path: Path) -> None:
     out, points = load_sweep(long)
     assert out == Path("runs/sweep-long")
     assert [n for n, _ in points] == [f"algorithm={a},seed={s}" for a in ("fedprox", "ditto") for s in (0, 1, 2)]
-    assert {(c.rounds, c.num_clients) for _, c in points} == {(300, 3)}
-    assert {c.params["mu"] for _, c in points} == {0.1}
+    assert {(c.federation.rounds, c.federation.num_clients) for _, c in points} == {(300, 3)}
+    assert {c.training.params["mu"] for _, c in points} == {0.1}
     long.write_text('extends = "long.toml"\n')
     with pytest.raises(ConfigError, match="makes a loop"):
         load_sweep(long)

@@ -88,8 +88,8 @@ def test_feddyn_h_divides_by_the_training_clients_not_the_held_out_ones():
     from wafl.common.config import load_config
 
     cfg = load_config(None, {"algorithm": "feddyn", "num_clients": 10, "new_clients": 3})
-    algo = registry.resolve(cfg.algorithm, cfg.params, vars(cfg))
-    alpha, m = cfg.params["alpha"], 10 - 3
+    algo = registry.resolve(cfg.training.algorithm, cfg.training.params, cfg.to_dict())
+    alpha, m = cfg.training.params["alpha"], 10 - 3
     rng = np.random.default_rng(1)
     w_g = rng.normal(size=(3, 2))
     locals_ = [rng.normal(size=(3, 2)) for _ in range(4)]

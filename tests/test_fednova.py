@@ -125,8 +125,8 @@ def robust_strategy(x: dict, clip_norm: float | None = None, **overrides):
     """A sync strategy whose accumulators apply the configuration's robust center (as the engine's do),
     measured against the global model ``x``."""
     cfg = load_config(None, {"num_clients": 3, "algorithm": "fednova", **overrides})
-    algo = registry.resolve(cfg.algorithm, cfg.params, vars(cfg))
-    rule = Rule(cfg.aggregator, cfg.trim_fraction, clip_norm)
+    algo = registry.resolve(cfg.training.algorithm, cfg.training.params, cfg.to_dict())
+    rule = Rule(cfg.security.aggregator, cfg.security.trim_fraction, clip_norm)
 
     def accumulator() -> Accumulator:
         acc = Accumulator(manifest_of(x), rule=rule)

@@ -30,7 +30,7 @@ def test_method_runs_a_short_federation(algorithm: str, protocol: str) -> None:
         },
     )
     rows = simulate(cfg)
-    algo = registry.resolve(algorithm, {}, vars(cfg))
+    algo = registry.resolve(algorithm, {}, cfg.to_dict())
     assert [r["round"] for r in rows] == [1, 2]
     assert all((r["gm_accuracy"] is not None) == algo.evaluates_global for r in rows)
     assert all((r["pm_accuracy"] is not None) == (algo.personal != "none") for r in rows)
@@ -70,7 +70,7 @@ def test_eval_every_evaluates_the_clients_models_in_the_same_rounds_as_the_globa
     settings = {"num_clients": 3, "rounds": 3, "local_epochs": 1, "protocol": "compute-and-wait"}
     cfg = load_config(None, {**settings, "algorithm": algorithm, "eval_every": 2, "checkpoint": False})
     rows = simulate(cfg)
-    algo = registry.resolve(algorithm, {}, vars(cfg))
+    algo = registry.resolve(algorithm, {}, cfg.to_dict())
     assert [r["round"] for r in rows] == [1, 2, 3]
     assert [r["gm_accuracy"] is not None for r in rows] == [False, True, True]
     if algo.personal == "none" or algo.local_model_is_personal:

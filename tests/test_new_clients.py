@@ -42,7 +42,7 @@ def _spy(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
 
 
 def _test_sizes(cfg, indices) -> dict[str, int]:
-    data = load_dataset(cfg.dataset)
+    data = load_dataset(cfg.data.dataset)
     return {f"client-{i}": len(Trainer(cfg, i, dataset=data, device="cpu").test_idx) for i in indices}
 
 
@@ -57,11 +57,11 @@ def test_the_draw_is_seeded_and_leaves_training_clients() -> None:
 def test_in_process_new_clients_never_train_and_adapt_each_evaluated_model(tmp_path, monkeypatch) -> None:
     torch.set_num_threads(1)
     cfg = load_config(None, BASE)
-    new = sorted(new_client_indices(cfg.num_clients, cfg.new_clients, cfg.seed))
+    new = sorted(new_client_indices(cfg.federation.num_clients, cfg.federation.new_clients, cfg.federation.seed))
     trained, adapted = _spy(monkeypatch, "train_gm"), _spy(monkeypatch, "adapt")
     rows = simulate(cfg, tmp_path / "a")
     assert trained and not set(trained) & set(new)  # the held-out clients never train
-    assert sorted(adapted) == sorted(new * cfg.rounds)  # once per evaluated round (eval_every = 1), each
+    assert sorted(adapted) == sorted(new * cfg.federation.rounds)  # once per evaluated round (eval_every = 1), each
     assert [r["round"] for r in rows] == [1, 2, 3]
     assert all(r["clients"] == r["selected"] == 3 for r in rows)  # only the 3 training clients take part
     sizes = _test_sizes(cfg, new)
@@ -83,7 +83,7 @@ def test_in_process_new_clients_never_train_and_adapt_each_evaluated_model(tmp_p
 def test_a_personalized_method_adapts_with_its_personal_phase(monkeypatch) -> None:
     torch.set_num_threads(1)
     cfg = load_config(None, {**BASE, "algorithm": "scd", "fraction": 0.5, "eval_every": 2})
-    new = sorted(new_client_indices(cfg.num_clients, cfg.new_clients, cfg.seed))
+    new = sorted(new_client_indices(cfg.federation.num_clients, cfg.federation.new_clients, cfg.federation.seed))
     pm = _spy(monkeypatch, "train_pm")
     trained = _spy(monkeypatch, "train_gm")
     rows = simulate(cfg)
@@ -101,7 +101,10 @@ def test_over_grpc_new_clients_join_wait_and_report_as_in_process(tmp_path) -> N
     local = simulate(cfg, tmp_path / "local")
     s = launch(cfg, tmp_path / "grpc", show_progress=False, timeout_s=300)
     assert s.ok, (tmp_path / "grpc" / "logs" / "server.log").read_text()[-2000:]
-    new = {f"client-{i}" for i in new_client_indices(cfg.num_clients, cfg.new_clients, cfg.seed)}
+    new = {
+        f"client-{i}"
+        for i in new_client_indices(cfg.federation.num_clients, cfg.federation.new_clients, cfg.federation.seed)
+    }
     # the same global models and the same adapted accuracies as in process
     a, b = _global(tmp_path / "local"), _global(tmp_path / "grpc")
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -110,7 +113,7 @@ def test_over_grpc_new_clients_join_wait_and_report_as_in_process(tmp_path) -> N
     assert s.rows[-1]["new_client_accuracy"] > 0.3
     reports = [json.loads(line) for line in (tmp_path / "grpc" / "reports.jsonl").read_text().splitlines()]
     finals = {r["client"] for r in reports if r.get("final") == 1.0}
-    assert finals == {f"client-{i}" for i in range(cfg.num_clients)}  # the new clients ended too
+    assert finals == {f"client-{i}" for i in range(cfg.federation.num_clients)}  # the new clients ended too
     assert all(r.get("bytes_up", 0) == 0 for r in reports if r["client"] in new)
     # a new client only waited and adapted: no GM training, no upload on its timeline
     timelines = json.loads((tmp_path / "grpc" / "timelines.json").read_text())
@@ -140,10 +143,10 @@ def test_fraction_counts_the_training_clients_only() -> None:
     from wafl.server.strategies import STRATEGIES, check_aggregation
 
     def per_aggregation(cfg: RunConfig) -> int:
-        return STRATEGIES[cfg.aggregation].check_config(cfg).uploads_per_aggregation(cfg)
+        return STRATEGIES[cfg.rule.aggregation].check_config(cfg).uploads_per_aggregation(cfg)
 
     cfg = load_config(None, {**BASE, "num_clients": 10, "new_clients": 6, "fraction": 0.5})
-    assert cfg.training_clients == 4 and per_aggregation(cfg) == 2
+    assert cfg.federation.training_clients == 4 and per_aggregation(cfg) == 2
     assert per_aggregation(load_config(None, {**BASE, "new_clients": 0})) == 5
     buffered = load_config(None, {**BASE, "num_clients": 10, "new_clients": 6, "aggregation": "buffered"})
     assert per_aggregation(buffered) == 2  # half of the 4 that may train at once
@@ -159,8 +162,11 @@ def test_the_server_refuses_uploads_from_new_clients_and_their_reports_from_othe
     cfg = load_config(None, BASE)
     engine = RoundEngine(cfg, tmp_path)
     engine.executor.shutdown(wait=False)
-    new = min(new_client_indices(cfg.num_clients, cfg.new_clients, cfg.seed))
-    old = min(set(range(cfg.num_clients)) - new_client_indices(cfg.num_clients, cfg.new_clients, cfg.seed))
+    new = min(new_client_indices(cfg.federation.num_clients, cfg.federation.new_clients, cfg.federation.seed))
+    old = min(
+        set(range(cfg.federation.num_clients))
+        - new_client_indices(cfg.federation.num_clients, cfg.federation.new_clients, cfg.federation.seed)
+    )
     cred = {}
     for i in (new, old):
         req = pb.JoinRequest(client_id=f"c{i}", protocol_version=1, client_index=i, num_samples=10)
@@ -187,9 +193,16 @@ def test_the_flatness_loss_is_taken_on_the_training_clients_data_only() -> None:
     from wafl.common.partition import federation_shards
 
     cfg = load_config(None, BASE)
-    data = load_dataset(cfg.dataset)
-    shards = federation_shards(data.train_labels, cfg.num_clients, cfg.partition, cfg.alpha, cfg.delta, cfg.seed)
-    new = new_client_indices(cfg.num_clients, cfg.new_clients, cfg.seed)
+    data = load_dataset(cfg.data.dataset)
+    shards = federation_shards(
+        data.train_labels,
+        cfg.federation.num_clients,
+        cfg.data.partition,
+        cfg.data.alpha,
+        cfg.data.delta,
+        cfg.federation.seed,
+    )
+    new = new_client_indices(cfg.federation.num_clients, cfg.federation.new_clients, cfg.federation.seed)
     union = training_union(cfg, data)
     assert len(union) == sum(len(s) for i, s in enumerate(shards) if i not in new)
     assert not set(union.tolist()) & {int(x) for i in new for x in shards[i]}
@@ -201,8 +214,16 @@ def test_the_new_clients_sweep_is_scd_fmnist_with_20_of_its_100_clients_held_out
     sweeps = repo / "configs" / "sweeps"
     base = [c for _, c in load_sweep(sweeps / "scd_fmnist.toml")[1]]
     new = [c for _, c in load_sweep(sweeps / "scd_fmnist_new_clients.toml")[1]]
-    assert {(c.num_clients, c.new_clients, c.training_clients, c.new_client_epochs) for c in new} == {(100, 20, 80, 1)}
-    assert {c.algorithm for c in new} == {c.algorithm for c in base}  # SCD and its baselines
-    assert {c.seed for c in new} == {0, 1} and all(c.eval_every == 1 for c in new)
+    assert {
+        (
+            c.federation.num_clients,
+            c.federation.new_clients,
+            c.federation.training_clients,
+            c.federation.new_client_epochs,
+        )
+        for c in new
+    } == {(100, 20, 80, 1)}
+    assert {c.training.algorithm for c in new} == {c.training.algorithm for c in base}  # SCD and its baselines
+    assert {c.federation.seed for c in new} == {0, 1} and all(c.evaluation.eval_every == 1 for c in new)
     same = ("dataset", "model", "partition", "alpha", "fraction", "rounds", "lr", "momentum", "local_epochs")
-    assert {tuple(getattr(c, f) for f in same) for c in new} == {tuple(getattr(c, f) for f in same) for c in base}
+    assert {tuple(c.to_dict()[f] for f in same) for c in new} == {tuple(c.to_dict()[f] for f in same) for c in base}

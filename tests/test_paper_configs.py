@@ -14,7 +14,6 @@ clients) give the identical tiny run: it runs once, and the test of each of thos
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 import tomllib
@@ -79,7 +78,14 @@ def test_every_expected_config_exists_and_nothing_else() -> None:
 def test_config_validates_and_is_the_seed_setting(name: str) -> None:
     cfg = load_config(CONFIG_DIR / name)
     dataset, model, algorithm, clients, partition, concentration, fraction = EXPECTED[name]
-    assert (cfg.dataset, cfg.model, cfg.algorithm, cfg.num_clients, cfg.partition, cfg.fraction) == (
+    assert (
+        cfg.data.dataset,
+        cfg.training.model,
+        cfg.training.algorithm,
+        cfg.federation.num_clients,
+        cfg.data.partition,
+        cfg.federation.fraction,
+    ) == (
         dataset,
         model,
         algorithm,
@@ -87,14 +93,14 @@ def test_config_validates_and_is_the_seed_setting(name: str) -> None:
         partition,
         fraction,
     )
-    assert (cfg.alpha if partition == "dirichlet" else cfg.delta) == concentration
-    assert cfg.device == "auto"
-    assert cfg.data_dir is None  # given on the command line (--data-dir)
+    assert (cfg.data.alpha if partition == "dirichlet" else cfg.data.delta) == concentration
+    assert cfg.training.device == "auto"
+    assert cfg.data.data_dir is None  # given on the command line (--data-dir)
     # the parameters are the algorithm's own (validate() fills in any default the file left out)
     raw = tomllib.loads((CONFIG_DIR / name).read_text())
-    assert set(raw["params"]) == set(registry.resolve(cfg.algorithm).params)
+    assert set(raw["params"]) == set(registry.resolve(cfg.training.algorithm).params)
     if algorithm == "scd":
-        assert cfg.protocol == "wait-free"
+        assert cfg.client.protocol == "wait-free"
 
 
 @pytest.mark.parametrize("name", FILES)
@@ -230,30 +236,32 @@ _ROUNDS: dict[str, list[dict]] = {}  # tiny configuration (JSON) -> simulate()'s
 def test_config_runs_one_round_on_tiny_files(name: str, tiny_data) -> None:  # type: ignore[no-untyped-def]
     path = CONFIG_DIR / name
     full = load_config(path)
-    data_dir, n_train = tiny_data(full.dataset, full.partition)
-    overrides = {**TINY, "data_dir": str(data_dir), "pm_epochs": min(full.pm_epochs, 1)}
-    if full.algorithm in TINY_MODEL:
-        overrides["model"] = TINY_MODEL[full.algorithm]
+    data_dir, n_train = tiny_data(full.data.dataset, full.data.partition)
+    overrides = {**TINY, "data_dir": str(data_dir), "pm_epochs": min(full.client.pm_epochs, 1)}
+    if full.training.algorithm in TINY_MODEL:
+        overrides["model"] = TINY_MODEL[full.training.algorithm]
     cfg = load_config(path, overrides)
 
     # What defines the setting is the file's, untouched.
     assert not SETTING & overrides.keys()
-    kept = {k: v for k, v in dataclasses.asdict(full).items() if k not in overrides}
-    assert kept == {k: getattr(cfg, k) for k in kept}
-    assert cfg.act_prob is None  # no file uses act_prob: the tiny round selects by fraction
-    assert cfg.fraction == 0.5 and cfg.num_clients == TINY_CLIENTS and cfg.rounds == 1
+    kept = {k: v for k, v in full.to_dict().items() if k not in overrides}
+    assert kept == {k: cfg.to_dict()[k] for k in kept}
+    assert cfg.federation.act_prob is None  # no file uses act_prob: the tiny round selects by fraction
+    assert cfg.federation.fraction == 0.5 and cfg.federation.num_clients == TINY_CLIENTS and cfg.federation.rounds == 1
 
     # The file loader reads the tiny files: the config's dataset, at its real shape.
-    data = load_dataset(cfg.dataset, cfg.data_dir)
+    data = load_dataset(cfg.data.dataset, cfg.data.data_dir)
     assert (len(data.train_labels), data.num_classes, data.in_channels, data.image_size) == (
         n_train,
-        NUM_CLASSES[cfg.dataset],
+        NUM_CLASSES[cfg.data.dataset],
         3,
         32,
     )
 
     # The file's own model at that shape: a forward pass on two of those images.
-    model = build_model(full.model, data.num_classes, data.in_channels, data.image_size, full.code_len).eval()
+    model = build_model(
+        full.training.model, data.num_classes, data.in_channels, data.image_size, full.training.code_len
+    ).eval()
     x = torch.stack([data.test[i][0] for i in range(2)])
     with torch.no_grad():
         assert model(x).shape == (2, data.num_classes)
@@ -266,7 +274,7 @@ def test_config_runs_one_round_on_tiny_files(name: str, tiny_data) -> None:  # t
     row = rows[0]
     assert row["round"] == 1 and row["clients"] == 2
     assert 0.0 <= row["gm_accuracy"] <= 1.0 and math.isfinite(row["gm_loss"])
-    algo = registry.resolve(cfg.algorithm, cfg.params)
+    algo = registry.resolve(cfg.training.algorithm, cfg.training.params)
     if algo.personalized or algo.local_model_is_personal:  # SCD's PM; FedHKD's local model
         assert row["pm_accuracy"] is not None and 0.0 <= row["pm_accuracy"] <= 1.0
     else:

@@ -130,7 +130,7 @@ def shards_of(y, n, size):
 def test_client_size_needs_the_equal_split():
     from wafl.common.config import ConfigError, load_config
 
-    assert load_config(None, {"partition": "dirichlet-equal", "client_size": 50}).client_size == 50
+    assert load_config(None, {"partition": "dirichlet-equal", "client_size": 50}).data.client_size == 50
     with pytest.raises(ConfigError, match="client_size=50 needs partition='dirichlet-equal'"):
         load_config(None, {"partition": "dirichlet", "client_size": 50})
     with pytest.raises(ConfigError, match="client_size=0"):

@@ -74,7 +74,7 @@ def test_pfedme_personal_model_does_not_fall_after_the_local_round_on_fashion_mn
     t.begin_round(1, global_payload(t))
     t.train_gm()
     after_local_round, n = t.evaluate_local(t.pm)
-    t.train_pm(None, float(t.cfg.pm_epochs))
+    t.train_pm(None, float(t.cfg.client.pm_epochs))
     pm, _ = t.evaluate_personal()  # what the client reports after the next broadcast
     assert n > 1000 and after_local_round > 0.85
     assert pm >= after_local_round

@@ -109,7 +109,7 @@ def test_watch_stops_where_the_slow_rule_first_holds(metric: str, z: float) -> N
         window = rng.randint(2 if z else 1, 5)
         rounds = rng.randint(2 * window, 40)
         every = rng.randint(1, window // 2 if z else window)
-        cfg = RunConfig(rounds=rounds, eval_every=every, plateau_window=window, plateau_z=z)
+        cfg = RunConfig.from_mapping(dict(rounds=rounds, eval_every=every, plateau_window=window, plateau_z=z))
         delta = rng.choice([0.0, 0.5, 2.0, 5.0, 8.0] if z else [0.0, 0.5, 2.0, 5.0])
         level, rise = rng.uniform(0.5, 0.9), rng.randint(0, rounds)
         evaluated = {r for r in range(1, rounds + 1) if cfg.evaluates(r)}
@@ -147,9 +147,9 @@ def test_watch_stops_where_the_slow_rule_first_holds(metric: str, z: float) -> N
 
 
 def test_the_last_two_windows_before_the_maximum_are_evaluated_every_round() -> None:
-    cfg = RunConfig(rounds=50, eval_every=5, plateau_window=10)
+    cfg = RunConfig.from_mapping(dict(rounds=50, eval_every=5, plateau_window=10))
     assert [r for r in range(1, 51) if cfg.evaluates(r)] == [5, 10, 15, 20, 25, 30, *range(31, 51)]
-    off = RunConfig(rounds=50, eval_every=5)
+    off = RunConfig.from_mapping(dict(rounds=50, eval_every=5))
     assert [r for r in range(1, 51) if off.evaluates(r)] == list(range(5, 51, 5))  # without the rule: as before
 
 

@@ -108,8 +108,8 @@ def test_offloading_every_client_around_each_call_changes_no_result_and_reaches_
     ]
     residency = made[0]
     assert residency.resident_max == 1  # one slot, compute-and-wait: one client at a time
-    assert residency.offloads >= 2 * cfg.num_clients and residency.onloads > residency.offloads
-    assert sorted(residency.clients) == list(range(cfg.num_clients))
+    assert residency.offloads >= 2 * cfg.federation.num_clients and residency.onloads > residency.offloads
+    assert sorted(residency.clients) == list(range(cfg.federation.num_clients))
     for trainer in residency.clients.values():
         trainer.onload()
         before = [t.detach() for _, t in tensors(trainer)]  # views keep the old memory: no new tensor can take it
@@ -242,7 +242,7 @@ def test_wait_free_clients_sharing_one_slot_and_one_resident_place_finish_and_le
         return SharedSlots(1, made[0])
 
     rows = simulate(cfg, pool=pool)
-    assert [r["round"] for r in rows] == list(range(1, cfg.rounds + 1))
-    assert [r["pm_reports"] for r in rows] == [cfg.num_clients] * cfg.rounds
+    assert [r["round"] for r in rows] == list(range(1, cfg.federation.rounds + 1))
+    assert [r["pm_reports"] for r in rows] == [cfg.federation.num_clients] * cfg.federation.rounds
     assert rows[-1]["gm_accuracy"] > 0.3  # ten classes: chance is 0.1
-    assert made[0].offloads > 0 and 1 <= made[0].resident_max <= cfg.num_clients
+    assert made[0].offloads > 0 and 1 <= made[0].resident_max <= cfg.federation.num_clients

@@ -138,7 +138,7 @@ def test_a_non_finite_next_model_is_never_published() -> None:
     # FedDyn's server update w = mean - h/alpha overflows float32 for uploads near its largest value
     cfg = load_config(None, {"num_clients": 2, "algorithm": "feddyn", "params": {"alpha": 0.01}})
     prev = {"w": torch.zeros(3, 2), "b": torch.zeros(2)}
-    algo = registry.resolve(cfg.algorithm, cfg.params, vars(cfg))
+    algo = registry.resolve(cfg.training.algorithm, cfg.training.params, cfg.to_dict())
     s = make_strategy(cfg, algo, 10, lambda: Accumulator(manifest_of(prev)))
     s.join("a", 0, 10)
     s.join("b", 1, 10)
@@ -155,7 +155,7 @@ def test_a_non_finite_next_model_is_never_published() -> None:
 
 def test_robust_options_are_validated() -> None:
     cfg = load_config(None, {"aggregator": "median", "clip_norm": 2.5, "trim_fraction": 0.3})
-    assert (cfg.aggregator, cfg.clip_norm, cfg.trim_fraction) == ("median", 2.5, 0.3)
+    assert (cfg.security.aggregator, cfg.security.clip_norm, cfg.security.trim_fraction) == ("median", 2.5, 0.3)
     for bad, match in [
         ({"aggregator": "mode"}, "aggregator="),
         ({"trim_fraction": 0.5}, "trim_fraction="),
@@ -284,8 +284,10 @@ def test_the_default_bound_leaves_extra_tensors_alone() -> None:
     from wafl.common.config import RunConfig
 
     def final(norm_bound: float) -> dict:
-        cfg = RunConfig(
-            algorithm="fedgen", num_clients=4, rounds=2, seed=3, protocol="compute-and-wait", norm_bound=norm_bound
+        cfg = RunConfig.from_mapping(
+            dict(
+                algorithm="fedgen", num_clients=4, rounds=2, seed=3, protocol="compute-and-wait", norm_bound=norm_bound
+            )
         ).validate()
         return simulate(cfg)[-1]
 

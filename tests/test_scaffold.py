@@ -92,7 +92,7 @@ def test_scaffold_c_divides_by_the_training_clients_not_the_held_out_ones() -> N
     from wafl.common.config import load_config
 
     cfg = load_config(None, {"algorithm": "scaffold", "num_clients": 10, "new_clients": 3})
-    algo = registry.resolve(cfg.algorithm, cfg.params, vars(cfg))
+    algo = registry.resolve(cfg.training.algorithm, cfg.training.params, cfg.to_dict())
     dcs = [torch.tensor([1.0, -2.0, 0.5]), torch.tensor([3.0, 0.0, -1.0]), torch.tensor([-0.5, 4.0, 2.0])]
     c0 = torch.tensor([0.25, -0.75, 1.0])
     prev = {"w": torch.ones(3), extra_name("c.w"): c0}

@@ -133,7 +133,7 @@ def test_buffered_slot_expires_and_goes_to_another_client() -> None:
 def test_staleness_functions() -> None:
     def f(kind: str, **kw):
         cfg = load_config(None, {"staleness": kind, **kw})
-        return staleness_function(cfg.staleness, cfg.staleness_a, cfg.staleness_b)
+        return staleness_function(cfg.rule.staleness, cfg.rule.staleness_a, cfg.rule.staleness_b)
 
     assert f("sqrt")(3) == 0.5
     assert f("constant")(7) == 1.0

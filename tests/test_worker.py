@@ -196,6 +196,6 @@ def test_six_clients_in_two_workers_over_sockets(tmp_path) -> None:
     for i in range(6):
         saved = load_verified(out / "clients" / f"client-{i}.pt", STATE_MAGIC, "client state")
         assert saved["pm_initialized"] and saved["pm"] is not None
-        per_epoch = math.ceil(Trainer(cfg, i, device="cpu").num_samples / cfg.batch_size)
+        per_epoch = math.ceil(Trainer(cfg, i, device="cpu").num_samples / cfg.training.batch_size)
         steps = {int(v["step"]) for v in saved["pm_optimizer"]["state"].values()}
         assert steps == {2 * per_epoch}, (i, steps, per_epoch)

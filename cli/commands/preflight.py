@@ -27,7 +27,7 @@ def workers(spec: str | None, cfg: RunConfig, per_client_hosts: bool) -> int | N
     if spec in OFF:
         return None
     if spec == "auto":
-        return default_workers(cfg.num_clients)
+        return default_workers(cfg.federation.num_clients)
     try:
         n = int(spec)
     except ValueError:
@@ -47,11 +47,12 @@ def check_dataset(cfg: RunConfig) -> None:
     """The run's dataset loads here (its files are present and readable) before any process starts."""
     from wafl.common.datasets import load_dataset  # torch: not loaded by the commands that do not run
 
-    data = load_dataset(cfg.dataset, cfg.data_dir)
-    if cfg.client_size is not None and cfg.client_size * cfg.num_clients > len(data.train_labels):
+    size, n = cfg.data.client_size, cfg.federation.num_clients
+    data = load_dataset(cfg.data.dataset, cfg.data.data_dir)
+    if size is not None and size * n > len(data.train_labels):
         raise ConfigError(
-            f"client_size={cfg.client_size} for {cfg.num_clients} clients needs {cfg.client_size * cfg.num_clients} "
-            f"samples; {cfg.dataset}'s training split has {len(data.train_labels)}"
+            f"client_size={size} for {n} clients needs {size * n} "
+            f"samples; {cfg.data.dataset}'s training split has {len(data.train_labels)}"
         )
 
 

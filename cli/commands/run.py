@@ -20,7 +20,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         raise UsageError(f"--out {a.out} already holds a run (results.jsonl): choose another folder")
     if a.ray is not None:
         return _run_on_ray(a, cfg)
-    device = resolve_device(cfg.device)  # every client runs here: a missing GPU is an error now, not at join
+    device = resolve_device(cfg.training.device)  # every client runs here: a missing GPU is an error now, not at join
     check_dataset(cfg)
     if a.out:
         creatable(Path(a.out))

@@ -23,7 +23,7 @@ def cmd_server(a: argparse.Namespace) -> int:
     from wafl.server.auth import load_enrollment
 
     tls = server_tls(a.tls_cert, a.tls_key, a.tls_client_ca)
-    enrollment = load_enrollment(a.enrollment, cfg.num_clients) if a.enrollment else None
+    enrollment = load_enrollment(a.enrollment, cfg.federation.num_clients) if a.enrollment else None
     return asyncio.run(
         serve(
             cfg,

@@ -42,7 +42,7 @@ their records (``results.jsonl``, ``reports.jsonl``, ``timelines.json``, ``logs/
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import json
 import math
 import shutil
@@ -207,19 +207,19 @@ def bench_protocols(
     curves: dict[str, list[tuple[float, float]]] = {}
     ok = True
     order = bench_order(protocols)
-    rounds = {p: cfg.rounds for p in order}
+    rounds = {p: cfg.federation.rounds for p in order}
     for i, protocol in enumerate(order, 1):
         if protocol != "compute-and-wait" and not same_rounds:
-            rounds[protocol] = equal_time_rounds(cfg.rounds, results.get("compute-and-wait", {}))
-        run_cfg = dataclasses.replace(
-            cfg, protocol=ClientProtocol(protocol), params=dict(cfg.params), rounds=rounds[protocol]
-        )
+            rounds[protocol] = equal_time_rounds(cfg.federation.rounds, results.get("compute-and-wait", {}))
+        run_cfg = copy.deepcopy(cfg)
+        run_cfg.client.protocol, run_cfg.federation.rounds = ClientProtocol(protocol), rounds[protocol]
         run_dir = out / protocol
         shutil.rmtree(run_dir / "clients", ignore_errors=True)  # no PM state of an earlier run
         if show_progress:
             print(
-                f"[{i}/{len(order)}] {protocol}: {cfg.algorithm}, {cfg.dataset}, {cfg.num_clients} "
-                f"clients, {rounds[protocol]} rounds" + (f", links {link_rate}" if link_rate else ""),
+                f"[{i}/{len(order)}] {protocol}: {cfg.training.algorithm}, {cfg.data.dataset}, "
+                f"{cfg.federation.num_clients} clients, {rounds[protocol]} rounds"
+                + (f", links {link_rate}" if link_rate else ""),
                 file=sys.stderr,
                 flush=True,
             )
@@ -239,22 +239,22 @@ def bench_protocols(
     doc = {
         "commit": git_commit(),
         "config": {
-            "algorithm": cfg.algorithm,
-            "dataset": cfg.dataset,
-            "num_clients": cfg.num_clients,
-            "rounds": cfg.rounds,
+            "algorithm": cfg.training.algorithm,
+            "dataset": cfg.data.dataset,
+            "num_clients": cfg.federation.num_clients,
+            "rounds": cfg.federation.rounds,
             "rounds_per_protocol": rounds,
             "same_rounds": same_rounds,
-            "local_epochs": cfg.local_epochs,
-            "pm_epochs": cfg.pm_epochs,
-            "pm_min_steps": cfg.pm_min_steps,
-            "pm_max_epochs": cfg.pm_max_epochs,
-            "pm_nice": cfg.pm_nice,
-            "batch_size": cfg.batch_size,
-            "partition": cfg.partition,
-            "alpha": cfg.alpha,
-            "seed": cfg.seed,
-            "params": cfg.params,
+            "local_epochs": cfg.training.local_epochs,
+            "pm_epochs": cfg.client.pm_epochs,
+            "pm_min_steps": cfg.client.pm_min_steps,
+            "pm_max_epochs": cfg.client.pm_max_epochs,
+            "pm_nice": cfg.client.pm_nice,
+            "batch_size": cfg.training.batch_size,
+            "partition": cfg.data.partition,
+            "alpha": cfg.data.alpha,
+            "seed": cfg.federation.seed,
+            "params": cfg.training.params,
             "link_rate": link_rate,
             "host_cpus": hosts.host_cpus or "auto",
             "target": target,
@@ -263,7 +263,7 @@ def bench_protocols(
         **compare(results),
     }
     (out / "protocols.json").write_text(json.dumps(doc, indent=2) + "\n")
-    title = f"{cfg.algorithm}, {cfg.dataset}, {cfg.num_clients} clients" + (
+    title = f"{cfg.training.algorithm}, {cfg.data.dataset}, {cfg.federation.num_clients} clients" + (
         f", {link_rate} links" if link_rate else ", loopback"
     )
     plot_timelines(timelines, out / "timelines.png", title)

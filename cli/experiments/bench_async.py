@@ -27,7 +27,7 @@ every client's phases. Model files are deleted afterwards; records and logs stay
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import json
 import math
 import sys
@@ -163,21 +163,21 @@ def bench_async(
     plan = [(a, p) for a in AGGREGATIONS for p in PROTOCOLS]
     for i, (aggregation, protocol) in enumerate(plan, 1):
         name = f"{aggregation}-{protocol}"
-        rounds, equal = cfg.rounds, None
+        rounds, equal = cfg.federation.rounds, None
         if aggregation == "buffered":
-            probe = dataclasses.replace(cfg, aggregation="buffered", params=dict(cfg.params)).validate()
-            check_aggregation(probe)
-            equal = math.ceil(cfg.rounds * cfg.num_clients / BufferedConfig.of(probe).buffer_size)
+            probe = copy.deepcopy(cfg)
+            probe.rule.aggregation = "buffered"
+            check_aggregation(probe.validate())
+            equal = math.ceil(cfg.federation.rounds * cfg.federation.num_clients / BufferedConfig.of(probe).buffer_size)
             rounds = equal * versions_factor
-        run_cfg = check_aggregation(
-            dataclasses.replace(
-                cfg, aggregation=aggregation, protocol=protocol, rounds=rounds, params=dict(cfg.params)
-            ).validate()
-        )
+        run_cfg = copy.deepcopy(cfg)
+        run_cfg.rule.aggregation, run_cfg.client.protocol, run_cfg.federation.rounds = aggregation, protocol, rounds
+        check_aggregation(run_cfg.validate())
         run_dir = out / name
         if show_progress:
             print(
-                f"[{i}/{len(plan)}] {name}: {cfg.algorithm}, {cfg.num_clients} clients, {rounds} versions",
+                f"[{i}/{len(plan)}] {name}: {cfg.training.algorithm}, {cfg.federation.num_clients} clients, "
+                f"{rounds} versions",
                 file=sys.stderr,
             )
         summary, load = launch_measured(run_cfg, run_dir, hosts, show_progress, timeout_s)
@@ -199,7 +199,7 @@ def bench_async(
         "commit": git_commit(),
         "config": {
             **{k: v for k, v in json.loads(cfg.to_json()).items() if k not in ("aggregation", "protocol", "rounds")},
-            "sync_rounds": cfg.rounds,
+            "sync_rounds": cfg.federation.rounds,
             "versions_factor": versions_factor,
             "link_rate": hosts.link_rate,
             "host_cpus": hosts.host_cpus or "auto",
@@ -209,7 +209,8 @@ def bench_async(
         "comparison": compare(runs),
     }
     (out / "async.json").write_text(json.dumps(doc, indent=1) + "\n")
-    title = f"{cfg.algorithm}, {cfg.dataset}, {cfg.num_clients} clients, slowdown {cfg.slowdown}"
+    fed = cfg.federation
+    title = f"{cfg.training.algorithm}, {cfg.data.dataset}, {fed.num_clients} clients, slowdown {fed.slowdown}"
     plot_accuracy({n: r["curve"] for n, r in runs.items()}, out / "accuracy.png", target, title)
     plot_timelines(timelines, out / "timelines.png", title)
     if show_progress:

@@ -13,6 +13,9 @@ The file::
     [[points]]                      # or/and: explicit points (overrides of base)
     algorithm = "feddyn"
 
+Fields are named flat (``lr``), as a section's table (``[base.training]`` then ``lr = 0.1``) or as
+``"training.lr"`` (:func:`~wafl.common.config.flat_fields`); a point's folder is named by the keys as written.
+
 A file may start from another: ``extends = "scd_fmnist.toml"`` takes that sweep's ``base``, ``grid`` and
 ``points``, with this file's ``base`` fields over them and its ``grid`` lists and ``points`` (if any) in
 their place (the same comparison run longer, for example).
@@ -58,7 +61,7 @@ from pathlib import Path
 from typing import Any
 
 from wafl.cli.report.provenance import git_commit
-from wafl.common.config import ConfigError, RunConfig, load_config
+from wafl.common.config import ConfigError, RunConfig, flat_fields, load_config
 from wafl.common.plateau import ran_to_end
 from wafl.server.strategies import check_aggregation
 
@@ -103,7 +106,7 @@ def load_sweep(path: Path) -> tuple[Path, list[tuple[str, RunConfig]]]:
             f"sweep file {str(path)!r}: unknown section(s) {unknown}; known: base, grid, points, out, extends"
         )
     spec = _extended(path, spec, [path.resolve()])
-    base = dict(spec.get("base", {}))
+    base = flat_fields(spec.get("base", {}), check=False)
     grid = dict(spec.get("grid", {}))
     for k, v in grid.items():
         if not isinstance(v, list) or not v:
@@ -117,7 +120,7 @@ def load_sweep(path: Path) -> tuple[Path, list[tuple[str, RunConfig]]]:
     for o in overrides:
         data = dict(base)
         params = dict(base.get("params", {}))
-        for k, v in o.items():
+        for k, v in flat_fields(o, check=False).items():
             if k.startswith("params."):
                 params[k[len("params.") :]] = v
             elif k == "params":
@@ -163,9 +166,11 @@ def _extended(path: Path, spec: dict[str, Any], seen: list[Path]) -> dict[str, A
     if not parent_path.is_file():
         raise ConfigError(f"sweep file {str(path)!r}: extends {parent_name!r}, which does not exist")
     parent = _extended(parent_path, _read_toml(parent_path), [*seen, parent_path])
-    base = {**parent.get("base", {}), **spec.get("base", {})}
-    if "params" in parent.get("base", {}) and "params" in spec.get("base", {}):
-        base["params"] = {**parent["base"]["params"], **spec["base"]["params"]}
+    parent_base = flat_fields(parent.get("base", {}), check=False)
+    own_base = flat_fields(spec.get("base", {}), check=False)
+    base = {**parent_base, **own_base}
+    if "params" in parent_base and "params" in own_base:
+        base["params"] = {**parent_base["params"], **own_base["params"]}
     merged: dict[str, Any] = {"base": base, "grid": {**parent.get("grid", {}), **spec.get("grid", {})}}
     points = spec.get("points") or parent.get("points")
     if points:
@@ -218,7 +223,7 @@ def run_point(
 
         processes = slot_processes if trains_in_processes(cfg) else 0  # a wait-free point trains in threads
         rows = simulate(cfg, out, slot_processes=processes, snapshots=snapshots)
-        ok = ran_to_end(rows, cfg.rounds)
+        ok = ran_to_end(rows, cfg.federation.rounds)
     earlier_s = snapshots.earlier_s if snapshots is not None else 0.0
     result = {
         "ok": ok,
@@ -228,7 +233,7 @@ def run_point(
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the kernels it ran (see KERNEL_ENV)
         "kernels": {k: os.environ[k] for k in sorted(KERNEL_ENV) if k in os.environ},
     }
-    if cfg.plateau_window and rows:  # why it stopped (wafl.common.plateau), and when
+    if cfg.evaluation.plateau_window and rows:  # why it stopped (wafl.common.plateau), and when
         result.update(stop_reason=rows[-1].get("stop_reason"), rounds_run=int(rows[-1]["round"]))
     if ok:
         (out / DONE).write_text(json.dumps(result) + "\n")

@@ -54,11 +54,11 @@ def parse_hosts(
     cores = 0.0
     try:
         if link_rate:
-            rates = tuple(_link_rates(link_rate, cfg.num_clients, cfg.seed))
+            rates = tuple(_link_rates(link_rate, cfg.federation.num_clients, cfg.federation.seed))
             bits = tuple(map(parse_rate, rates))
         if cpu_spec.strip() not in ("", "none"):
             cores = cgroups.machine_cpus()
-        shares = _host_cpus(cpu_spec, cfg.num_clients, cfg.seed, cores)
+        shares = _host_cpus(cpu_spec, cfg.federation.num_clients, cfg.federation.seed, cores)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return Hosts(

@@ -14,7 +14,7 @@ indices and running ``slots`` trainings at once; one process per client (the def
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import functools
 import json
 import math
@@ -59,7 +59,7 @@ class RunSummary:
 
 
 def default_out(cfg: RunConfig) -> Path:
-    return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.algorithm.replace('+', '_')}-{os.getpid()}"
+    return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.training.algorithm.replace('+', '_')}-{os.getpid()}"
 
 
 def _env() -> dict[str, str]:
@@ -130,7 +130,9 @@ def launch(
     if hosts.link_rate:
         netns.check_permissions()
         rates, bits = list(hosts.rates), hosts.rate_bits
-        star = netns.Star(cfg.num_clients, rates[bits.index(max(bits))], client_rates=rates, server_rate=sum(bits))
+        star = netns.Star(
+            cfg.federation.num_clients, rates[bits.index(max(bits))], client_rates=rates, server_rate=sum(bits)
+        )
         host = star.server_address
         bind_port = port
     try:
@@ -176,7 +178,9 @@ def launch(
         names.append("server")
         bound = _wait_ready(ready, server, logs / "server.log")
         address = f"{host}:{bound}"
-        for w, indices in enumerate(split_clients(cfg.num_clients, workers, client_sizes(cfg)) if workers else []):
+        for w, indices in enumerate(
+            split_clients(cfg.federation.num_clients, workers, client_sizes(cfg)) if workers else []
+        ):
             cmd = [
                 sys.executable,
                 "-m",
@@ -196,11 +200,11 @@ def launch(
                 "1",
                 "--quiet",
             ]
-            if cfg.data_dir:
-                cmd += ["--data-dir", cfg.data_dir]
+            if cfg.data.data_dir:
+                cmd += ["--data-dir", cfg.data.data_dir]
             procs.append(_spawn(cmd, logs / f"worker-{w}.log", token, forker))
             names.append(f"worker{w}")
-        for i in range(0 if workers else cfg.num_clients):
+        for i in range(0 if workers else cfg.federation.num_clients):
             prefix = (groups.exec_prefix(f"client{i}") if groups else []) + (
                 star.exec_prefix(f"client{i}") if star else []
             )
@@ -222,12 +226,12 @@ def launch(
                 "1",
                 "--quiet",
             ]
-            if cfg.data_dir:
-                cmd += ["--data-dir", cfg.data_dir]
+            if cfg.data.data_dir:
+                cmd += ["--data-dir", cfg.data.data_dir]
             procs.append(_spawn(cmd, logs / f"client-{i}.log", token, forker))
             names.append(f"client{i}")
         summary.forked = any(isinstance(p, forking.ForkedProcess) for p in procs)
-        progress = Progress(cfg.rounds, enabled=show_progress)
+        progress = Progress(cfg.federation.rounds, enabled=show_progress)
         results = out / "results.jsonl"
         deadline = t0 + timeout_s if timeout_s else float("inf")
         while server.poll() is None:
@@ -250,7 +254,7 @@ def launch(
                 p.terminate()
             _mark_exits(groups, names, procs)
         summary.client_codes = [p.poll() for p in procs[1:]]
-        summary.ok = server.returncode == 0 and ran_to_end(summary.rows, cfg.rounds)  # or flattened
+        summary.ok = server.returncode == 0 and ran_to_end(summary.rows, cfg.federation.rounds)  # or flattened
         if server.returncode != 0:
             print(
                 f"wafl: the server exited with code {server.returncode}; last lines of "
@@ -302,8 +306,10 @@ def client_sizes(cfg: RunConfig) -> list[int]:
     from wafl.common.datasets import load_dataset
     from wafl.common.partition import run_shards
 
-    public_size = registry.resolve(cfg.algorithm, cfg.params, vars(cfg)).public_size
-    return [len(s) for s in run_shards(cfg, load_dataset(cfg.dataset, cfg.data_dir).train_labels, public_size)]
+    public_size = registry.resolve(cfg.training.algorithm, cfg.training.params, cfg.to_dict()).public_size
+    return [
+        len(s) for s in run_shards(cfg, load_dataset(cfg.data.dataset, cfg.data.data_dir).train_labels, public_size)
+    ]
 
 
 def split_clients(num_clients: int, workers: int, sizes: Sequence[int] | None = None) -> list[list[int]]:
@@ -327,8 +333,8 @@ def split_clients(num_clients: int, workers: int, sizes: Sequence[int] | None = 
 def check_workers(workers: int, cfg: RunConfig) -> int:
     """``--workers``: a count of worker processes (or actors), 1 to one per client; a :class:`UsageError`
     naming the flag otherwise."""
-    if not 1 <= workers <= cfg.num_clients:
-        raise UsageError(f"--workers={workers} must lie in 1..{cfg.num_clients} (the clients)")
+    if not 1 <= workers <= cfg.federation.num_clients:
+        raise UsageError(f"--workers={workers} must lie in 1..{cfg.federation.num_clients} (the clients)")
     return workers
 
 
@@ -345,7 +351,7 @@ def worker_slots(workers: int, cores: float | None = None) -> int:
 def _cpu_groups(cfg: RunConfig, hosts: Hosts) -> tuple[Any, dict[str, Any]]:
     """The control groups of a run (or None) and what they were asked for (``host_cpus.json``).
 
-    When the clients are slowed down (``cfg.slowdown``) and get CPU shares, the slow-down is
+    When the clients are slowed down (``cfg.federation.slowdown``) and get CPU shares, the slow-down is
     expressed by the share (client ``i`` gets ``share_i / slowdown_i`` cores) instead of the
     measured sleeps: the processes then run with ``slowdown = "none"`` (returned under
     ``"_proc_cfg"``), and ``host_cpus.json`` records the factors.
@@ -355,11 +361,13 @@ def _cpu_groups(cfg: RunConfig, hosts: Hosts) -> tuple[Any, dict[str, Any]]:
     cores = hosts.machine_cpus
     server, clients = hosts.shares[0], list(hosts.shares[1])
     plan: dict[str, Any] = {"spec": hosts.cpu_spec, "machine_cpus": cores, "server": server, "clients": clients}
-    factors = slowdowns(cfg.slowdown, cfg.num_clients, cfg.seed)
+    factors = slowdowns(cfg.federation.slowdown, cfg.federation.num_clients, cfg.federation.seed)
     if any(f > 1.0 for f in factors):
         clients = [max(MIN_HOST_CPUS, c / f) for c, f in zip(clients, factors)]
-        plan.update(slowdown=cfg.slowdown, slowdowns=factors, clients=clients, slowdown_by="cpu share")
-        plan["_proc_cfg"] = dataclasses.replace(cfg, slowdown="none", params=dict(cfg.params))
+        plan.update(slowdown=cfg.federation.slowdown, slowdowns=factors, clients=clients, slowdown_by="cpu share")
+        proc_cfg = copy.deepcopy(cfg)
+        proc_cfg.federation.slowdown = "none"
+        plan["_proc_cfg"] = proc_cfg
     total = server + sum(clients)
     plan["total_cpus"] = round(total, 4)
     if total > cores * 1.001:
@@ -508,8 +516,9 @@ def final_table(s: RunSummary, cfg: RunConfig) -> str:
     up = sum(r.get("bytes_up", 0) for r in s.rows)
     down = sum(r.get("bytes_down", 0) for r in s.rows)
     lines = [
-        f"{'run':<16}{cfg.algorithm} / {cfg.protocol} / {cfg.dataset} / {cfg.num_clients} clients / {cfg.partition}",
-        f"{'rounds':<16}{len(s.rows)} of {cfg.rounds}"
+        f"{'run':<16}{cfg.training.algorithm} / {cfg.client.protocol} / {cfg.data.dataset} / "
+        f"{cfg.federation.num_clients} clients / {cfg.data.partition}",
+        f"{'rounds':<16}{len(s.rows)} of {cfg.federation.rounds}"
         + (f" (stopped: {f['stop_reason']})" if f.get("stop_reason") else ""),
         f"{'gm_accuracy':<16}{_fmt(f.get('gm_accuracy'))}",
         f"{'pm_accuracy':<16}{_fmt(f.get('pm_accuracy'))}",
@@ -547,7 +556,9 @@ def plot_accuracy(rows: list[dict[str, Any]], path: Path, cfg: RunConfig) -> Non
         ax.plot(rounds, series("local_accuracy"), marker="^", ms=3, label="local models (local test sets)")
     ax.set_xlabel("round")
     ax.set_ylabel("accuracy")
-    ax.set_title(f"{cfg.algorithm}, {cfg.dataset}, {cfg.num_clients} clients, {cfg.partition}")
+    ax.set_title(
+        f"{cfg.training.algorithm}, {cfg.data.dataset}, {cfg.federation.num_clients} clients, {cfg.data.partition}"
+    )
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

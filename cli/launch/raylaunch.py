@@ -348,7 +348,7 @@ def launch_ray(
     namespace = f"wafl-{out.name}"
     run = f"{out.name}-{secrets.token_hex(4)}"
     token = secrets.token_urlsafe(24)
-    n_workers = workers or ray_workers(ray, cfg.num_clients, worker_cpus, worker_gpus, server_cpus)
+    n_workers = workers or ray_workers(ray, cfg.federation.num_clients, worker_cpus, worker_gpus, server_cpus)
     check_workers(n_workers, cfg)
     if workers:
         warn_unplaceable(ray.cluster_resources(), n_workers, worker_cpus, worker_gpus, server_cpus)
@@ -378,7 +378,8 @@ def launch_ray(
 
         Worker = ray.remote(WorkerActor)
         pending: dict[Any, tuple[str, int]] = {}
-        for w, indices in enumerate(split_clients(cfg.num_clients, n_workers, client_sizes(cfg))):  # by samples
+        by_samples = split_clients(cfg.federation.num_clients, n_workers, client_sizes(cfg))
+        for w, indices in enumerate(by_samples):
             h = Worker.options(
                 name=f"worker-{w}",
                 namespace=namespace,
@@ -387,14 +388,14 @@ def launch_ray(
                 max_restarts=max_restarts,
                 max_concurrency=2,  # credentials() while run() runs
                 scheduling_strategy="SPREAD",
-            ).remote(run, w, listen, indices, per_worker, token, cfg.data_dir)
+            ).remote(run, w, listen, indices, per_worker, token, cfg.data.data_dir)
             handles.append(h)
             record["workers"].append(
                 {"clients": format_indices(indices), "nodes": [], "ips": [], "pids": [], "restarts": 0, "code": None}
             )
             pending[h.where.remote()] = ("where", w)
             pending[h.run.remote()] = ("run", w)
-        progress = Progress(cfg.rounds, enabled=show_progress)
+        progress = Progress(cfg.federation.rounds, enabled=show_progress)
         deadline = t0 + timeout_s if timeout_s else float("inf")
         code: int | None = None
         error = ""
@@ -472,7 +473,7 @@ def launch_ray(
         (out / "server.json").unlink(missing_ok=True)  # the ready file: an address on another node
         summary.server_code = code
         summary.client_codes = [r["code"] for r in record["workers"]]
-        summary.ok = code == 0 and ran_to_end(rows, cfg.rounds)  # or flattened (plateau_window)
+        summary.ok = code == 0 and ran_to_end(rows, cfg.federation.rounds)  # or flattened (plateau_window)
         if error:
             record["server_error"] = error
     finally:

@@ -59,9 +59,9 @@ def training_union(cfg: RunConfig, dataset: FederatedDataset) -> np.ndarray:
     from wafl.common.heterogeneity import new_client_indices
     from wafl.common.partition import run_shards
 
-    public_size = registry.resolve(cfg.algorithm, cfg.params, vars(cfg)).public_size
+    public_size = registry.resolve(cfg.training.algorithm, cfg.training.params, cfg.to_dict()).public_size
     shards = run_shards(cfg, dataset.train_labels, public_size)
-    new = new_client_indices(cfg.num_clients, cfg.new_clients, cfg.seed)
+    new = new_client_indices(cfg.federation.num_clients, cfg.federation.new_clients, cfg.federation.seed)
     return np.sort(np.concatenate([s for i, s in enumerate(shards) if i not in new]))
 
 
@@ -88,20 +88,22 @@ def load_run_model(run_dir: Path, checkpoint: Path | None = None, data_dir: str 
     try:
         cfg = RunConfig.from_mapping(ck["config"])
         if data_dir is not None:
-            cfg.data_dir = data_dir
+            cfg.data.data_dir = data_dir
         cfg.validate()
     except ConfigError as e:
         raise UsageError(f"{path}: its configuration is not valid here: {e}") from None
-    algorithm = registry.resolve(cfg.algorithm, cfg.params, vars(cfg))
+    algorithm = registry.resolve(cfg.training.algorithm, cfg.training.params, cfg.to_dict())
     if not algorithm.evaluates_global:
-        raise UsageError(f"{path}: {cfg.algorithm}'s shared tensors make no global model to analyse")
-    dataset = load_dataset(cfg.dataset, cfg.data_dir)
+        raise UsageError(f"{path}: {cfg.training.algorithm}'s shared tensors make no global model to analyse")
+    dataset = load_dataset(cfg.data.dataset, cfg.data.data_dir)
     model = algorithm.build(
-        build_model(cfg.model, dataset.num_classes, dataset.in_channels, dataset.image_size, cfg.code_len)
+        build_model(
+            cfg.training.model, dataset.num_classes, dataset.in_channels, dataset.image_size, cfg.training.code_len
+        )
     )
     _, unexpected = model.load_state_dict(split_payload(ck["global_state"])[0], strict=False)
     if unexpected:
-        raise UsageError(f"{path}: tensors {unexpected[:3]} are not in a {cfg.model} model")
+        raise UsageError(f"{path}: tensors {unexpected[:3]} are not in a {cfg.training.model} model")
     return RunModel(cfg, int(ck["round"]), path, model, dataset, training_union(cfg, dataset))
 
 
@@ -150,11 +152,11 @@ def flatness(
         "run_dir": str(run_dir),
         "checkpoint": str(run.checkpoint),
         "round": run.round,
-        "algorithm": cfg.algorithm,
-        "params": cfg.params,
-        "seed": cfg.seed,
-        "dataset": cfg.dataset,
-        "model": cfg.model,
+        "algorithm": cfg.training.algorithm,
+        "params": cfg.training.params,
+        "seed": cfg.federation.seed,
+        "dataset": cfg.data.dataset,
+        "model": cfg.training.model,
         "samples": int(len(idx)),
         "training_samples": int(len(run.train_idx)),
         "sample_seed": sample_seed,
@@ -165,7 +167,9 @@ def flatness(
     }
     if density is not None:
         d = H.lanczos_density(op, steps=lanczos_steps, runs=lanczos_runs, seed=sample_seed + 2)
-        H.plot_density(d, str(density), title=f"{cfg.algorithm}, round {run.round}: Hessian eigenvalue density")
+        H.plot_density(
+            d, str(density), title=f"{cfg.training.algorithm}, round {run.round}: Hessian eigenvalue density"
+        )
         out["density"] = {
             "png": str(density),
             "steps": int(d.nodes.shape[1]),

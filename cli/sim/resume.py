@@ -72,12 +72,17 @@ SETTLE_POLL_S = 0.002  # how often the pause looks whether every client is done
 
 def not_resumable(cfg: RunConfig) -> str | None:
     """Why an in-process run of ``cfg`` cannot resume exactly from a snapshot (module docstring); None when it can."""
-    if cfg.aggregation != "sync":
-        return f"aggregation={cfg.aggregation!r}: its versions depend on the order the uploads arrive in"
-    if cfg.new_clients:
+    if cfg.rule.aggregation != "sync":
+        return f"aggregation={cfg.rule.aggregation!r}: its versions depend on the order the uploads arrive in"
+    if cfg.federation.new_clients:
         return "new_clients: a resumed engine does not send the new clients the model they had still to adapt"
-    if cfg.protocol != "compute-and-wait" and registry.resolve(cfg.algorithm, cfg.params, vars(cfg)).personalized:
-        return f"protocol={cfg.protocol!r}: the PM trains until the next broadcast, so its steps depend on timing"
+    if (
+        cfg.client.protocol != "compute-and-wait"
+        and registry.resolve(cfg.training.algorithm, cfg.training.params, cfg.to_dict()).personalized
+    ):
+        return (
+            f"protocol={cfg.client.protocol!r}: the PM trains until the next broadcast, so its steps depend on timing"
+        )
     return None
 
 
@@ -191,8 +196,8 @@ class Snapshots:
             return "its entries are missing"
         if state["config"] != self.cfg.to_json():
             return "it was taken by a run of another configuration"
-        if not isinstance(state["clients"], list) or len(state["clients"]) != self.cfg.num_clients:
-            return f"it does not hold num_clients={self.cfg.num_clients} clients"
+        if not isinstance(state["clients"], list) or len(state["clients"]) != self.cfg.federation.num_clients:
+            return f"it does not hold num_clients={self.cfg.federation.num_clients} clients"
         for name, key in (("results.jsonl", "results_bytes"), ("reports.jsonl", "reports_bytes")):
             path = self.out_dir / name
             have = path.stat().st_size if path.exists() else 0

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import dataclasses
 import tempfile
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
@@ -53,7 +52,7 @@ def simulate(
     check_aggregation(cfg)
     if slot_processes and (pool is not None or not trains_in_processes(cfg)):
         raise ValueError(
-            f"slot_processes={slot_processes} needs protocol='compute-and-wait' (not {str(cfg.protocol)!r}), "
+            f"slot_processes={slot_processes} needs protocol='compute-and-wait' (not {str(cfg.client.protocol)!r}), "
             "no new clients and no pool"
         )
     if snapshots is not None and (out_dir is None or snapshots.out_dir != out_dir):
@@ -62,7 +61,8 @@ def simulate(
         return asyncio.run(_simulate(cfg, out_dir, pool, slot_processes, snapshots))
     # a checkpoint a round (2.8 ms of the 10 ms between two rounds of 10 digits clients, with both
     # training processes idle) into a folder deleted at the end
-    unkept = dataclasses.replace(cfg, checkpoint=False, keep_checkpoint_every=0)
+    unkept = copy.deepcopy(cfg)
+    unkept.output.checkpoint, unkept.output.keep_checkpoint_every = False, 0
     with tempfile.TemporaryDirectory(prefix="wafl-sim-") as tmp:
         return asyncio.run(_simulate(unkept, Path(tmp), pool, slot_processes))
 
@@ -70,7 +70,7 @@ def simulate(
 def trains_in_processes(cfg: RunConfig) -> bool:
     """Whether ``cfg``'s clients can train in slot processes: compute-and-wait (a wait-free PM asks
     the event loop when to stop), and no new clients (their adaptation is not a trainer's method)."""
-    return cfg.protocol == "compute-and-wait" and not cfg.new_clients
+    return cfg.client.protocol == "compute-and-wait" and not cfg.federation.new_clients
 
 
 async def _simulate(
@@ -90,7 +90,7 @@ async def _simulate(
         found.restore_engine(engine)
     reception = SharedReception()  # a broadcast the clients receive alike: one buffer, one decode (as in a worker)
     trainers, sessions = [], []
-    for i in range(cfg.num_clients):
+    for i in range(cfg.federation.num_clients):
         trainer = Trainer(cfg, i, dataset=engine.dataset, device="cpu")
         if found is not None:
             trainer.restore(found.trainer_state(i))
@@ -107,7 +107,7 @@ async def _simulate(
                 found.restore_protocol(c)
             snapshots.found = None  # taken back: its tensors can go
         engine.rounds.between_versions = snapshots.pause(engine, clients)
-    if cfg.grad_dissimilarity_every:
+    if cfg.evaluation.grad_dissimilarity_every:
         engine.rounds.round_probe = dissimilarity_probe(cfg, engine, {c.session.client_id: c.trainer for c in clients})
     tasks = [asyncio.create_task(_client_run(c.run(), c.session.client_id)) for c in clients]
     try:
@@ -141,11 +141,12 @@ def dissimilarity_probe(
     model = copy.deepcopy(engine.model)
 
     def probe(round: int, state: Mapping[str, torch.Tensor], selected: list[str]) -> dict[str, Any]:
-        if round % cfg.grad_dissimilarity_every or not selected:
+        if round % cfg.evaluation.grad_dissimilarity_every or not selected:
             return {}
         model.load_state_dict(split_payload(state)[0], strict=False)
         grads = [
-            full_gradient(model, engine.dataset.train, trainers[c].train_idx, cfg.eval_batch_size) for c in selected
+            full_gradient(model, engine.dataset.train, trainers[c].train_idx, cfg.evaluation.eval_batch_size)
+            for c in selected
         ]
         return gradient_dissimilarity(grads)
 
@@ -163,7 +164,7 @@ def run_many(configs: dict[str, RunConfig], seeds: list[int], log: Callable[[str
         finals = []
         for seed in seeds:
             c = RunConfig.from_json(cfg.to_json())
-            c.seed = seed
+            c.federation.seed = seed
             c.validate()
             rows = simulate(c)
             f = rows[-1]

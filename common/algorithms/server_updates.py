@@ -27,7 +27,7 @@ def is_weight(name: str, t: torch.Tensor) -> bool:
 
 def training_clients(run: Mapping[str, Any]) -> int:
     """The clients that train, from the run configuration as a mapping: ``num_clients`` less the
-    ``new_clients`` held out of training (``RunConfig.training_clients``; a mapping of the
+    ``new_clients`` held out of training (``FederationSection.training_clients``; a mapping of the
     configuration has its fields, not its properties). A method whose server divides by "all
     clients" (FedDyn's ``h``, SCAFFOLD's ``c``) means these: a held-out client never uploads."""
     return int(run.get("num_clients", 1)) - int(run.get("new_clients", 0))

@@ -34,5 +34,5 @@ def check_aggregator(cfg: RunConfig) -> None:
     ``wafl.server.strategies.check_aggregation``). Whether it can do what it is for with the uploads one
     aggregation combines (:func:`~wafl.server.aggregation.robust.check_robust`) depends on the round policy,
     which checks it there."""
-    if cfg.aggregator not in center_names():
-        raise ConfigError(f"aggregator={cfg.aggregator!r} is not one of {center_names()}")
+    if cfg.security.aggregator not in center_names():
+        raise ConfigError(f"aggregator={cfg.security.aggregator!r} is not one of {center_names()}")

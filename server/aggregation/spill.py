@@ -13,7 +13,7 @@ import tempfile
 import threading
 from typing import IO
 
-from wafl.common.config import RunConfig
+from wafl.common.config import FederationSection
 
 
 class RetainedBytes:
@@ -53,7 +53,7 @@ class RetainedBytes:
 
     @classmethod
     def of_mb(
-        cls, mb: float = RunConfig.rollback_memory_mb, upload_mb: float = RunConfig.rollback_upload_mb
+        cls, mb: float = FederationSection.rollback_memory_mb, upload_mb: float = FederationSection.rollback_upload_mb
     ) -> RetainedBytes:
         """A budget of ``mb`` MiB, ``upload_mb`` for one upload (by default the run configuration's
         ``rollback_memory_mb`` and ``rollback_upload_mb``)."""

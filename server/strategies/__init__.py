@@ -47,7 +47,7 @@ def check_aggregation(cfg: RunConfig) -> RunConfig:
     returns ``cfg``. Raises ``ConfigError`` naming the field."""
     check_aggregator(cfg)
     settings = strategy_class(cfg).check_config(cfg)
-    why = check_robust(cfg.aggregator, cfg.trim_fraction, settings.uploads_per_aggregation(cfg))
+    why = check_robust(cfg.security.aggregator, cfg.security.trim_fraction, settings.uploads_per_aggregation(cfg))
     if why is not None:
         raise ConfigError(why)
     return cfg
@@ -56,7 +56,7 @@ def check_aggregation(cfg: RunConfig) -> RunConfig:
 def strategy_class(cfg: RunConfig) -> type[Strategy]:
     """The rule ``aggregation`` names; ``ConfigError`` naming every rule when it names none."""
     try:
-        return STRATEGIES.lookup(cfg.aggregation)
+        return STRATEGIES.lookup(cfg.rule.aggregation)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

@@ -107,18 +107,18 @@ class RuleConfig:
     @classmethod
     def own_params(cls, cfg: RunConfig) -> dict[str, Any]:
         """``aggregation_params`` over :attr:`PARAMS`' defaults; an unknown name is refused."""
-        unknown = sorted(set(cfg.aggregation_params) - set(cls.PARAMS))
+        unknown = sorted(set(cfg.rule.aggregation_params) - set(cls.PARAMS))
         if unknown:
             known = ", ".join(sorted(cls.PARAMS)) or "none"
             raise ConfigError(
-                f"aggregation_params.{unknown[0]} is not a setting of aggregation={cfg.aggregation!r} (its settings: "
-                f"{known})"
+                f"aggregation_params.{unknown[0]} is not a setting of aggregation={cfg.rule.aggregation!r} "
+                f"(its settings: {known})"
             )
-        return {**cls.PARAMS, **cfg.aggregation_params}
+        return {**cls.PARAMS, **cfg.rule.aggregation_params}
 
     def uploads_per_aggregation(self, cfg: RunConfig) -> int:
         """The uploads one aggregation nominally combines (the robust aggregators' minimum counts)."""
-        return cfg.training_clients
+        return cfg.federation.training_clients
 
 
 class Strategy(ABC):
@@ -173,7 +173,7 @@ class Strategy(ABC):
     @property
     def done(self) -> bool:
         """Whether ``rounds`` versions were built (the newest is version ``rounds + 1``)."""
-        return self.version > self.cfg.rounds
+        return self.version > self.cfg.federation.rounds
 
     def resume(self, version: int) -> None:
         """Goes on from ``version``, the newest one a checkpoint holds."""

@@ -70,42 +70,46 @@ class AsyncConfig(RuleConfig):
     @classmethod
     def async_fields(cls, cfg: RunConfig) -> tuple[int, StalenessFunction, int]:
         """Checks the shared fields and the algorithm; returns ``(concurrency, staleness, max_staleness)``."""
-        name = cfg.aggregation
-        if cfg.fraction != 1.0 or cfg.act_prob is not None or cfg.min_clients is not None:
+        name = cfg.rule.aggregation
+        if (
+            cfg.federation.fraction != 1.0
+            or cfg.federation.act_prob is not None
+            or cfg.federation.min_clients is not None
+        ):
             raise ConfigError(
                 f"fraction, act_prob and min_clients apply to aggregation='sync'; aggregation={name!r} sets how "
                 "many clients train at once with concurrency"
             )
-        if cfg.grad_dissimilarity_every:
+        if cfg.evaluation.grad_dissimilarity_every:
             raise ConfigError(
-                f"grad_dissimilarity_every={cfg.grad_dissimilarity_every} needs aggregation='sync' (the clients of a "
-                f"round at one global model), not {name!r}"
+                f"grad_dissimilarity_every={cfg.evaluation.grad_dissimilarity_every} needs aggregation='sync' "
+                f"(the clients of a round at one global model), not {name!r}"
             )
-        if cfg.concurrency is not None:
-            int_at_least("concurrency", cfg.concurrency, 1)
-            if cfg.concurrency > cfg.training_clients:
-                raise ConfigError(f"concurrency={cfg.concurrency} is more than {cfg.training_clients_text}")
+        if cfg.rule.concurrency is not None:
+            int_at_least("concurrency", cfg.rule.concurrency, 1)
+            if cfg.rule.concurrency > cfg.federation.training_clients:
+                raise ConfigError(f"concurrency={cfg.rule.concurrency} is more than {cfg.federation.training_clients_text}")
         try:
-            staleness = STALENESS.lookup(cfg.staleness)  # a registered staleness function (wafl.server.staleness)
+            staleness = STALENESS.lookup(cfg.rule.staleness)  # a registered staleness function (wafl.server.staleness)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        positive("staleness_a", cfg.staleness_a)
-        int_at_least("staleness_b", cfg.staleness_b, 0)
-        int_at_least("max_staleness", cfg.max_staleness, 0)
+        positive("staleness_a", cfg.rule.staleness_a)
+        int_at_least("staleness_b", cfg.rule.staleness_b, 0)
+        int_at_least("max_staleness", cfg.rule.max_staleness, 0)
         from wafl.common.algorithms import registry
 
         try:
-            algo = registry.resolve(cfg.algorithm, cfg.params, cfg.to_dict())
+            algo = registry.resolve(cfg.training.algorithm, cfg.training.params, cfg.to_dict())
         except ValueError as e:
             raise ConfigError(str(e)) from None
         if not algo.server.buffered_ok:
             raise ConfigError(
-                f"algorithm={cfg.algorithm!r} does not combine with aggregation={name!r}: its server update "
+                f"algorithm={cfg.training.algorithm!r} does not combine with aggregation={name!r}: its server update "
                 f"({type(algo.server).__name__}) keeps state built from one round's full models, while "
                 "asynchronous aggregation publishes versions from stale, staleness-weighted updates"
             )
-        weight = staleness(cfg.staleness_a, cfg.staleness_b)
-        return cfg.concurrency or cfg.training_clients, weight, cfg.max_staleness
+        weight = staleness(cfg.rule.staleness_a, cfg.rule.staleness_b)
+        return cfg.rule.concurrency or cfg.federation.training_clients, weight, cfg.rule.max_staleness
 
 
 WEIGHTINGS = ("uniform", "samples")
@@ -124,16 +128,16 @@ class BufferedConfig(AsyncConfig):
         weighting = cls.own_params(cfg)["weighting"]
         one_of("aggregation_params.weighting", weighting, WEIGHTINGS)
         concurrency, staleness, max_staleness = cls.async_fields(cfg)
-        if cfg.buffer_size is not None:
-            int_at_least("buffer_size", cfg.buffer_size, 1)
-            if cfg.buffer_size > concurrency:
+        if cfg.rule.buffer_size is not None:
+            int_at_least("buffer_size", cfg.rule.buffer_size, 1)
+            if cfg.rule.buffer_size > concurrency:
                 raise ConfigError(
-                    f"buffer_size={cfg.buffer_size} is more than the {concurrency} clients that train at once "
+                    f"buffer_size={cfg.rule.buffer_size} is more than the {concurrency} clients that train at once "
                     "(concurrency): no version could ever be published"
                 )
-        positive("server_lr", cfg.server_lr)
-        buffer_size = cfg.buffer_size or max(1, concurrency // 2)
-        return cls(concurrency, staleness, max_staleness, buffer_size, cfg.server_lr, weighting)
+        positive("server_lr", cfg.rule.server_lr)
+        buffer_size = cfg.rule.buffer_size or max(1, concurrency // 2)
+        return cls(concurrency, staleness, max_staleness, buffer_size, cfg.rule.server_lr, weighting)
 
     def uploads_per_aggregation(self, cfg: RunConfig) -> int:
         return self.buffer_size
@@ -176,7 +180,7 @@ class BufferedStrategy(Strategy):
         )
         while idle and len(self.assigned) < self.concurrency:
             self.draws += 1
-            pick = idle.pop(int(np.random.default_rng([self.cfg.seed, 7, self.draws]).integers(len(idle))))
+            pick = idle.pop(int(np.random.default_rng([self.cfg.federation.seed, 7, self.draws]).integers(len(idle))))
             self.assigned[pick.client_id] = (self.version, now)
             self.trained[pick.client_id] = self.version
             out[pick.client_id] = True
@@ -242,7 +246,7 @@ class BufferedStrategy(Strategy):
         if not self.assigned and not self.done and self.current is not None:
             return self.current.opened_at  # nobody trains: a tick now hands out the slots or closes the buffer
         first = min((t for _, t in self.assigned.values()), default=None)
-        return None if first is None else first + self.cfg.round_deadline_s
+        return None if first is None else first + self.cfg.federation.round_deadline_s
 
     def _starved(self) -> None:
         """Nobody trains and no client may be asked (each was given this version already: it dropped
@@ -254,10 +258,11 @@ class BufferedStrategy(Strategy):
         if c is None or self.done or self.short or c.version != self.version or len(c.metrics) >= self.buffer_size:
             return
         got = len(c.metrics)
-        if not got and self.empty >= self.cfg.max_round_retries:
+        if not got and self.empty >= self.cfg.federation.max_round_retries:
             raise RunAborted(
                 f"aggregation={self.name!r}: no client uploaded for {self.empty + 1} versions in a row "
-                f"(versions {self.version - self.empty}..{self.version}; round_deadline_s={self.cfg.round_deadline_s})"
+                f"(versions {self.version - self.empty}..{self.version}; "
+                f"round_deadline_s={self.cfg.federation.round_deadline_s})"
             )
         self.short = True
         log.warning(
@@ -269,7 +274,7 @@ class BufferedStrategy(Strategy):
         )
 
     def tick(self, now: float) -> Deliveries:
-        expired = [c for c, (_, t) in self.assigned.items() if now - t >= self.cfg.round_deadline_s]
+        expired = [c for c, (_, t) in self.assigned.items() if now - t >= self.cfg.federation.round_deadline_s]
         in_flight = {cid for c in (self.current, *self.closing) if c is not None for cid in c.in_flight}
         for cid in expired:
             if cid in in_flight:

@@ -58,14 +58,14 @@ class FedAsyncConfig(BufferedConfig):
                 "(Xie et al.: t - tau, a fresh update counts 1)"
             )
         concurrency, staleness, max_staleness = cls.async_fields(cfg)
-        if cfg.buffer_size is not None:
+        if cfg.rule.buffer_size is not None:
             raise ConfigError(
-                f"buffer_size={cfg.buffer_size} applies to aggregation='buffered'; fedasync mixes each update into "
-                "the model as it arrives"
+                f"buffer_size={cfg.rule.buffer_size} applies to aggregation='buffered'; fedasync mixes each update "
+                "into the model as it arrives"
             )
-        if cfg.server_lr != 1.0:
+        if cfg.rule.server_lr != 1.0:
             raise ConfigError(
-                f"server_lr={cfg.server_lr} applies to aggregation='buffered'; fedasync's mixing weight is "
+                f"server_lr={cfg.rule.server_lr} applies to aggregation='buffered'; fedasync's mixing weight is "
                 "aggregation_params.alpha"
             )
         return cls(

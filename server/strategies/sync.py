@@ -40,10 +40,10 @@ class SyncConfig(RuleConfig):
 
     def uploads_per_aggregation(self, cfg: RunConfig) -> int:
         """A round's selected clients (no more than ``min_clients``, with which a round may close)."""
-        n = cfg.training_clients
-        share = cfg.act_prob if cfg.act_prob is not None else cfg.fraction
-        k = max(1, math.floor(share * n + (0.0 if cfg.act_prob is not None else 0.5)))
-        return min(k, cfg.min_clients) if cfg.min_clients is not None else k
+        n = cfg.federation.training_clients
+        share = cfg.federation.act_prob if cfg.federation.act_prob is not None else cfg.federation.fraction
+        k = max(1, math.floor(share * n + (0.0 if cfg.federation.act_prob is not None else 0.5)))
+        return min(k, cfg.federation.min_clients) if cfg.federation.min_clients is not None else k
 
 
 @register("sync")
@@ -62,9 +62,11 @@ class SyncStrategy(Strategy):
     def _open_round(self, now: float) -> Deliveries:
         v = self.version  # round v trains on version v
         ids = [c.client_id for c in sorted(self.clients.values(), key=lambda c: c.index)]
-        self.selected = select_clients(self.cfg.seed, v, ids, self.cfg.fraction, self.cfg.act_prob)
+        self.selected = select_clients(
+            self.cfg.federation.seed, v, ids, self.cfg.federation.fraction, self.cfg.federation.act_prob
+        )
         self.current = self._collection(v, now)
-        self.deadline = now + self.cfg.round_deadline_s
+        self.deadline = now + self.cfg.federation.round_deadline_s
         self.extensions = 0
         self.short = False
         return {c: c in self.selected for c in self._recipients(v, ids)}
@@ -73,11 +75,13 @@ class SyncStrategy(Strategy):
         """Who is sent version ``v`` (module docstring): an unselected client that neither trains its
         personal part on it nor ends a PM phase with it would only discard it."""
         a = self.algorithm
-        if self.cfg.broadcast_all or (a.personalized and a.pm_when_unselected):
+        if self.cfg.federation.broadcast_all or (a.personalized and a.pm_when_unselected):
             return ids
         keep = self.selected
         if a.personalized and v > 1:  # a pure function of the seed: the same after --resume
-            keep = keep | select_clients(self.cfg.seed, v - 1, ids, self.cfg.fraction, self.cfg.act_prob)
+            keep = keep | select_clients(
+                self.cfg.federation.seed, v - 1, ids, self.cfg.federation.fraction, self.cfg.federation.act_prob
+            )
         return [c for c in ids if c in keep]
 
     def start(self, now: float) -> Deliveries:
@@ -110,17 +114,17 @@ class SyncStrategy(Strategy):
         if c is None or now < self.deadline or self.ready():
             return {}
         got = len(c.metrics)
-        min_clients = min(self.cfg.min_clients or 1, len(self.selected))
-        if got >= min_clients or (got and self.extensions >= self.cfg.max_round_retries):
+        min_clients = min(self.cfg.federation.min_clients or 1, len(self.selected))
+        if got >= min_clients or (got and self.extensions >= self.cfg.federation.max_round_retries):
             self.short = True
             return {}
-        if self.extensions >= self.cfg.max_round_retries:
+        if self.extensions >= self.cfg.federation.max_round_retries:
             raise RunAborted(
                 f"round {c.version}: no client uploaded within {self.extensions + 1} deadlines of "
-                f"{self.cfg.round_deadline_s}s"
+                f"{self.cfg.federation.round_deadline_s}s"
             )
         self.extensions += 1
-        self.deadline = now + self.cfg.round_deadline_s
+        self.deadline = now + self.cfg.federation.round_deadline_s
         return {}
 
     def close(self, now: float) -> Collection:
