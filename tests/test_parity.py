@@ -25,7 +25,7 @@ def test_in_process_and_grpc_build_identical_models(tmp_path) -> None:
     assert [r["gm_accuracy"] for r in rows] == [r["gm_accuracy"] for r in s.rows]
     assert rows[-1]["gm_accuracy"] > 0.3  # trained: chance is 0.1
     # not trivially equal: the models moved away from the initial one
-    initial = simulate(load_config(None, {**cfg.__dict__, "rounds": 1}), tmp_path / "one")
+    initial = simulate(load_config(None, {**cfg.to_dict(), "rounds": 1}), tmp_path / "one")
     assert initial[0]["gm_accuracy"] != rows[-1]["gm_accuracy"]
 
 

@@ -12,7 +12,7 @@ import pytest
 from wafl.cli.experiments import bench
 from wafl.cli.report import run_records
 from wafl.cli.report import timeline_stats as stats
-from wafl.common.config import load_config
+from wafl.common.config import RunConfig, load_config
 
 
 def _ev(phase: str, rnd: int, start: float, end: float) -> dict[str, Any]:
@@ -322,9 +322,7 @@ def test_wait_free_pm_thread_runs_at_pm_nice_and_others_do_not() -> None:
     from wafl.client.protocol import RoundProtocol
 
     base = _own_nice()
-    cfg = SimpleNamespace(
-        pm_nice=max(base, 15), slowdown="none", num_clients=1, seed=0, aggregation="sync", dropout=0.0
-    )
+    cfg = RunConfig.from_mapping({"pm_nice": max(base, 15), "num_clients": 1})  # slowdown none, dropout 0
     trainer = SimpleNamespace(algorithm=SimpleNamespace(personalized=True), cfg=cfg, index=0)
     wf = RoundProtocol(SimpleNamespace(), trainer, "wait-free")  # type: ignore[arg-type]
     caw = RoundProtocol(SimpleNamespace(), trainer, "compute-and-wait")  # type: ignore[arg-type]
