@@ -88,7 +88,9 @@ class AsyncConfig(RuleConfig):
         if cfg.rule.concurrency is not None:
             int_at_least("concurrency", cfg.rule.concurrency, 1)
             if cfg.rule.concurrency > cfg.federation.training_clients:
-                raise ConfigError(f"concurrency={cfg.rule.concurrency} is more than {cfg.federation.training_clients_text}")
+                raise ConfigError(
+                    f"concurrency={cfg.rule.concurrency} is more than {cfg.federation.training_clients_text}"
+                )
         try:
             staleness = STALENESS.lookup(cfg.rule.staleness)  # a registered staleness function (wafl.server.staleness)
         except ValueError as e:
