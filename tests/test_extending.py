@@ -90,7 +90,7 @@ def test_each_is_picked_up_by_name_through_the_entry_points(plugin: ModuleType) 
     assert s.fold_weight(10, {}, 2) == 0.25  # the rule weighs uploads with it (uniform: s(age))
     # the accumulator of the configuration's aggregator combines the uploads with the new center
     states = [state(i) for i in range(3)]
-    acc = Accumulator(manifest_of(states[0]), rule=Rule(center=cfg.aggregator))
+    acc = Accumulator(manifest_of(states[0]), rule=Rule(center=cfg.security.aggregator))
     specs = {sp.name: sp for sp in acc.manifest}
     for st in states:
         fold = acc.begin(1.0)
