@@ -181,13 +181,22 @@ class Halving(StalenessFunction):
         return 0.5**k
 """
 
+ALGORITHM_FILE = """from wafl.common.algorithms.base import Algorithm
+from wafl.common.algorithms.params import NoParams
+from wafl.common.algorithms.registry import register
+
+register("fedavg-copy", NoParams, lambda p, run: Algorithm("fedavg-copy"))
+"""
+
 CHECK = """
 import sys
-import wafl.server.staleness, wafl.server.strategies
+import wafl.common.algorithms, wafl.server.staleness, wafl.server.strategies
 
 # as if each file were in its package's folder: nothing imports them, the registries find them
 wafl.server.strategies.__path__.append(sys.argv[1])
 wafl.server.staleness.__path__.append(sys.argv[2])
+wafl.common.algorithms.__path__.append(sys.argv[3])
+from wafl.common.algorithms import registry
 from wafl.common.config import load_config
 from wafl.server.strategies import check_aggregation, strategy_class
 from wafl.server.strategies.buffered import BufferedConfig
@@ -195,19 +204,23 @@ from wafl.server.strategies.buffered import BufferedConfig
 rule = strategy_class(check_aggregation(load_config(None, {"num_clients": 3, "aggregation": "sync-copy"})))
 cfg = check_aggregation(load_config(None, {"num_clients": 3, "aggregation": "buffered", "staleness": "halving"}))
 weight = BufferedConfig.of(cfg).staleness
-print(rule.__module__, rule.name, type(weight).__module__, weight(3))
+algorithm = load_config(None, {"num_clients": 3, "algorithm": "fedavg-copy"})
+built = registry.resolve(algorithm.training.algorithm, algorithm.training.params, algorithm.to_dict())
+print(rule.__module__, rule.name, type(weight).__module__, weight(3), built.name)
 """
 
 
 def test_a_file_in_the_package_is_all_it_takes(tmp_path: Path) -> None:
-    """A rule file among the rules' and a staleness file among the staleness functions' are found by the
-    registries on their first read, in a fresh interpreter (no list names them, no test imports them)."""
-    (tmp_path / "rules").mkdir()
-    (tmp_path / "staleness").mkdir()
+    """A rule file among the rules', a staleness file among the staleness functions' and an algorithm file
+    among the algorithms' are found by the registries on their first read, in a fresh interpreter (no list
+    names them, no test imports them)."""
+    for folder in ("rules", "staleness", "algorithms"):
+        (tmp_path / folder).mkdir()
+    (tmp_path / "algorithms" / "fedavg_copy.py").write_text(ALGORITHM_FILE)
     (tmp_path / "rules" / "sync_copy.py").write_text(RULE_FILE)
     (tmp_path / "staleness" / "halving.py").write_text(STALENESS_FILE)
     out = subprocess.run(
-        [sys.executable, "-c", CHECK, str(tmp_path / "rules"), str(tmp_path / "staleness")],
+        [sys.executable, "-c", CHECK, *(str(tmp_path / f) for f in ("rules", "staleness", "algorithms"))],
         capture_output=True,
         text=True,
         timeout=240,
@@ -218,4 +231,5 @@ def test_a_file_in_the_package_is_all_it_takes(tmp_path: Path) -> None:
         "sync-copy",
         "wafl.server.staleness.halving",
         "0.125",
+        "fedavg-copy",
     ]
