@@ -24,6 +24,14 @@ and repetition, the points of :func:`heterogeneous`, where the clients differ (o
 compute slow-down each): there one protocol for all is wrong for some clients, and a per-client decision
 should beat both.
 
+Where adaptive keeps wait-free's schedule in every round (above the crossover), its time to the target and
+wait-free's are two draws of one schedule: a run's time is the round in which the mean PM accuracy first
+crosses the target, and one round more or less moves it by 30-80 % at the fast points. So the summary also
+gives, per algorithm and rate, each protocol's mean time over the repetitions and adaptive's mean over the
+better mean (``by_rate``; ``adaptive_mean_within_target`` counts the rates within 1.05). Compute-and-wait runs
+first in every repetition (its medians set the others' rounds); wait-free and adaptive swap places from one
+repetition to the next (:func:`rep_order`; each point records its ``order``).
+
 A point whose ``protocols.json`` exists with every protocol asked for is not run again (``--out`` keeps
 them), so a stopped series resumes. It needs root (network namespaces, ``tc``, control groups) and a
 machine whose cores do nothing else while it runs: each point's figures are wall-clock times.
@@ -124,12 +132,15 @@ def point(folder: Path) -> dict[str, Any]:
         "round_speedup": doc.get("round_speedup"),
         "ideal_speedup": doc.get("ideal_speedup"),
         "speedup_vs_ideal": doc.get("speedup_vs_ideal"),
+        "order": list(runs),  # the order the protocols ran in (protocols.json keeps it)
         "zeta_s": zeta,
         "zeta_ratio": round(zeta["wait-free"] / zeta["compute-and-wait"], 4)
         if zeta["wait-free"] and zeta["compute-and-wait"]
         else None,
         "pm_share": shares,
         "final_pm_accuracy": {proto: runs[proto].get("final_pm_accuracy") for proto in ran},
+        # the machine's speed in each run: CPU seconds per GM step (the same work in every run of a point)
+        "gm_cpu_per_step_s": {proto: runs[proto].get("gm_cpu_per_step_s") for proto in ran},
     }
     if "adaptive" in runs:
         tl = folder / "adaptive" / "timelines.json"
@@ -142,6 +153,14 @@ def point(folder: Path) -> dict[str, Any]:
             else None
         )
     return out
+
+
+def rep_order(protocols: tuple[str, ...], rep: int) -> tuple[str, ...]:
+    """The order repetition ``rep`` runs ``protocols`` in: compute-and-wait first (the bench's rule), then the
+    others as given in odd repetitions and reversed in even ones, so that over a series each of wait-free and
+    adaptive runs as often right after compute-and-wait as last (a machine's speed drifts between runs)."""
+    rest = [p for p in protocols if p != "compute-and-wait"]
+    return ("compute-and-wait", *(rest if rep % 2 else rest[::-1]))
 
 
 def has_run(folder: Path, protocols: tuple[str, ...]) -> bool:
@@ -173,8 +192,33 @@ def wait_free_missed(points: list[dict[str, Any]], algorithm: str) -> list[dict[
     ]
 
 
+def by_rate(points: list[dict[str, Any]], algorithm: str) -> list[dict[str, Any]]:
+    """Per rate (in the points' order) over its repetitions: each protocol's mean time to the PM target (None
+    where it missed the target in any repetition, which no mean of the others can stand for), adaptive's
+    mean over the better of the other two means (``adaptive_vs_best`` of the means), and the runs' own
+    ratios beside it; ``gm_cpu_per_step_spread`` is the slowest over the fastest CPU seconds per GM step among
+    the rate's runs, the machine's own run-to-run spread in the same work."""
+    out = []
+    for rate in dict.fromkeys(pt["rate"] for pt in points if pt["algorithm"] == algorithm):
+        mine = [pt for pt in points if (pt["algorithm"], pt["rate"]) == (algorithm, rate)]
+        protocols = [p for p in ALL_PROTOCOLS if all(p in pt["zeta_s"] for pt in mine)]
+        zetas = {p: [pt["zeta_s"][p] for pt in mine] for p in protocols}
+        mean = {p: round(statistics.fmean(z), 4) if all(z) else None for p, z in zetas.items()}
+        cpu = [c for pt in mine for c in pt.get("gm_cpu_per_step_s", {}).values() if c]
+        row: dict[str, Any] = {"rate": rate, "reps": len(mine), "zeta_mean_s": mean}
+        # how far the machine's speed moved between the runs of the rate: the slowest GM step over the fastest
+        row["gm_cpu_per_step_spread"] = round(max(cpu) / min(cpu), 4) if cpu else None
+        if "adaptive" in protocols:
+            ratio = adaptive_vs_best(mean)
+            row["adaptive_vs_best"] = round(ratio, 4) if ratio is not None and math.isfinite(ratio) else ratio
+            row["adaptive_vs_best_runs"] = [pt.get("adaptive_vs_best") for pt in mine]
+        out.append(row)
+    return out
+
+
 def summarize(points: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per algorithm: the median ``p`` of its points, the predicted crossover and the measured points."""
+    """Per algorithm: the median ``p`` of its points, the predicted crossover and the measured points, and
+    with adaptive the counts per run and per rate (:func:`by_rate`)."""
     out: dict[str, Any] = {}
     for alg in sorted({pt["algorithm"] for pt in points}):
         mine = [pt for pt in points if pt["algorithm"] == alg]
@@ -198,6 +242,13 @@ def summarize(points: list[dict[str, Any]]) -> dict[str, Any]:
                 adaptive_worst_vs_best=max(ratios) if ratios else None,
                 # where adaptive kept wait-free's schedule in every round, its ratio to wait-free is run-to-run noise
                 adaptive_all_wait_free=sum(1 for pt in adaptive if pt.get("adaptive_pre_upload") == 0),
+            )
+            rows = by_rate(mine, alg)
+            means = [r["adaptive_vs_best"] for r in rows if r.get("adaptive_vs_best") is not None]
+            out[alg].update(
+                by_rate=rows,
+                adaptive_mean_within_target=sum(1 for r in means if r <= ADAPTIVE_TARGET),
+                adaptive_mean_worst_vs_best=max(means) if means else None,
             )
     return out
 
@@ -292,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         for alg in algs if label in rates else [x for x in algs if x in hetero_algs]:
             folder = a.out / alg / label / f"rep{rep}"
             more = extra + [x for s in sets for x in ("--set", s)]
-            if run_point(folder, alg, rate, a.clients, a.target, more, protocols) != 0 or not has_run(
+            if run_point(folder, alg, rate, a.clients, a.target, more, rep_order(protocols, rep)) != 0 or not has_run(
                 folder, protocols
             ):
                 failed.append(str(folder))
@@ -333,6 +384,11 @@ def main(argv: list[str] | None = None) -> int:
         ad = f", adaptive / best {pt['adaptive_vs_best']}" if "adaptive_vs_best" in pt else ""
         print(f"  {pt['algorithm']} {pt['rate']} rep{pt['rep']}: x {pt['x']}, zeta WF/C&W {pt['zeta_ratio']}{ad}, "
               f"round speedup {pt['round_speedup']} (ideal {pt['ideal_speedup']})", flush=True)  # fmt: skip
+    for alg, s in summary.items():
+        for r in s.get("by_rate", []):
+            print(f"  {alg} {r['rate']} over {r['reps']} reps: mean zeta {r['zeta_mean_s']}, adaptive / best "
+                  f"{r['adaptive_vs_best']} (runs {r['adaptive_vs_best_runs']}), GM CPU a step spread "
+                  f"{r['gm_cpu_per_step_spread']}", flush=True)  # fmt: skip
     print(f"wrote {a.out / 'crossover.json'}")
     return 1 if failed else 0
 

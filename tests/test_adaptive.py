@@ -216,6 +216,13 @@ def test_bench_protocols_runs_all_three(tmp_path: Any) -> None:
         e for tl in json.loads((tmp_path / "adaptive" / "timelines.json").read_text()).values() for e in tl["events"]
     ]
     assert sum(e["phase"] == "decide" for e in marks) == 2 * rounds["adaptive"]
+    # compute-and-wait first, the others in the order given (a series alternates them between repetitions)
+    assert bench.bench_order(["adaptive", "wait-free", "compute-and-wait"]) == [
+        "compute-and-wait",
+        "adaptive",
+        "wait-free",
+    ]
+    assert bench.bench_order(["wait-free", "adaptive"]) == ["wait-free", "adaptive"]
     with pytest.raises(ValueError, match="protocols"):
         bench.bench_order(["adaptive", "adaptive"])
     with pytest.raises(ValueError, match="protocols"):

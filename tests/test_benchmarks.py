@@ -361,6 +361,40 @@ def test_crossover_adaptive_against_the_better_protocol(tmp_path: Path) -> None:
     assert slow == ("20mbit", ("slowdown=1,1,2,4,1,1",))
 
 
+def test_crossover_by_rate_compares_the_means_over_repetitions() -> None:
+    """Per rate, each protocol's time to the target is the mean over the repetitions (None where one of them
+    missed it) and adaptive's ratio is its mean over the better mean, the runs' own ratios beside it."""
+    from benchmarks.waitfree_crossover import by_rate, rep_order, summarize
+
+    three = ("compute-and-wait", "wait-free", "adaptive")
+    assert rep_order(three, 1) == three and rep_order(three, 3) == three
+    assert rep_order(three, 2) == ("compute-and-wait", "adaptive", "wait-free")
+    assert rep_order(three[:2], 2) == three[:2]
+
+    def pt(rate: str, cw: float | None, wf: float | None, ad: float | None, ratio: float | None) -> dict[str, Any]:
+        return {"algorithm": "scd", "rate": rate, "x": 1.0, "p": 0.5, "zeta_ratio": None, "adaptive_vs_best": ratio,
+                "zeta_s": {"compute-and-wait": cw, "wait-free": wf, "adaptive": ad}}  # fmt: skip
+
+    # 2mbit: wait-free 20 and 12 (mean 16), adaptive 13 and 19 (mean 16): per run 1.08 once, the means 1.0
+    points = [pt("2mbit", 70.0, 20.0, 13.0, 0.65), pt("2mbit", 72.0, 12.0, 19.0, 1.5833),
+              pt("100mbit", 30.0, None, 20.0, 0.6667), pt("100mbit", 34.0, 40.0, 24.0, 0.7059),
+              pt("1gbit", 30.0, 50.0, 20.0, 0.6667), pt("1gbit", 30.0, 50.0, None, math.inf)]  # fmt: skip
+    rows = by_rate(points, "scd")
+    assert [r["rate"] for r in rows] == ["2mbit", "100mbit", "1gbit"] and {r["reps"] for r in rows} == {2}
+    assert rows[0]["zeta_mean_s"] == {"compute-and-wait": 71.0, "wait-free": 16.0, "adaptive": 16.0}
+    assert rows[0]["adaptive_vs_best"] == 1.0 and rows[0]["adaptive_vs_best_runs"] == [0.65, 1.5833]
+    # wait-free missed the target once: no mean of it, compute-and-wait's mean (32) is the better
+    assert rows[1]["zeta_mean_s"]["wait-free"] is None and rows[1]["adaptive_vs_best"] == 0.6875
+    assert rows[2]["adaptive_vs_best"] == math.inf  # adaptive alone missed it once
+    s = summarize(points)["scd"]
+    assert s["by_rate"] == rows and s["adaptive_mean_within_target"] == 2
+    assert s["adaptive_mean_worst_vs_best"] == math.inf and s["adaptive_within_target"] == 4
+    assert {r["gm_cpu_per_step_spread"] for r in rows} == {None}  # the points give no CPU seconds a GM step
+    points[0]["gm_cpu_per_step_s"] = {"compute-and-wait": 0.03, "wait-free": 0.024, "adaptive": None}
+    points[1]["gm_cpu_per_step_s"] = {"compute-and-wait": 0.027}
+    assert by_rate(points, "scd")[0]["gm_cpu_per_step_spread"] == 1.25
+
+
 def test_committed_crossover_series_agrees_with_its_points() -> None:
     """The committed crossover series: its summary is what its points give, each point's ``x`` and ratio are
     what its bench's ``protocols.json`` gives, and the re-run of two of its points lies on the same side of

@@ -80,12 +80,14 @@ DEFAULT_PROTOCOLS = ("compute-and-wait", "wait-free")
 
 
 def bench_order(protocols: Sequence[str]) -> list[str]:
-    """The protocols to run, compute-and-wait first (its medians give the others' rounds); ValueError names
-    an unknown or repeated one."""
+    """The protocols in the order they run: compute-and-wait first (its medians give the others' rounds), then
+    the others in the order given, so that a series of repetitions can alternate them (a run's position, after
+    one run or two on the same machine, is not then confounded with its protocol); ValueError names an unknown
+    or repeated one."""
     unknown = [p for p in protocols if p not in PROTOCOL_ORDER]
     if unknown or len(set(protocols)) != len(protocols) or not protocols:
         raise ValueError(f"protocols={list(protocols)!r}: each of {list(PROTOCOL_ORDER)} at most once, at least one")
-    return [p for p in PROTOCOL_ORDER if p in protocols]
+    return [p for p in protocols if p == "compute-and-wait"] + [p for p in protocols if p != "compute-and-wait"]
 
 
 def summarize_run(out_dir: Path, target: float) -> dict[str, Any]:
