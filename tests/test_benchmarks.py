@@ -399,7 +399,7 @@ def test_committed_crossover_series_agrees_with_its_points() -> None:
     """The committed crossover series: its summary is what its points give, each point's ``x`` and ratio are
     what its bench's ``protocols.json`` gives, and the re-run of two of its points lies on the same side of
     1 as the series' points at the same rate."""
-    from benchmarks.waitfree_crossover import point, summarize
+    from benchmarks.waitfree_crossover import by_rate, point, summarize
 
     base = REPO / "benchmarks" / "results" / "protocols"
     series = json.loads((base / "crossover" / "crossover.json").read_text())
@@ -409,6 +409,28 @@ def test_committed_crossover_series_agrees_with_its_points() -> None:
         again = point(base / "crossover" / pt["algorithm"] / pt["rate"] / f"rep{pt['rep']}")
         assert {k: pt[k] for k in again} == again, (pt["algorithm"], pt["rate"], pt["rep"])
     assert summarize(series["points"]) == series["summary"]
+    # the check (crossover-check/): each series' points and summary are what its benches give; adaptive's mean time
+    # to the target lies within 1.05 of the better protocol's mean at SCD's two points (3 repetitions), at Ditto's
+    # 100 Mbit/s (3) and at Ditto's 20 Mbit/s over all 16 of its repetitions (3 + 7 in one order, 6 alternating)
+    check = {}
+    for f in sorted((base / "crossover-check").glob("*/crossover.json")):
+        doc = json.loads(f.read_text())
+        assert not doc["failed"], f
+        for pt in doc["points"]:
+            again = point(f.parent / pt["algorithm"] / pt["rate"] / f"rep{pt['rep']}")
+            assert {k: pt[k] for k in again} == again, (f.parent.name, pt["rate"], pt["rep"])
+        assert summarize(doc["points"]) == doc["summary"], f
+        check[f.parent.name] = doc
+    assert sorted(check) == ["ditto", "ditto-20mbit", "ditto-20mbit-alt", "hetero", "scd"]
+    assert {p["order"][1] for p in check["ditto-20mbit-alt"]["points"]} == {"wait-free", "adaptive"}
+    means = {(r["rate"], alg): r for alg in ("scd", "ditto") for r in check[alg]["summary"][alg]["by_rate"]}
+    pooled = check["ditto-20mbit"]["points"] + check["ditto-20mbit-alt"]["points"]
+    (means["20mbit", "ditto-16"],) = by_rate(pooled, "ditto")
+    assert means["20mbit", "ditto-16"]["reps"] == 16
+    for key in [("2mbit", "scd"), ("100mbit", "scd"), ("100mbit", "ditto"), ("20mbit", "ditto-16")]:
+        assert means[key]["adaptive_vs_best"] <= 1.05, (key, means[key])
+    hetero = {pt["rate"]: pt for pt in check["hetero"]["points"]}
+    assert hetero["hetero-slowdown"]["adaptive_vs_best"] < 1, hetero["hetero-slowdown"]
     rerun = json.loads((base / "crossover-rerun" / "crossover.json").read_text())
     assert len(rerun["points"]) == 2
     for r in rerun["points"]:
