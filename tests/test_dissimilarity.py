@@ -93,16 +93,9 @@ def test_an_in_process_run_records_g_d_at_the_global_model(tmp_path: Path) -> No
     ids = [f"client-{i}" for i in range(cfg.federation.num_clients)]
     selected = sorted(select_clients(cfg.federation.seed, 1, ids, cfg.federation.fraction), key=ids.index)
     assert len(selected) == 3
-    from wafl.common.partition import partition
+    from wafl.common.partition import run_shards
 
-    shards = partition(
-        data.train_labels,
-        cfg.federation.num_clients,
-        cfg.data.partition,
-        cfg.data.alpha,
-        cfg.data.delta,
-        cfg.federation.seed,
-    )
+    shards = run_shards(cfg, data.train_labels)  # the run's own partition rule, as the engine's
     grads = []
     for c in selected:
         idx = shards[ids.index(c)]

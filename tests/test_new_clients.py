@@ -190,18 +190,11 @@ def test_the_server_refuses_uploads_from_new_clients_and_their_reports_from_othe
 
 def test_the_flatness_loss_is_taken_on_the_training_clients_data_only() -> None:
     from wafl.cli.report.analyze import training_union
-    from wafl.common.partition import federation_shards
+    from wafl.common.partition import run_shards
 
     cfg = load_config(None, BASE)
     data = load_dataset(cfg.data.dataset)
-    shards = federation_shards(
-        data.train_labels,
-        cfg.federation.num_clients,
-        cfg.data.partition,
-        cfg.data.alpha,
-        cfg.data.delta,
-        cfg.federation.seed,
-    )
+    shards = run_shards(cfg, data.train_labels)
     new = new_client_indices(cfg.federation.num_clients, cfg.federation.new_clients, cfg.federation.seed)
     union = training_union(cfg, data)
     assert len(union) == sum(len(s) for i, s in enumerate(shards) if i not in new)
