@@ -24,6 +24,12 @@ bit for bit from its sweep file on a fresh clone, or the first differing round a
 
     python benchmarks/real_data.py verify configs/sweeps/asd_fmnist.toml --point 'algorithm=fedavg,seed=0'
 
+A plateau table's point takes an hour or more; ``--rounds N`` runs and compares its first N rounds only (the run
+goes on a round or two windows past them, so that their evaluations are the point's own, ``prefix_rounds``):
+
+    python benchmarks/real_data.py verify configs/sweeps/fedhkd_fmnist_plateau.toml --rounds 40 \\
+        --point 'algorithm=fedhkd,num_clients=10,params.delta=0.01,seed=0'
+
 ``summary`` unpacks the records into ``runs/real-data/<sweep>`` (a scratch folder, rewritten each time)
 and writes ``table.md`` (the commands, the commits, the points done and missing, the plateau rule the
 points ran with, if any, then ``wafl table``'s markdown: the last-10 means, how the points stopped, the
@@ -280,14 +286,36 @@ def differences(kept: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], conf
     return found
 
 
-def verify(sweep_file: Path, kept: Path, patterns: Sequence[str], out: Path) -> dict[str, list[str]]:
+def prefix_rounds(config: Mapping[str, Any], first: int) -> int | None:
+    """How many rounds a run of the point ``config`` (its flat ``config.json``) needs so that its first ``first``
+    rounds are the point's own, evaluations included; None where that is the whole point.
+
+    A run's evaluation schedule depends on its last round (:meth:`RunConfig.evaluates
+    <wafl.common.config.RunConfig.evaluates>`: the last round, and with the plateau rule every one of the last
+    ``2 * plateau_window``), so the shorter run goes on past the compared rounds: one round, or ``2 *
+    plateau_window`` where the point evaluates only every ``eval_every`` rounds; and it runs at least the
+    ``2 * plateau_window`` rounds the rule needs. Nothing else a point computes depends on its round count."""
+    if first < 1:
+        raise ValueError(f"--rounds must be at least 1 (got {first})")
+    window, every = int(config.get("plateau_window") or 0), int(config.get("eval_every", 1))
+    tail = 2 * window if window and every != 1 else 1
+    rounds = max(first + tail, 2 * window)
+    return rounds if rounds < int(config["rounds"]) else None
+
+
+def verify(
+    sweep_file: Path, kept: Path, patterns: Sequence[str], out: Path, first: int | None = None
+) -> dict[str, list[str]]:
     """Runs the kept points that match ``patterns`` again into ``out`` (in process, as ``wafl sweep`` runs them:
     each in a fresh interpreter with the sweep's kernels, ``point_kernels``) and returns each one's
-    :func:`differences` from its record. A pattern that matches no kept point is an error."""
+    :func:`differences` from its record. A pattern that matches no kept point is an error. ``first``: only the
+    point's first ``first`` rounds are run (a few more, :func:`prefix_rounds`) and compared, for the points of
+    the plateau tables that take an hour or more."""
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
     from wafl.cli.experiments.sweep import load_sweep, point_kernels, run_point
+    from wafl.common.config import RunConfig
 
     records = read_records(kept)
     configs = dict(load_sweep(sweep_file)[1])
@@ -303,11 +331,18 @@ def verify(sweep_file: Path, kept: Path, patterns: Sequence[str], out: Path) -> 
         if folder.exists():
             shutil.rmtree(folder)
         folder.mkdir(parents=True)
-        print(f"real_data: verify {name}", file=sys.stderr)
+        record, cfg = records[name], configs[name]
+        rounds = prefix_rounds(record["config"], first) if first else None
+        if rounds is not None:  # the first rounds only: the record cut to them, its round count the run's
+            cfg = RunConfig.from_json(json.dumps({**json.loads(cfg.to_json()), "rounds": rounds}))
+            record = {**record, "config": {**record["config"], "rounds": rounds}, "rows": record["rows"][:first]}
+        print(f"real_data: verify {name}" + (f", its first {first} rounds" if rounds else ""), file=sys.stderr)
         with point_kernels(), ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
-            result = pool.submit(run_point, configs[name].to_json(), str(folder), False).result()
+            result = pool.submit(run_point, cfg.to_json(), str(folder), False).result()
         rows = [json.loads(x) for x in (folder / "results.jsonl").read_text().splitlines() if x.strip()]
-        diff = differences(records[name], rows, json.loads((folder / "config.json").read_text()))
+        if rounds is not None:
+            rows = rows[:first]
+        diff = differences(record, rows, json.loads((folder / "config.json").read_text()))
         found[name] = diff if result["ok"] else ["the point did not finish", *diff]
         print(f"real_data: {name}: " + ("the same numbers" if not found[name] else "; ".join(found[name])),
               file=sys.stderr)  # fmt: skip
@@ -749,6 +784,9 @@ def smoke(out: Path) -> dict[str, object]:
     recs[first_point]["rows"][-1]["gm_accuracy"] += 1e-4
     write_records(tampered, recs)
     caught = verify(sweep_file, tampered, [first_point], out / "verify-tampered")
+    # its first round only (run to round 2, the rule's two windows): the tampered last round is not compared
+    first_only = verify(sweep_file, tampered, [first_point], out / "verify-first", first=1)
+    first_rows = (out / "verify-first" / first_point / "results.jsonl").read_text().splitlines()
     doc: dict[str, object] = {
         "commit": git_commit(),
         "first_rc": first.returncode,
@@ -760,6 +798,8 @@ def smoke(out: Path) -> dict[str, object]:
         "round_trip_same_bytes": same,
         "verified": verified,
         "tampered_caught": caught,
+        "first_round_verified": first_only,
+        "first_round_run_rows": len(first_rows),
         "broken_restored": partly,
         "broken_point_left_out": not (out / "c" / first_point).exists(),
         "table_md": (here / "table.md").read_text(),
@@ -800,7 +840,16 @@ def main(argv: list[str] | None = None) -> int:
         metavar="GLOB",
         help="with verify: the kept points to run again and compare (fnmatch patterns of their names; repeatable)",
     )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        metavar="N",
+        help="with verify: run and compare each point's first N rounds only (a few more are run: the evaluations "
+        "of the compared rounds are the point's own)",
+    )
     a = p.parse_args(argv)
+    if a.rounds is not None and (a.action != "verify" or a.rounds < 1):
+        p.error("--rounds N goes with verify, N at least 1")
     if a.rerun and a.action != "run":
         p.error("--rerun goes with the action run")
     if bool(a.point) != (a.action == "verify"):
@@ -820,7 +869,7 @@ def main(argv: list[str] | None = None) -> int:
         import tempfile
 
         with tempfile.TemporaryDirectory(prefix="real-data-verify-") as tmp:
-            found = verify(sweep_file, kept, a.point, a.out or Path(tmp))
+            found = verify(sweep_file, kept, a.point, a.out or Path(tmp), a.rounds)
         same = [n for n, d in found.items() if not d]
         print(f"real_data: {len(same)} of {len(found)} point(s) gave the kept numbers", file=sys.stderr)
         return 0 if len(same) == len(found) else 1

@@ -97,6 +97,8 @@ def _real_data(d: dict[str, Any]) -> None:
     assert d["verified"] == {"algorithm=fedavg": []}  # run again from the sweep file: the kept numbers
     (caught,) = d["tampered_caught"]["algorithm=fedavg"]  # a kept accuracy off in its 4th decimal is named
     assert caught.startswith("round 2: gm_accuracy "), caught
+    # --rounds 1: the point run to round 2 (the plateau rule's two windows of 1), its first round compared
+    assert d["first_round_verified"] == {"algorithm=fedavg": []} and d["first_round_run_rows"] == 2
     assert set(d["table"]["rows"]) == {"fedavg", "fedprox mu=0.01"} and set(d["table"]["differences"]) == {
         "fedprox mu=0.01"
     }
@@ -255,6 +257,33 @@ def test_kept_real_data_records_are_complete_and_tracked() -> None:
     run_files = ("results.jsonl", "config.json", "point.json")
     per_point = [t for t in listed.stdout.splitlines() if Path(t).name in run_files]
     assert not per_point, per_point[:5]
+
+
+def test_prefix_rounds_keep_the_compared_rounds_evaluations() -> None:
+    """``verify --rounds N``: the shorter run evaluates the first N rounds as the point did. A run evaluates its
+    last round, and under the plateau rule its last ``2 * plateau_window``: one round past N, or two windows
+    past it where the point evaluates every few rounds; never fewer than the rule's two windows; the whole
+    point where that is no shorter."""
+    from wafl.common.config import RunConfig
+
+    from benchmarks.real_data import prefix_rounds
+
+    assert prefix_rounds({"rounds": 300, "plateau_window": 20, "eval_every": 1}, 40) == 41
+    assert prefix_rounds({"rounds": 300, "plateau_window": 20, "eval_every": 1}, 10) == 40
+    assert prefix_rounds({"rounds": 1000, "plateau_window": 100, "eval_every": 5}, 50) == 250
+    assert prefix_rounds({"rounds": 35, "eval_every": 5}, 10) == 11
+    assert prefix_rounds({"rounds": 300, "plateau_window": 20, "eval_every": 1}, 299) is None
+    assert prefix_rounds({"rounds": 15}, 20) is None
+    with pytest.raises(ValueError, match="at least 1"):
+        prefix_rounds({"rounds": 15}, 0)
+    # the slow re-computation: the point's and the shorter run's schedules agree on every compared round
+    for rounds, window, every, first in [(1000, 100, 5, 50), (300, 20, 1, 40), (300, 20, 2, 7), (35, 0, 5, 10)]:
+        flat = {"rounds": rounds, "plateau_window": window, "eval_every": every}
+        point = RunConfig.from_json(json.dumps({**json.loads(RunConfig().to_json()), **flat})).validate()
+        n = prefix_rounds(flat, first)
+        assert n is not None
+        short = RunConfig.from_json(json.dumps({**json.loads(point.to_json()), "rounds": n})).validate()
+        assert [short.evaluates(r) for r in range(1, first + 1)] == [point.evaluates(r) for r in range(1, first + 1)]
 
 
 def test_rerun_drops_the_matching_points_records_and_folders(tmp_path: Path) -> None:
