@@ -356,6 +356,20 @@ def _wafl(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([WAFL, *args], capture_output=True, text=True, cwd=ROOT)
 
 
+def without_baseline(args: Sequence[str]) -> list[str]:
+    """``wafl table`` arguments less ``--baseline`` and ``--within`` (which pairs rows with the baseline), each
+    with its value: the table of a sweep whose baseline has no finished point yet."""
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a in ("--baseline", "--within"):
+            skip = True
+        else:
+            out.append(a)
+    return out
+
+
 def summary(sweep_file: Path, kept: Path, work: Path | None = None) -> Path:
     """table.md, table.json, curves.png and curves.json beside ``kept``, from its records unpacked into
     ``work`` (default ``runs/real-data/<sweep>``, emptied first)."""
@@ -377,7 +391,7 @@ def summary(sweep_file: Path, kept: Path, work: Path | None = None) -> Path:
     if res.returncode != 0 and "--baseline" in args and "is not a row" in res.stderr:
         i = args.index("--baseline")
         note = f"The baseline {args[i + 1]!r} has no finished point yet: no paired differences.\n\n"
-        args = args[:i] + args[i + 2 :]
+        args = without_baseline(args)
         res = _wafl("table", rel, *args, "--json", _shown(here / "table.json"))
     if res.returncode != 0:
         raise SystemExit(f"real_data: wafl table failed: {res.stderr.strip()}")

@@ -305,6 +305,11 @@ def build_parser() -> argparse.ArgumentParser:
     tb.add_argument("dirs", nargs="+", help="run folders or folders holding them")
     tb.add_argument("--by", help="fields that make the rows (default: algorithm,params)")
     tb.add_argument("--baseline", help="row label to pair every other row with, seed by seed")
+    tb.add_argument(
+        "--within",
+        help="fields of --by (comma-separated, e.g. num_clients): pair each row with the baseline's row at its own "
+        "values of them; --baseline then names the baseline without them",
+    )
     tb.add_argument("--target", type=float, default=0.9, help="GM accuracy for the time-to-target column")
     tb.add_argument("--json", help="also write the table as JSON here")
     tb.add_argument(

@@ -286,6 +286,16 @@ def test_prefix_rounds_keep_the_compared_rounds_evaluations() -> None:
         assert [short.evaluates(r) for r in range(1, first + 1)] == [point.evaluates(r) for r in range(1, first + 1)]
 
 
+def test_a_table_without_its_baseline_drops_the_pairing_too() -> None:
+    """While a sweep's baseline has no finished point, its table runs without ``--baseline`` and without
+    ``--within`` (which needs one), every other argument kept in order."""
+    from benchmarks.real_data import without_baseline
+
+    args = ["--by", "algorithm,params,num_clients", "--within", "num_clients", "--baseline", "fedavg", "--target", "1"]
+    assert without_baseline(args) == ["--by", "algorithm,params,num_clients", "--target", "1"]
+    assert without_baseline(["--baseline", "fedavg num_clients=10"]) == []
+
+
 def test_rerun_drops_the_matching_points_records_and_folders(tmp_path: Path) -> None:
     """``real_data.py run --rerun GLOB``: the matching points' kept records and finished folders are
     dropped (so the sweep runs them again), the others kept; a pattern matching no point is an error."""

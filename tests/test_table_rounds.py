@@ -9,7 +9,7 @@ import statistics
 from pathlib import Path
 
 import pytest
-from wafl.cli.report.table import LAST, build, find_runs, markdown, t975
+from wafl.cli.report.table import LAST, TableError, build, find_runs, markdown, t975
 
 # t_{0.975, n-1} from a printed table (e.g. NIST/SEMATECH e-Handbook, 1.3.6.7.2), independent of table.py's
 PRINTED_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 9: 2.262, 10: 2.228, 20: 2.086, 30: 2.042}
@@ -175,3 +175,41 @@ def test_the_stopped_column_counts_plateau_and_maximum(tmp_path: Path) -> None:
     plain = tmp_path / "plain"
     write_run(plain, "fedavg", 0, rows(5, None), rounds=5)
     assert "stopped" not in markdown(build(find_runs([plain]))).splitlines()[0]  # runs without the rule
+
+
+def test_within_pairs_each_row_with_the_baseline_at_its_own_client_count(tmp_path: Path) -> None:
+    """``--within num_clients``: a row at 20 clients is paired with the baseline at 20 clients, never with
+    the one at 10 (whose seeds ran other partitions); a count the baseline lacks gets no differences and is
+    named; without ``--within`` the old pairing (one baseline row for all) is unchanged."""
+    accs = {("base", 10): [0.50, 0.52, 0.51], ("base", 20): [0.70, 0.71, 0.69], ("m", 10): [0.55, 0.56, 0.54]}
+    accs |= {("m", 20): [0.72, 0.74, 0.70], ("m", 50): [0.80, 0.81, 0.79]}
+    for (algorithm, n), values in accs.items():
+        for seed, acc in enumerate(values):
+            folder = tmp_path / f"algorithm={algorithm},num_clients={n},seed={seed}"
+            folder.mkdir(parents=True)
+            config = {"algorithm": algorithm, "num_clients": n, "seed": seed, "rounds": 1}
+            (folder / "config.json").write_text(json.dumps(config))
+            (folder / "results.jsonl").write_text(json.dumps({"round": 1, "wall_s": 1.0, "gm_accuracy": acc}) + "\n")
+    runs = find_runs([tmp_path])
+    by = ("algorithm", "num_clients")
+    doc = build(runs, by, baseline="base", within=("num_clients",))
+    for n in (10, 20):
+        want = [a - b for a, b in zip(accs[("m", n)], accs[("base", n)])]
+        got = doc["differences"][f"m num_clients={n}"]["final_gm"]
+        assert got["mean"] == pytest.approx(statistics.fmean(want)) and got["min"] == pytest.approx(min(want))
+        assert doc["paired_with"][f"m num_clients={n}"] == f"base num_clients={n}"
+    assert set(doc["differences"]) == {"m num_clients=10", "m num_clients=20"}
+    assert doc["unpaired"] == ["m num_clients=50"] and doc["within"] == ["num_clients"]
+    text = markdown(doc)
+    assert "Paired differences to base at the same num_clients on the same seeds" in text
+    assert "No baseline at the same num_clients yet, so no paired differences: m num_clients=50." in text
+    # the old pairing: every row against the one baseline row named in full
+    old = build(runs, by, baseline="base num_clients=10")
+    assert old["paired_with"]["m num_clients=20"] == "base num_clients=10" and old["unpaired"] == []
+    assert old["differences"]["m num_clients=20"]["final_gm"]["mean"] == pytest.approx(0.72 - 0.51)
+    with pytest.raises(TableError, match="is not a row .without num_clients.; rows: .'base', 'm'."):
+        build(runs, by, baseline="base num_clients=10", within=("num_clients",))
+    with pytest.raises(TableError, match="--within seed: not among the fields that make the rows"):
+        build(runs, by, baseline="base", within=("seed",))
+    with pytest.raises(TableError, match="give --baseline too"):
+        build(runs, by, within=("num_clients",))

@@ -36,7 +36,7 @@ def cmd_table(a: argparse.Namespace) -> int:
     from wafl.cli.report.table import TableError, main
 
     try:
-        return main(a.dirs, a.by, a.target, a.baseline, a.json, a.metrics)
+        return main(a.dirs, a.by, a.target, a.baseline, a.json, a.metrics, a.within)
     except TableError as e:
         print(f"wafl: {e}", file=sys.stderr)
         return 2

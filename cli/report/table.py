@@ -26,7 +26,11 @@ how many of the row's runs stopped on the plateau (and at which rounds) and how 
 without flattening (their last results line's ``stop_reason``).
 
 With ``--baseline LABEL`` every other row gets, per metric, the paired difference to the
-baseline on the same seeds: mean (min to max). Then, for the final and last-10 accuracies, two
+baseline on the same seeds: mean (min to max). With ``--within FIELDS`` too (fields of ``--by``, e.g.
+``num_clients``), each row is paired with the baseline's row at its own values of those fields, and LABEL
+names the baseline without them (``--by algorithm,params,num_clients --within num_clients --baseline fedavg``:
+each client count's rows against FedAvg at that count; a count whose baseline has not run gets no
+differences, listed as ``unpaired``). Then, for the final and last-10 accuracies, two
 verdicts per row and metric, with the paired differences ``d_1..d_n`` of the ``n`` common seeds:
 
 * the seeds' rule (the claims list's): ``better`` when every ``d_i > 0``, ``worse`` when every
@@ -270,16 +274,26 @@ def build(
     target: float = 0.9,
     baseline: str | None = None,
     last: int = LAST,
+    within: Sequence[str] = (),
 ) -> dict[str, Any]:
     """The table as data: ``rows`` (label -> metric -> stats, seeds, runs, how they stopped) and
     ``differences`` (label -> metric -> stats of the paired differences, with the 95 % interval and
-    both verdicts for the accuracies of :data:`VERDICTS`)."""
+    both verdicts for the accuracies of :data:`VERDICTS`); ``paired_with`` (label -> the baseline row it was
+    paired with) and, with ``within``, ``unpaired`` (the rows whose values of ``within`` the baseline lacks)."""
+    outside = [f for f in within if f not in by]
+    if outside:
+        raise TableError(f"--within {','.join(outside)}: not among the fields that make the rows (--by {','.join(by)})")
+    if within and baseline is None:
+        raise TableError("--within pairs rows with the baseline: give --baseline too")
     check_comparable(runs, by)
+    rest = [f for f in by if f not in within]
     grouped: dict[str, dict[int, dict[str, float | None]]] = {}
     folders: dict[str, list[str]] = {}
     stops: dict[str, list[tuple[str | None, int]]] = {}
+    place: dict[str, tuple[str, str]] = {}  # label -> (its label without ``within``, its ``within`` values)
     for r in runs:
         name = label(r.config, by)
+        place[name] = (label(r.config, rest), json.dumps([r.config.get(f) for f in within]))
         seed = int(r.config.get("seed", 0))
         if seed in grouped.setdefault(name, {}):
             raise TableError(f"two runs of {name!r} with seed {seed}: {folders[name]} and {r.path}")
@@ -299,13 +313,22 @@ def build(
             **{m: _stats([x for v in per_seed.values() if (x := v[m]) is not None]) for m in metrics},
         }
     diffs: dict[str, Any] = {}
+    paired_with: dict[str, str] = {}
+    unpaired: list[str] = []
     if baseline is not None:
-        if baseline not in grouped:
-            raise TableError(f"--baseline {baseline!r} is not a row; rows: {sorted(grouped)}")
-        base = grouped[baseline]
+        bases = {place[n][1]: n for n in grouped if place[n][0] == baseline}
+        if not bases:
+            rows = sorted({place[n][0] for n in grouped})
+            where = f" (without {','.join(within)})" if within else ""
+            raise TableError(f"--baseline {baseline!r} is not a row{where}; rows: {rows}")
         for name, per_seed in grouped.items():
-            if name == baseline:
+            if place[name][0] == baseline:
                 continue
+            if place[name][1] not in bases:
+                unpaired.append(name)
+                continue
+            paired_with[name] = bases[place[name][1]]
+            base = grouped[paired_with[name]]
             common = sorted(set(per_seed) & set(base))
             diffs[name] = {}
             for m in metrics:
@@ -320,9 +343,12 @@ def build(
         "target": target,
         "last": last,
         "baseline": baseline,
+        "within": list(within),
         "commits": commits,
         "rows": table,
         "differences": diffs,
+        "paired_with": paired_with,
+        "unpaired": unpaired,
     }
 
 
@@ -383,8 +409,12 @@ def markdown(doc: Mapping[str, Any], metrics: Sequence[str] = KNOWN) -> str:
         lines.append(
             "| " + " | ".join([name, str(len(r["seeds"])), *stop, *[_cell(r.get(m), m) for m in shown]]) + " |"
         )
+    within = doc.get("within") or []
+    at = f" at the same {', '.join(within)}" if within else ""
+    if doc.get("unpaired"):
+        lines += ["", f"No baseline{at} yet, so no paired differences: {', '.join(doc['unpaired'])}."]
     if doc["differences"]:
-        lines += ["", f"Paired differences to {doc['baseline']} on the same seeds: mean (min to max).", ""]
+        lines += ["", f"Paired differences to {doc['baseline']}{at} on the same seeds: mean (min to max).", ""]
         lines.append("| run | " + " | ".join(titles[m] for m in shown) + " |")
         lines.append("|---|" + "---:|" * len(shown))
         for name, d in doc["differences"].items():
@@ -394,7 +424,7 @@ def markdown(doc: Mapping[str, Any], metrics: Sequence[str] = KNOWN) -> str:
         if verdicts:
             lines += [
                 "",
-                f"Verdicts against {doc['baseline']} (points, on the seeds both have): the seeds' rule says better "
+                f"Verdicts against {doc['baseline']}{at} (points, on the seeds both have): the seeds' rule says better "
                 "(worse) when the difference is above (below) 0 on every seed; the interval is the 95 % interval "
                 "over seeds, mean ± t(0.975, n−1)·s/√n, and says better (worse) when it lies above (below) 0; "
                 "either is inconclusive otherwise and with one seed.",
@@ -423,6 +453,7 @@ def main(
     baseline: str | None,
     json_out: str | None,
     metrics: str | None = None,
+    within: str | None = None,
 ) -> int:
     def skipped(folder: Path, why: str) -> None:
         print(f"wafl table: leaving out {folder}: {why}", file=sys.stderr)
@@ -433,7 +464,8 @@ def main(
     unknown = [m for m in shown if m not in KNOWN]
     if unknown:
         raise TableError(f"--metrics: unknown {', '.join(unknown)}; known: {', '.join(KNOWN)}")
-    doc = build(runs, fields, target, baseline)
+    pairs = tuple(f.strip() for f in within.split(",")) if within else ()
+    doc = build(runs, fields, target, baseline, within=pairs)
     print(markdown(doc, shown))
     if json_out:
         Path(json_out).write_text(json.dumps(doc, indent=1) + "\n")
