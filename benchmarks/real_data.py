@@ -53,6 +53,12 @@ reached the round) with the min-max band, its legend gives the table's final acc
 last 10 evaluated rounds) and how its seeds stopped; a seed that stopped on the plateau gets a triangle at its
 last value and a dotted line at its round, one that reached the maximum without flattening a cross; where every
 run of a panel ends on the same rounds (a sweep without the plateau rule) the last 10 are shaded.
+
+The same panels give the claims' pairs (``benchmarks/_claim_pairs.py``): each panel's first row minus each
+other row, per column value, seed by seed, with ``wafl table``'s interval and both verdicts, written to
+``claims-pairs.json`` and as a section of ``table.md``. A sweep that ``extends`` a table with kept records (a
+plateau table) sets each pair beside the same pair of that shorter table, read by its last round as the
+claims list read it, and flags each seeds' verdict that changed.
 """
 
 from __future__ import annotations
@@ -73,6 +79,8 @@ from typing import Any
 from wafl.common.jsonsafe import dumps
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # benchmarks._claim_pairs when this file runs as a script
 RESULTS = ROOT / "benchmarks" / "results" / "real-data"
 RECORD = ("config.json", "results.jsonl", "point.json")  # a point's files that a record holds
 FIELDS = ("config", "rows", "point")  # the same, as a record's fields
@@ -426,6 +434,7 @@ def summary(sweep_file: Path, kept: Path, work: Path | None = None) -> Path:
             f"`{CLAIMS_FIGURE}`, `{CLAIMS_JSON}`: one panel per claim family (the header's `claims panel` lines), "
             "the plateau marked"
         )
+    pairs_text = claims_pairs_section(sweep_file, {n: records[n] for n in done}, here)
     sweep = _shown(sweep_file)
     text = [
         f"`wafl table {rel} {shlex.join(args)}` over the points of `{_shown(kept)}` "
@@ -439,6 +448,7 @@ def summary(sweep_file: Path, kept: Path, work: Path | None = None) -> Path:
         *plateau_note(records[done[0]]["config"]),
         note + res.stdout.strip(),
         "",
+        *pairs_text,
     ]
     if figures:
         text += ["Figures (the sweep file's header commands, on the same records):", ""]
@@ -747,6 +757,41 @@ def claims_figure(sweep_file: Path, records: Mapping[str, Mapping[str, Any]], by
     return True
 
 
+CLAIM_PAIRS_JSON = "claims-pairs.json"
+
+
+def claims_pairs_section(sweep_file: Path, records: Mapping[str, Mapping[str, Any]], here: Path) -> list[str]:
+    """``claims-pairs.json`` in ``here`` and table.md's section on it (``benchmarks/_claim_pairs.py``) when the
+    header declares claims panels: each panel's pairs over the finished ``records`` and, for a sweep that
+    ``extends`` a table with kept records (a plateau table), the same pairs of that table beside them."""
+    from benchmarks._claim_pairs import claim_pairs, markdown, moved
+
+    panels, columns = claim_panels(sweep_file)
+    if not panels:
+        return []
+    pairs = claim_pairs(panels, columns, records)
+    doc: dict[str, Any] = {"sweep": _shown(sweep_file), "columns": columns, "unit": "points", "before": None}
+    before_name = before_rounds = None
+    parent = tomllib.loads(sweep_file.read_text()).get("extends")
+    parent_file = sweep_file.parent / parent if isinstance(parent, str) else None
+    if parent_file is not None and records_file(parent_file).is_file():
+        kept = {n: r for n, r in read_records(records_file(parent_file)).items() if not incomplete(r)}
+        if kept:
+            earlier = claim_pairs(*claim_panels(parent_file), kept)
+            pairs = moved(pairs, earlier)
+            before_name = parent_file.stem
+            rounds = sorted({int(r["config"]["rounds"]) for r in kept.values()})
+            before_rounds = "round " + ", ".join(map(str, rounds))
+            doc["before"] = {
+                "sweep": _shown(parent_file),
+                "records": _shown(records_file(parent_file)),
+                "rounds": rounds,
+            }
+    doc["pairs"] = pairs
+    (here / CLAIM_PAIRS_JSON).write_text(json.dumps(doc, indent=1) + "\n")
+    return markdown(pairs, before_name, before_rounds)
+
+
 SMOKE_SWEEP = """\
 # a two-point digits sweep for the smoke run: each point stops on the plateau after round 2 of at most 3
 #   wafl table runs/sweep-smoke --baseline fedavg   # a trailing comment is not an argument
@@ -822,6 +867,7 @@ def smoke(out: Path) -> dict[str, object]:
         "figure": json.loads((here / "loss.json").read_text()),
         "claims": json.loads((here / CLAIMS_JSON).read_text()),
         "claims_png_bytes": (here / CLAIMS_FIGURE).stat().st_size,
+        "claims_pairs": json.loads((here / CLAIM_PAIRS_JSON).read_text()),
     }
     (out / "smoke.json").write_text(json.dumps(doc, indent=1) + "\n")
     return doc

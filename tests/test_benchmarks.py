@@ -120,6 +120,15 @@ def _real_data(d: dict[str, Any]) -> None:
     ]
     assert all(r["stops"] == [{**r["stops"][0], "stop_reason": "plateau", "round": 2}] for r in panel["rows"])
     assert d["claims_png_bytes"] > 0 and "`claims.png`, `claims.json`" in d["table_md"]
+    # the panel's pair: FedProx minus FedAvg on the one seed, judged inconclusive (one seed), in table.md too
+    (pair,) = d["claims_pairs"]["pairs"]
+    assert (pair["subject"], pair["other"], pair["seeds"]) == ("FedProx", "FedAvg", [0]) and d["claims_pairs"][
+        "before"
+    ] is None
+    assert (
+        pair["mean_last"]["seeds_verdict"] == "inconclusive"
+        and "| GM: FedProx against FedAvg | FedProx − FedAvg | 1 |" in d["table_md"]
+    )
 
 
 def _waitfree_crossover(d: dict[str, Any]) -> None:

@@ -46,7 +46,7 @@ def _records(sweep: Path, ends: dict[str, dict[int, tuple[int, str | None]]] = E
         last, why = ends[alg][seed]
         rows = []
         for t in range(1, last + 1):
-            row: dict[str, Any] = {"round": t, "gm_accuracy": _acc(alg, seed, t)}
+            row: dict[str, Any] = {"round": t, "wall_s": float(t), "gm_accuracy": _acc(alg, seed, t)}
             row["pm_accuracy"] = _acc(alg, seed, t - 1) + 0.1 if t > 1 else None  # a round late, as the PM's is
             if why is not None and t == last:
                 row["stop_reason"] = why
@@ -150,3 +150,53 @@ def test_claims_rows_must_pick_one_table_row_and_exist(tmp_path: Path) -> None:
     some = {n: r for n, r in records.items() if r["config"]["algorithm"] == "fedavg"}
     (sub, _) = claims_data(panels, None, some, ["algorithm", "params"], configs)
     assert sub["missing"] == ["FedProx"] and [r["name"] for r in sub["rows"]] == ["FedAvg"]
+
+
+def test_claim_pairs_and_the_verdicts_they_moved(tmp_path: Path) -> None:
+    """``claims-pairs.json``'s numbers: each panel's subject minus its other row, seed by seed, in points, by
+    the mean of the last 10 evaluated rounds and by the last round, against a slow re-computation from the
+    rows; a shorter table's pair beside it with the seeds' verdict that changed flagged; a pair whose runs
+    are missing has no numbers."""
+    from benchmarks._claim_pairs import claim_pairs, markdown, moved
+
+    sweep = tmp_path / "s.toml"
+    sweep.write_text(SWEEP)
+    records = _records(sweep)
+    panels, columns = claim_panels(sweep)
+    pairs = claim_pairs(panels, columns, records)
+    assert [(p["panel"], p["subject"], p["other"]) for p in pairs] == [
+        ("GM: FedProx against FedAvg", "FedProx", "FedAvg"),
+        ("PM", "fedprox", "fedavg"),
+    ]
+
+    def slow(alg: str, seed: int, metric: str, last_only: bool) -> float:
+        values = [r[metric] for r in records[f"algorithm={alg},seed={seed}"]["rows"] if r[metric] is not None]
+        chosen = values[-1:] if last_only else values[-10:]
+        return 100 * sum(chosen) / len(chosen)
+
+    for p in pairs:
+        metric = p["metric"]
+        assert p["seeds"] == [0, 1, 2]
+        for reading, last_only in (("mean_last", False), ("final", True)):
+            want = [slow("fedprox", s, metric, last_only) - slow("fedavg", s, metric, last_only) for s in range(3)]
+            assert list(p[f"{reading}_by_seed"].values()) == pytest.approx(want)
+            assert p[reading]["mean"] == pytest.approx(sum(want) / 3) and p[reading]["n"] == 3
+            assert p[reading]["seeds_verdict"] == (
+                "better" if min(want) > 0 else "worse" if max(want) < 0 else "inconclusive"
+            )
+    # the shorter table: FedAvg above on every seed there, so the GM pair's seeds' verdict changed; the PM pair
+    # has no runs there (its verdict cannot have moved)
+    shorter = {n: {**r, "rows": [{**x, "gm_accuracy": x["gm_accuracy"] - (0.2 if "fedprox" in n else 0.0)}
+                                 for x in r["rows"]]} for n, r in records.items()}  # fmt: skip
+    before = [p for p in claim_pairs(panels, columns, shorter) if p["panel"] != "PM"]
+    assert before[0]["final"]["seeds_verdict"] == "worse"
+    both = moved(pairs, before)
+    assert both[0]["changed"] and both[0]["before"] == before[0]["final"] and not both[1]["changed"]
+    assert both[1]["before"] is None
+    text = "\n".join(markdown(both, "short", "round 15"))
+    assert "| GM: FedProx against FedAvg | FedProx − FedAvg | 3 |" in text and "| worse | **yes** |" in text
+    # a row without finished runs: the pair is listed, without numbers
+    fewer = {n: r for n, r in records.items() if "fedavg" not in n}
+    (lonely, _) = claim_pairs(panels, columns, fewer)
+    assert lonely["seeds"] == [] and lonely["mean_last"] is None
+    assert "| not yet run | - |" in "\n".join(markdown([lonely], None, None))

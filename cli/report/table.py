@@ -254,6 +254,15 @@ def _verdicts(values: Sequence[float]) -> dict[str, Any]:
     return {"ci95": [low, high], "seeds_verdict": seeds, "interval_verdict": interval}
 
 
+def paired(differences: Sequence[float]) -> dict[str, Any] | None:
+    """Paired differences over seeds as the table judges them: mean, std, min, max and n, then the 95 %
+    interval and both verdicts (module docstring); None for none."""
+    stats: dict[str, Any] | None = _stats(differences)
+    if stats is not None:
+        stats.update(_verdicts(differences))
+    return stats
+
+
 def _stopped(stops: Sequence[tuple[str | None, int]]) -> dict[str, Any] | None:
     """How a row's runs ended under the plateau rule: counts and the rounds of those that flattened
     (None when none of them ran with the rule)."""
@@ -332,11 +341,8 @@ def build(
             common = sorted(set(per_seed) & set(base))
             diffs[name] = {}
             for m in metrics:
-                paired = [a - b for s in common if (a := per_seed[s][m]) is not None and (b := base[s][m]) is not None]
-                stats = _stats(paired)
-                if stats is not None and m in VERDICTS:
-                    stats.update(_verdicts(paired))
-                diffs[name][m] = stats
+                values = [a - b for s in common if (a := per_seed[s][m]) is not None and (b := base[s][m]) is not None]
+                diffs[name][m] = paired(values) if m in VERDICTS else _stats(values)
     commits = sorted({r.commit for r in runs if r.commit})
     return {
         "by": list(by),

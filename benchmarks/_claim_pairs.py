@@ -1,0 +1,169 @@
+"""The claims' paired differences of a Fashion-MNIST table (``real_data.py summary``), and how their verdicts
+moved from the shorter table its sweep extends.
+
+Each ``#   claims panel "TITLE" METRIC ROW [ROW ...]`` line of a sweep file's header names a claim family: its
+first row is the claims' subject, each other row a method it is compared with, on METRIC. Per column value
+(the client count, where the header has ``#   claims columns num_clients``) and per other row, the subject
+minus that row on each seed both ran, in two readings of a run's accuracy:
+
+* ``mean_last``: the mean of its last 10 evaluated rounds (``wafl table``'s ``mean_last_*``), the final
+  accuracy of a plateau table;
+* ``final``: its last evaluated round, how the claims list read the 15- and 35-round tables.
+
+Each gets ``wafl table``'s statistics and both verdicts (:func:`wafl.cli.report.table.paired`: the seeds' rule
+and the 95 % interval over seeds). :func:`moved` sets a plateau table's pairs beside the same pairs of the
+shorter table (its ``final`` reading, the one its claims used) and flags each seeds' verdict that changed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+# a claims panel's metric -> the suffix of its wafl table columns (final_gm, mean_last_gm, ...)
+SUFFIX = {"gm_accuracy": "gm", "pm_accuracy": "pm", "local_accuracy": "local", "new_client_accuracy": "new"}
+READINGS = ("mean_last", "final")
+
+
+class Row(Protocol):
+    """A claims panel's row (``real_data.ClaimRow``): its name and the ``FIELD=VALUE`` conditions of its runs."""
+
+    name: str
+    spec: str
+    where: list[str]
+
+
+class Panel(Protocol):
+    """A claims panel (``real_data.ClaimPanel``)."""
+
+    title: str
+    metric: str
+    rows: list[Any]
+
+
+def seed_values(runs: Sequence[Any], metric: str, what: str) -> dict[int, tuple[float, float]]:
+    """Seed -> (the mean of its last 10 evaluated rounds, its last evaluated round) of ``metric`` for the runs of
+    one table row; a seed twice means the row picks several table rows and is refused, naming ``what``."""
+    from wafl.cli.report.table import run_metrics
+
+    suffix = SUFFIX[metric]
+    out: dict[int, tuple[float, float]] = {}
+    for run in runs:
+        m = run_metrics(run, target=1.0)
+        last, final = m[f"mean_last_{suffix}"], m[f"final_{suffix}"]
+        if last is None or final is None:
+            continue
+        seed = int(run.config.get("seed", 0))
+        if seed in out:
+            raise SystemExit(
+                f"real_data: {what} picks two runs of seed {seed}: add a FIELD=VALUE that tells them apart"
+            )
+        out[seed] = (last, final)
+    return out
+
+
+def claim_pairs(
+    panels: Sequence[Panel], columns: str | None, records: Mapping[str, Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """Every panel's subject minus each of its other rows, per value of ``columns`` (or once), on the seeds
+    both have, in both readings (module docstring); a pair with no common seed yet has ``seeds`` [] and no
+    statistics. Differences in points (accuracy x 100)."""
+    from wafl.cli.report.curves import field, select
+    from wafl.cli.report.table import Run, paired
+
+    runs = [Run(Path(n), dict(r["config"]), list(r["rows"])) for n, r in sorted(records.items())]
+    values = sorted({field(r.config, columns) for r in runs}, key=lambda v: (str(type(v)), v)) if columns else [None]
+    out: list[dict[str, Any]] = []
+    for panel in panels:
+        if panel.metric not in SUFFIX:
+            raise SystemExit(
+                f"real_data: claims panel {panel.title!r}: no pairs for {panel.metric!r}; known: {list(SUFFIX)}"
+            )
+        subject, *others = panel.rows
+        for value in values:
+            here = [r for r in runs if columns is None or field(r.config, columns) == value]
+            a = seed_values(select(here, subject.where), panel.metric, f"claims row {subject.spec!r}")
+            for other in others:
+                b = seed_values(select(here, other.where), panel.metric, f"claims row {other.spec!r}")
+                seeds = sorted(set(a) & set(b))
+                pair: dict[str, Any] = {
+                    "panel": panel.title,
+                    "metric": panel.metric,
+                    "column": columns,
+                    "value": value,
+                    "subject": subject.name,
+                    "other": other.name,
+                    "seeds": seeds,
+                }
+                for i, reading in enumerate(READINGS):
+                    diffs = [100.0 * (a[s][i] - b[s][i]) for s in seeds]
+                    pair[reading] = paired(diffs)
+                    pair[f"{reading}_by_seed"] = dict(zip(map(str, seeds), diffs))
+                out.append(pair)
+    return out
+
+
+def _key(pair: Mapping[str, Any]) -> tuple[str, str, str, str]:
+    return (pair["panel"], repr(pair["value"]), pair["subject"], pair["other"])
+
+
+def moved(after: Sequence[Mapping[str, Any]], before: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Each pair of ``after`` (a plateau table, read by ``mean_last``) with the same pair of ``before`` (the
+    shorter table, read by ``final``): ``changed`` when both have statistics and their seeds' verdicts differ
+    (the rule the claims list applies), ``interval_changed`` likewise for the interval's verdicts."""
+    earlier = {_key(p): p for p in before}
+    out = []
+    for p in after:
+        q = earlier.get(_key(p))
+        now, then = p.get("mean_last"), (q or {}).get("final")
+        entry = {**p, "before": then, "before_seeds": (q or {}).get("seeds", [])}
+        entry["changed"] = bool(now and then and now["seeds_verdict"] != then["seeds_verdict"])
+        entry["interval_changed"] = bool(now and then and now["interval_verdict"] != then["interval_verdict"])
+        out.append(entry)
+    return out
+
+
+def _difference(stats: Mapping[str, Any] | None) -> str:
+    if not stats:
+        return "-"
+    return f"{stats['mean']:+.1f} ({stats['min']:+.1f} to {stats['max']:+.1f})"
+
+
+def _interval(stats: Mapping[str, Any] | None) -> str:
+    ci = (stats or {}).get("ci95")
+    return "-" if ci is None else f"[{ci[0]:+.1f}, {ci[1]:+.1f}]"
+
+
+def markdown(pairs: Sequence[Mapping[str, Any]], before_name: str | None, before_rounds: str | None) -> list[str]:
+    """The table.md section of the claims' pairs (with the shorter table's columns where ``before_name``)."""
+    if not pairs:
+        return []
+    column = pairs[0]["column"]
+    head = ["claim family", *([column] if column else []), "pair", "seeds", "difference", "95 % interval"]
+    head += ["seeds' rule", "interval"]
+    lines = [
+        "Claims' pairs (the header's `claims panel` lines: each panel's first row minus each other row"
+        + (f", at equal {column}" if column else "")
+        + "; points, on the seeds both have; the mean of each seed's last 10 evaluated rounds, verdicts as above).",
+    ]
+    if before_name:
+        head += [f"{before_name}, last round ({before_rounds})", "its seeds' rule", "changed"]
+        lines[0] += (
+            f" Beside each, the same pair in `{before_name}` by its last round, as the claims list read it, and "
+            "whether the seeds' verdict changed."
+        )
+    lines += ["", "| " + " | ".join(head) + " |", "|---|" + ("---:|" if column else "") + "---|---:|---:|---:|---|---|"]
+    if before_name:
+        lines[-1] += "---:|---|---|"
+    for p in pairs:
+        now = p.get("mean_last")
+        cells = [p["panel"], *([str(p["value"])] if column else []), f"{p['subject']} − {p['other']}"]
+        cells += [str(len(p["seeds"])), _difference(now), _interval(now)]
+        cells += [now["seeds_verdict"], now["interval_verdict"]] if now else ["not yet run", "-"]
+        if before_name:
+            then = p.get("before")
+            cells += [_difference(then), then["seeds_verdict"] if then else "-"]
+            cells += ["**yes**" if p.get("changed") else ("no" if now and then else "-")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines + [""]
