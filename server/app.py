@@ -192,7 +192,7 @@ async def serve(
     try:
         await engine.run_to_end(final_report_timeout_s)
     except Exception as e:  # a run that cannot finish is logged with its reason
-        log.error("run.aborted", error=str(e))
+        log.error("run.aborted", error=str(e), exc_info=True)  # with its traceback: where it failed
         code = 1
     finally:
         for name in ("", SERVICE):

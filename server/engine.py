@@ -19,10 +19,11 @@ It knows no transport: the gRPC service (``service.py``) and the in-process tran
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from wafl.common.proto import federation_pb2 as pb
 from wafl.server.accumulators import AccumulatorPool
 from wafl.server.aggregation.accumulator import Accumulator
 from wafl.server.auth import JoinSecrets, Presence
+from wafl.server.checkpoint import save_checkpoint
 from wafl.server.mailbox import Mailbox
 from wafl.server.reports import Reports
 from wafl.server.results import ResultsLog
@@ -158,13 +160,16 @@ class RoundEngine:
         """The strategy's zeroed sums, for uploads of its kind (differences or whole models)."""
         return self.pool.take(self.strategy.uploads_are_deltas)
 
-    def _checkpoint(self) -> None:
-        """Writes the checkpoint of the versions built so far (the round loop calls it in a worker thread)."""
-        self.checkpoints.save(self.run_id, self.roster.index_owner, self.roster.index_epoch)
+    def _checkpoint(self) -> Callable[[], None]:
+        """Takes the checkpoint of the versions built so far (on the event loop, :meth:`Checkpoints.state
+        <wafl.server.setup.Checkpoints.state>`) and returns its write, which the round loop runs in a worker
+        thread."""
+        state = self.checkpoints.state(self.run_id, self.roster.index_owner, self.roster.index_epoch)
+        return functools.partial(self.checkpoints.save, state)
 
     def write_checkpoint(self, path: Path) -> None:
         """Writes the run's checkpoint, as the round loop's does, to ``path`` (what ``resume`` restores)."""
-        self.checkpoints.write(path, self.run_id, self.roster.index_owner, self.roster.index_epoch)
+        save_checkpoint(path, self.checkpoints.state(self.run_id, self.roster.index_owner, self.roster.index_epoch))
 
     # ----------------------------------------------------------------- the transports' calls
     def join(self, req: pb.JoinRequest, credential: str = "") -> pb.JoinReply:

@@ -87,10 +87,12 @@ class ResultsLog:
             self.timelines[client_id] = {"client_start_unix": client_start_unix, "events": timeline}
         self._flush()
 
-    def write_timelines(self) -> None:
-        """Writes ``timelines.json`` (every client's latest timeline); once, at the end of the run."""
-        if self.timelines:
-            (self.out_dir / "timelines.json").write_text(dumps(self.timelines, indent=1))
+    def write_timelines(self, timelines: dict[str, Any]) -> None:
+        """Writes ``timelines.json`` (every client's latest timeline); once, at the end of the run, from a worker
+        thread: ``timelines`` is a copy of :attr:`timelines` taken on the event loop, whose report handlers may
+        still add a late client's timeline meanwhile."""
+        if timelines:
+            (self.out_dir / "timelines.json").write_text(dumps(timelines, indent=1))
 
     def add_pm(self, round: int, client_id: str, accuracy: float, test_samples: int) -> None:
         self.reports.setdefault(round, {})[client_id] = (accuracy, test_samples)

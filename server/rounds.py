@@ -60,7 +60,7 @@ class RoundLoop:
         plateau: PlateauWatch | None,
         tensorboard: TensorBoardLog | None,
         executor: Executor,
-        checkpoint: Callable[[], None],
+        checkpoint: Callable[[], Callable[[], None]],
         run_id: str,
         run_start: float,
         resumed: bool,
@@ -79,7 +79,8 @@ class RoundLoop:
         self.plateau = plateau
         self.tensorboard = tensorboard
         self.executor = executor
-        self.checkpoint = checkpoint  # writes the checkpoint (a worker thread), when ``checkpoint`` is on
+        # takes the checkpoint on the loop and returns its write (for a worker thread), when ``checkpoint`` is on
+        self.checkpoint = checkpoint
         self.run_id = run_id
         self.run_start = run_start
         self.resumed = resumed  # a checkpoint was restored: the run goes on without waiting for every client
@@ -204,7 +205,8 @@ class RoundLoop:
                     )
                     break
         self.results.close_before(self.cfg.federation.rounds + 1)
-        await asyncio.get_running_loop().run_in_executor(self.executor, self.results.write_timelines)
+        timelines = dict(self.results.timelines)  # each client's entry is replaced by a report, never changed
+        await asyncio.get_running_loop().run_in_executor(self.executor, self.results.write_timelines, timelines)
         if self.tensorboard is not None:
             self.tensorboard.timelines(self.results.timelines)
             self.tensorboard.close()
@@ -268,7 +270,7 @@ class RoundLoop:
             acc = loss = None
         self.adapt_due = evaluated and bool(self.roster.new_clients)
         if self.cfg.output.checkpoint:
-            await loop.run_in_executor(self.executor, self.checkpoint)
+            await loop.run_in_executor(self.executor, self.checkpoint())
         r = c.version  # the results line's "round"
         self.results.close_before(r)
         row = {

@@ -15,6 +15,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import structlog
 import torch
@@ -192,29 +193,28 @@ class Checkpoints:
         log.info("resume", round=ck["round"], run_id=restored.run_id)
         return restored
 
-    def save(self, run_id: str, index_owner: dict[int, str], index_epoch: dict[int, int]) -> None:
-        """Writes ``checkpoint.pt`` (and, every ``keep_checkpoint_every`` versions, its copy)."""
-        n, keep = self.strategy.version - 1, self.cfg.output.keep_checkpoint_every  # versions built
-        if keep and n % keep == 0:  # kept as it is written: the same bytes as checkpoint.pt
-            self.write(self.out_dir / "checkpoints" / f"round-{n}.pt", run_id, index_owner, index_epoch)
-        self.write(self.path, run_id, index_owner, index_epoch)
+    def state(self, run_id: str, index_owner: dict[int, str], index_epoch: dict[int, int]) -> dict[str, Any]:
+        """The checkpoint of the versions built so far, as plain containers of its own: taken on the event loop,
+        whose handlers change the committed uploads and the index owners while a version is built (a buffered
+        run's uploads go on arriving), so that :meth:`save` can write it from a worker thread. The tensors are
+        the model's and the server state's, which the loop replaces and never changes in place."""
+        return {
+            "round": self.strategy.version - 1,  # versions built (the file format's name)
+            "run_id": run_id,
+            "config": json.loads(self.cfg.to_json()),
+            "global_state": self.model.state,
+            "server_state": self.algorithm.server.state_dict(),
+            "uploads": self.strategy.committed_uploads(),
+            "norm_history": self.norm_bound.state_dict(),
+            "index_owner": dict(index_owner),  # an owned index stays its client's after --resume
+            "index_epoch": dict(index_epoch),  # and a replaced session's credential stays replaced
+            "knowledge": {j: {"count": k.count, "rep": k.rep, "soft": k.soft} for j, k in self.model.knowledge.items()},
+        }
 
-    def write(self, path: Path, run_id: str, index_owner: dict[int, str], index_epoch: dict[int, int]) -> None:
-        """Writes the checkpoint of the versions built so far to ``path`` (what a resume restores)."""
-        save_checkpoint(
-            path,
-            {
-                "round": self.strategy.version - 1,  # versions built (the file format's name)
-                "run_id": run_id,
-                "config": json.loads(self.cfg.to_json()),
-                "global_state": self.model.state,
-                "server_state": self.algorithm.server.state_dict(),
-                "uploads": self.strategy.committed_uploads(),
-                "norm_history": self.norm_bound.state_dict(),
-                "index_owner": dict(index_owner),  # an owned index stays its client's after --resume
-                "index_epoch": dict(index_epoch),  # and a replaced session's credential stays replaced
-                "knowledge": {
-                    j: {"count": k.count, "rep": k.rep, "soft": k.soft} for j, k in self.model.knowledge.items()
-                },
-            },
-        )
+    def save(self, state: dict[str, Any]) -> None:
+        """Writes ``state`` (:meth:`state`) to ``checkpoint.pt`` (and, every ``keep_checkpoint_every`` versions,
+        its copy); the file work of a worker thread."""
+        n, keep = state["round"], self.cfg.output.keep_checkpoint_every  # versions built
+        if keep and n % keep == 0:  # kept as it is written: the same bytes as checkpoint.pt
+            save_checkpoint(self.out_dir / "checkpoints" / f"round-{n}.pt", state)
+        save_checkpoint(self.path, state)

@@ -130,3 +130,43 @@ def test_server_refuses_bad_checkpoints_and_used_folders(tmp_path: Path) -> None
     (out / "results.jsonl").write_text(json.dumps({"round": 1}) + "\n")
     one_line_error(wafl(*server_args(out)), str(out), "already holds a run", "--resume")
     assert (out / "results.jsonl").read_text() == json.dumps({"round": 1}) + "\n"  # untouched
+
+
+def test_a_buffered_run_takes_its_checkpoints_on_the_event_loop(tmp_path: Path, monkeypatch) -> None:
+    """A buffered run's uploads go on arriving (event-loop handlers adding to the strategy's committed uploads)
+    while a version is checkpointed. The checkpoint's contents are read on the event loop's thread and only the
+    file is written in a worker thread: reading the committed uploads from the worker had raised "dictionary
+    changed size during iteration" mid-run and aborted the server (``wafl bench async``'s buffered runs)."""
+    import asyncio
+
+    from wafl.cli.sim.simulate import simulate
+    from wafl.common.config import load_config
+    from wafl.server.setup import Checkpoints
+    from wafl.server.strategies.base import Strategy
+
+    def on_loop() -> bool:
+        try:
+            asyncio.get_running_loop()
+            return True
+        except RuntimeError:
+            return False
+
+    seen: dict[str, list[bool]] = {"committed_uploads": [], "save": []}
+    committed, save = Strategy.committed_uploads, Checkpoints.save
+
+    def committed_on(self, *args):  # noqa: ANN001, ANN202
+        seen["committed_uploads"].append(on_loop())
+        return committed(self, *args)
+
+    def save_on(self, *args):  # noqa: ANN001, ANN202
+        seen["save"].append(on_loop())
+        return save(self, *args)
+
+    monkeypatch.setattr(Strategy, "committed_uploads", committed_on)
+    monkeypatch.setattr(Checkpoints, "save", save_on)
+    settings = {"num_clients": 4, "rounds": 4, "aggregation": "buffered", "buffer_size": 2, "checkpoint": True}
+    rows = simulate(load_config(None, settings), tmp_path / "run")
+    assert [r["round"] for r in rows] == [1, 2, 3, 4]
+    assert seen == {"committed_uploads": [True] * 4, "save": [False] * 4}  # read on the loop, written off it
+    ck = load_checkpoint(tmp_path / "run" / "checkpoint.pt")
+    assert ck is not None and ck["round"] == 4 and ck["uploads"]
