@@ -37,7 +37,7 @@ def test_a_bare_token_never_takes_an_owned_index_after_resume(tmp_path: Path) ->
     first = engine(tmp_path, resume=False)
     credential = first.join(request("alice", 0)).session_credential
     first.join(request("bob", 1))
-    first._checkpoint()
+    first.write_checkpoint(tmp_path / "checkpoint.pt")  # as the round loop writes it
     resumed = engine(tmp_path, resume=True)
     assert resumed.roster.index_owner == {0: "alice", 1: "bob"}
     refused(lambda: resumed.join(request("mallory", 0)), Code.ALREADY_EXISTS, "client_index 0")
@@ -51,7 +51,7 @@ def test_a_bare_token_never_takes_an_owned_index_after_resume(tmp_path: Path) ->
 def test_server_key_alone_forges_no_credential(tmp_path: Path) -> None:
     first = engine(tmp_path, resume=False)
     credential = first.join(request("alice", 0)).session_credential
-    first._checkpoint()
+    first.write_checkpoint(tmp_path / "checkpoint.pt")  # as the round loop writes it
     assert stat.S_IMODE((tmp_path / "server.key").stat().st_mode) == 0o600
     # whoever holds server.key but not the token derives another key: the credential is not theirs to make
     other = engine(tmp_path, resume=True, token="another-token-of-the-thief-0123")
@@ -67,7 +67,7 @@ def test_an_enrolled_client_reclaims_its_index_with_its_secret(tmp_path: Path) -
     hashes = {i: hash_secret(s) for i, s in secrets.items()}
     first = engine(tmp_path, resume=False, token="", enrollment=hashes)
     first.join(request("alice", 0, token=secrets[0]))
-    first._checkpoint()
+    first.write_checkpoint(tmp_path / "checkpoint.pt")  # as the round loop writes it
     resumed = engine(tmp_path, resume=True, token="", enrollment=hashes)
     refused(lambda: resumed.join(request("mallory", 0, token=secrets[0])), Code.ALREADY_EXISTS)
     refused(lambda: resumed.join(request("alice", 0, token=secrets[1])), Code.UNAUTHENTICATED)
