@@ -26,16 +26,9 @@ SUFFIX = {"gm_accuracy": "gm", "pm_accuracy": "pm", "local_accuracy": "local", "
 READINGS = ("mean_last", "final")
 
 
-class Row(Protocol):
-    """A claims panel's row (``real_data.ClaimRow``): its name and the ``FIELD=VALUE`` conditions of its runs."""
-
-    name: str
-    spec: str
-    where: list[str]
-
-
 class Panel(Protocol):
-    """A claims panel (``real_data.ClaimPanel``)."""
+    """A claims panel (``real_data.ClaimPanel``): its rows are ``real_data.ClaimRow``s (``name``, ``spec`` and
+    the ``FIELD=VALUE`` conditions, ``where``, that pick their runs)."""
 
     title: str
     metric: str
