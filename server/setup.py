@@ -197,7 +197,8 @@ class Checkpoints:
         """The checkpoint of the versions built so far, as plain containers of its own: taken on the event loop,
         whose handlers change the committed uploads and the index owners while a version is built (a buffered
         run's uploads go on arriving), so that :meth:`save` can write it from a worker thread. The tensors are
-        the model's and the server state's, which the loop replaces and never changes in place."""
+        the model's and the server state's, which only the aggregation changes, and the round loop awaits the
+        write before it aggregates again."""
         return {
             "round": self.strategy.version - 1,  # versions built (the file format's name)
             "run_id": run_id,
