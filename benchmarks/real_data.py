@@ -54,8 +54,9 @@ last 10 evaluated rounds) and how its seeds stopped; a seed that stopped on the 
 last value and a dotted line at its round, one that reached the maximum without flattening a cross; where every
 run of a panel ends on the same rounds (a sweep without the plateau rule) the last 10 are shaded.
 
-The same panels give the claims' pairs (``benchmarks/_claim_pairs.py``): each panel's first row minus each
-other row, per column value, seed by seed, with ``wafl table``'s interval and both verdicts, written to
+The same panels, and the header's ``#   claims pair "TITLE" METRIC ROW ROW...`` lines (comparisons a claim
+needs that no panel draws), give the claims' pairs (``benchmarks/_claim_pairs.py``): each one's first row minus
+each other row, per column value, seed by seed, with ``wafl table``'s interval and both verdicts, written to
 ``claims-pairs.json`` and as a section of ``table.md``. A sweep that ``extends`` a table with kept records (a
 plateau table) sets each pair beside the same pair of that shorter table, read by its last round as the
 claims list read it, and flags each seeds' verdict that changed.
@@ -507,12 +508,14 @@ def claim_row(spec: str) -> ClaimRow:
     return ClaimRow(name.strip(), spec, where)
 
 
-def claim_panels(sweep_file: Path) -> tuple[list[ClaimPanel], str | None]:
-    """The header's claims panels, in order, and its ``#   claims columns FIELD`` (None without one)."""
+def claim_panels(sweep_file: Path, command: str = "claims panel") -> tuple[list[ClaimPanel], str | None]:
+    """The header's claims panels, in order, and its ``#   claims columns FIELD`` (None without one). With
+    ``command="claims pair"``: the ``#   claims pair "TITLE" METRIC ROW ROW...`` lines, comparisons of the
+    claims' pairs (:func:`claims_pairs_section`) that are not drawn."""
     panels = []
-    for args in header_commands(sweep_file, "claims panel"):
+    for args in header_commands(sweep_file, command):
         if len(args) < 3:
-            raise SystemExit(f'real_data: {_shown(sweep_file)}: a claims panel needs "TITLE" METRIC ROW...: {args}')
+            raise SystemExit(f'real_data: {_shown(sweep_file)}: a {command} needs "TITLE" METRIC ROW...: {args}')
         title, metric, *specs = args
         panels.append(ClaimPanel(title, metric, [claim_row(s) for s in specs]))
     columns = header_commands(sweep_file, "claims columns")
@@ -766,7 +769,11 @@ def claims_pairs_section(sweep_file: Path, records: Mapping[str, Mapping[str, An
     ``extends`` a table with kept records (a plateau table), the same pairs of that table beside them."""
     from benchmarks._claim_pairs import claim_pairs, markdown, moved
 
-    panels, columns = claim_panels(sweep_file)
+    def compared(sweep: Path) -> tuple[list[ClaimPanel], str | None]:  # the drawn panels, then the pairs only
+        panels, columns = claim_panels(sweep)
+        return panels + claim_panels(sweep, "claims pair")[0], columns
+
+    panels, columns = compared(sweep_file)
     if not panels:
         return []
     pairs = claim_pairs(panels, columns, records)
@@ -777,7 +784,7 @@ def claims_pairs_section(sweep_file: Path, records: Mapping[str, Mapping[str, An
     if parent_file is not None and records_file(parent_file).is_file():
         kept = {n: r for n, r in read_records(records_file(parent_file)).items() if not incomplete(r)}
         if kept:
-            earlier = claim_pairs(*claim_panels(parent_file), kept)
+            earlier = claim_pairs(*compared(parent_file), kept)
             pairs = moved(pairs, earlier)
             before_name = parent_file.stem
             rounds = sorted({int(r["config"]["rounds"]) for r in kept.values()})

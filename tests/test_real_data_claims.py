@@ -200,3 +200,33 @@ def test_claim_pairs_and_the_verdicts_they_moved(tmp_path: Path) -> None:
     (lonely, _) = claim_pairs(panels, columns, fewer)
     assert lonely["seeds"] == [] and lonely["mean_last"] is None
     assert "| not yet run | - |" in "\n".join(markdown([lonely], None, None))
+
+
+def test_claims_pair_lines_add_pairs_that_are_not_drawn(tmp_path: Path) -> None:
+    """A header's ``claims pair`` line adds its comparison to ``claims-pairs.json`` and table.md's section, after
+    the panels' pairs, and draws nothing (``claim_panels`` reads only the panels)."""
+    from benchmarks.real_data import CLAIM_PAIRS_JSON, claims_pairs_section
+
+    sweep = tmp_path / "s.toml"
+    sweep.write_text(
+        SWEEP.replace(
+            'out = "runs/claims"', '#   claims pair "PM, undrawn" pm_accuracy fedavg fedprox\nout = "runs/claims"'
+        )
+    )
+    panels, _ = claim_panels(sweep)
+    (extra,), _ = claim_panels(sweep, "claims pair")
+    assert len(panels) == 2 and (extra.title, extra.metric, [r.name for r in extra.rows]) == (
+        "PM, undrawn",
+        "pm_accuracy",
+        ["fedavg", "fedprox"],
+    )
+    text = "\n".join(claims_pairs_section(sweep, _records(sweep), tmp_path))
+    doc = json.loads((tmp_path / CLAIM_PAIRS_JSON).read_text())
+    assert [(p["panel"], p["subject"], p["other"]) for p in doc["pairs"]] == [
+        ("GM: FedProx against FedAvg", "FedProx", "FedAvg"),
+        ("PM", "fedprox", "fedavg"),
+        ("PM, undrawn", "fedavg", "fedprox"),
+    ]
+    undrawn, drawn = doc["pairs"][2], doc["pairs"][1]
+    assert undrawn["mean_last"]["mean"] == pytest.approx(-drawn["mean_last"]["mean"])  # the same pair, reversed
+    assert "| PM, undrawn | fedavg − fedprox | 3 |" in text and doc["before"] is None
