@@ -56,6 +56,17 @@ def seed_values(runs: Sequence[Any], metric: str, what: str) -> dict[int, tuple[
     return out
 
 
+def runs_by_column(records: Mapping[str, Mapping[str, Any]], columns: str | None) -> tuple[list[Any], list[Any]]:
+    """The kept ``records`` as ``wafl table`` runs, and the values of ``columns`` they hold, sorted (one None
+    without columns): what the claims figure and the claims' pairs iterate over."""
+    from wafl.cli.report.curves import field
+    from wafl.cli.report.table import Run
+
+    runs = [Run(Path(n), dict(r["config"]), list(r["rows"])) for n, r in sorted(records.items())]
+    values = sorted({field(r.config, columns) for r in runs}, key=lambda v: (str(type(v)), v)) if columns else [None]
+    return runs, values
+
+
 def claim_pairs(
     panels: Sequence[Panel], columns: str | None, records: Mapping[str, Mapping[str, Any]]
 ) -> list[dict[str, Any]]:
@@ -63,10 +74,9 @@ def claim_pairs(
     both have, in both readings (module docstring); a pair with no common seed yet has ``seeds`` [] and no
     statistics. Differences in points (accuracy x 100)."""
     from wafl.cli.report.curves import field, select
-    from wafl.cli.report.table import Run, paired
+    from wafl.cli.report.table import paired
 
-    runs = [Run(Path(n), dict(r["config"]), list(r["rows"])) for n, r in sorted(records.items())]
-    values = sorted({field(r.config, columns) for r in runs}, key=lambda v: (str(type(v)), v)) if columns else [None]
+    runs, values = runs_by_column(records, columns)
     out: list[dict[str, Any]] = []
     for panel in panels:
         if panel.metric not in SUFFIX:
@@ -135,6 +145,7 @@ def markdown(pairs: Sequence[Mapping[str, Any]], before_name: str | None, before
     column = pairs[0]["column"]
     head = ["claim family", *([column] if column else []), "pair", "seeds", "difference", "95 % interval"]
     head += ["seeds' rule", "interval"]
+    align = ["---", *(["---:"] if column else []), "---", "---:", "---:", "---:", "---", "---"]
     lines = [
         "Claims' pairs (the header's `claims panel` lines: each panel's first row minus each other row"
         + (f", at equal {column}" if column else "")
@@ -142,13 +153,12 @@ def markdown(pairs: Sequence[Mapping[str, Any]], before_name: str | None, before
     ]
     if before_name:
         head += [f"{before_name}, last round ({before_rounds})", "its seeds' rule", "changed"]
+        align += ["---:", "---", "---"]
         lines[0] += (
             f" Beside each, the same pair in `{before_name}` by its last round, as the claims list read it, and "
             "whether the seeds' verdict changed."
         )
-    lines += ["", "| " + " | ".join(head) + " |", "|---|" + ("---:|" if column else "") + "---|---:|---:|---:|---|---|"]
-    if before_name:
-        lines[-1] += "---:|---|---|"
+    lines += ["", "| " + " | ".join(head) + " |", "|" + "|".join(align) + "|"]
     for p in pairs:
         now = p.get("mean_last")
         cells = [p["panel"], *([str(p["value"])] if column else []), f"{p['subject']} − {p['other']}"]

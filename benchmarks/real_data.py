@@ -557,8 +557,9 @@ def claims_data(
     from wafl.cli.report.curves import curves, field, select
     from wafl.cli.report.table import LAST, Run, label
 
-    runs = [Run(Path(n), dict(r["config"]), list(r["rows"])) for n, r in sorted(records.items())]
-    values = sorted({field(r.config, columns) for r in runs}, key=lambda v: (str(type(v)), v)) if columns else [None]
+    from benchmarks._claim_pairs import runs_by_column
+
+    runs, values = runs_by_column(records, columns)
     probes = [Run(Path("sweep"), dict(c), []) for c in sweep_configs]
     out: list[dict[str, Any]] = []
     for panel in panels:
