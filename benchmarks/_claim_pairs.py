@@ -8,11 +8,14 @@ minus that row on each seed both ran, in two readings of a run's accuracy:
 
 * ``mean_last``: the mean of its last 10 evaluated rounds (``wafl table``'s ``mean_last_*``), the final
   accuracy of a plateau table;
-* ``final``: its last evaluated round, how the claims list read the 15- and 35-round tables.
+* ``final``: its last evaluated round, how the claims list read the 15- and 35-round tables;
+* ``at_round`` (given a round R, the shorter table's last): its last evaluated round up to R.
 
 Each gets ``wafl table``'s statistics and both verdicts (:func:`wafl.cli.report.table.paired`: the seeds' rule
 and the 95 % interval over seeds). :func:`moved` sets a plateau table's pairs beside the same pairs of the
-shorter table (its ``final`` reading, the one its claims used) and flags each seeds' verdict that changed.
+shorter table (its ``final`` reading, the one its claims used) and flags each seeds' verdict that changed, and
+by what: the plateau runs read at the shorter table's last round tell the rounds (the same runs, read later)
+from the runs (the same round of other runs: another machine's kernels, or a fix between the tables).
 """
 
 from __future__ import annotations
@@ -35,13 +38,22 @@ class Panel(Protocol):
     rows: list[Any]
 
 
-def seed_values(runs: Sequence[Any], metric: str, what: str) -> dict[int, tuple[float, float]]:
-    """Seed -> (the mean of its last 10 evaluated rounds, its last evaluated round) of ``metric`` for the runs of
-    one table row; a seed twice means the row picks several table rows and is refused, naming ``what``."""
+def value_at(run: Any, metric: str, at_round: int) -> float | None:
+    """``metric`` at the run's last evaluated round up to ``at_round`` (None when none is)."""
+    values = [r[metric] for r in run.rows if r.get(metric) is not None and int(r["round"]) <= at_round]
+    return float(values[-1]) if values else None
+
+
+def seed_values(
+    runs: Sequence[Any], metric: str, what: str, at_round: int | None = None
+) -> dict[int, dict[str, float]]:
+    """Seed -> its readings of ``metric`` (module docstring: ``mean_last``, ``final`` and, given ``at_round`` and
+    a round evaluated up to it, ``at_round``) for the runs of one table row; a seed twice means the row picks
+    several table rows and is refused, naming ``what``."""
     from wafl.cli.report.table import run_metrics
 
     suffix = SUFFIX[metric]
-    out: dict[int, tuple[float, float]] = {}
+    out: dict[int, dict[str, float]] = {}
     for run in runs:
         m = run_metrics(run, target=1.0)
         last, final = m[f"mean_last_{suffix}"], m[f"final_{suffix}"]
@@ -52,7 +64,10 @@ def seed_values(runs: Sequence[Any], metric: str, what: str) -> dict[int, tuple[
             raise SystemExit(
                 f"real_data: {what} picks two runs of seed {seed}: add a FIELD=VALUE that tells them apart"
             )
-        out[seed] = (last, final)
+        out[seed] = {"mean_last": last, "final": final}
+        then = value_at(run, metric, at_round) if at_round is not None else None
+        if then is not None:
+            out[seed]["at_round"] = then
     return out
 
 
@@ -68,11 +83,15 @@ def runs_by_column(records: Mapping[str, Mapping[str, Any]], columns: str | None
 
 
 def claim_pairs(
-    panels: Sequence[Panel], columns: str | None, records: Mapping[str, Mapping[str, Any]]
+    panels: Sequence[Panel],
+    columns: str | None,
+    records: Mapping[str, Mapping[str, Any]],
+    at_round: int | None = None,
 ) -> list[dict[str, Any]]:
     """Every panel's subject minus each of its other rows, per value of ``columns`` (or once), on the seeds
-    both have, in both readings (module docstring); a pair with no common seed yet has ``seeds`` [] and no
-    statistics. Differences in points (accuracy x 100)."""
+    both have, in each reading (module docstring; ``at_round`` only given a round, on the seeds both evaluated
+    by then); a pair with no common seed yet has ``seeds`` [] and no statistics. Differences in points
+    (accuracy x 100)."""
     from wafl.cli.report.curves import field, select
     from wafl.cli.report.table import paired
 
@@ -86,9 +105,9 @@ def claim_pairs(
         subject, *others = panel.rows
         for value in values:
             here = [r for r in runs if columns is None or field(r.config, columns) == value]
-            a = seed_values(select(here, subject.where), panel.metric, f"claims row {subject.spec!r}")
+            a = seed_values(select(here, subject.where), panel.metric, f"claims row {subject.spec!r}", at_round)
             for other in others:
-                b = seed_values(select(here, other.where), panel.metric, f"claims row {other.spec!r}")
+                b = seed_values(select(here, other.where), panel.metric, f"claims row {other.spec!r}", at_round)
                 seeds = sorted(set(a) & set(b))
                 pair: dict[str, Any] = {
                     "panel": panel.title,
@@ -99,10 +118,13 @@ def claim_pairs(
                     "other": other.name,
                     "seeds": seeds,
                 }
-                for i, reading in enumerate(READINGS):
-                    diffs = [100.0 * (a[s][i] - b[s][i]) for s in seeds]
+                for reading in READINGS + (("at_round",) if at_round is not None else ()):
+                    both = [s for s in seeds if reading in a[s] and reading in b[s]]
+                    diffs = [100.0 * (a[s][reading] - b[s][reading]) for s in both]
                     pair[reading] = paired(diffs)
-                    pair[f"{reading}_by_seed"] = dict(zip(map(str, seeds), diffs))
+                    pair[f"{reading}_by_seed"] = dict(zip(map(str, both), diffs))
+                if at_round is not None:
+                    pair["round"] = at_round
                 out.append(pair)
     return out
 
@@ -114,15 +136,26 @@ def _key(pair: Mapping[str, Any]) -> tuple[str, str, str, str]:
 def moved(after: Sequence[Mapping[str, Any]], before: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Each pair of ``after`` (a plateau table, read by ``mean_last``) with the same pair of ``before`` (the
     shorter table, read by ``final``): ``changed`` when both have statistics and their seeds' verdicts differ
-    (the rule the claims list applies), ``interval_changed`` likewise for the interval's verdicts."""
+    (the rule the claims list applies), ``interval_changed`` likewise for the interval's verdicts. Where the
+    plateau pair has its ``at_round`` reading (the shorter table's last round), ``changed_by`` says what moved
+    the seeds' verdict: ``rounds`` when it differs between that reading and ``mean_last`` (the same runs,
+    later), ``runs`` when it differs between the shorter table and that reading (the same round of the two
+    tables' runs); either, both or none of them."""
     earlier = {_key(p): p for p in before}
     out = []
     for p in after:
         q = earlier.get(_key(p))
-        now, then = p.get("mean_last"), (q or {}).get("final")
+        now, then, mid = p.get("mean_last"), (q or {}).get("final"), p.get("at_round")
         entry = {**p, "before": then, "before_seeds": (q or {}).get("seeds", [])}
         entry["changed"] = bool(now and then and now["seeds_verdict"] != then["seeds_verdict"])
         entry["interval_changed"] = bool(now and then and now["interval_verdict"] != then["interval_verdict"])
+        by = []
+        if now and then and mid:
+            if mid["seeds_verdict"] != then["seeds_verdict"]:
+                by.append("runs")
+            if mid["seeds_verdict"] != now["seeds_verdict"]:
+                by.append("rounds")
+        entry["changed_by"] = by
         out.append(entry)
     return out
 
@@ -138,11 +171,16 @@ def _interval(stats: Mapping[str, Any] | None) -> str:
     return "-" if ci is None else f"[{ci[0]:+.1f}, {ci[1]:+.1f}]"
 
 
+BY = {("runs",): "the runs", ("rounds",): "the rounds", ("runs", "rounds"): "the runs and the rounds"}
+
+
 def markdown(pairs: Sequence[Mapping[str, Any]], before_name: str | None, before_rounds: str | None) -> list[str]:
-    """The table.md section of the claims' pairs (with the shorter table's columns where ``before_name``)."""
+    """The table.md section of the claims' pairs (with the shorter table's columns where ``before_name``, and the
+    plateau runs at its last round where the pairs have that reading)."""
     if not pairs:
         return []
     column = pairs[0]["column"]
+    at = next((p["round"] for p in pairs if p.get("round") is not None), None)
     head = ["claim family", *([column] if column else []), "pair", "seeds", "difference", "95 % interval"]
     head += ["seeds' rule", "interval"]
     align = ["---", *(["---:"] if column else []), "---", "---:", "---:", "---:", "---", "---"]
@@ -152,12 +190,22 @@ def markdown(pairs: Sequence[Mapping[str, Any]], before_name: str | None, before
         + "; points, on the seeds both have; the mean of each seed's last 10 evaluated rounds, verdicts as above).",
     ]
     if before_name:
-        head += [f"{before_name}, last round ({before_rounds})", "its seeds' rule", "changed"]
-        align += ["---:", "---", "---"]
+        head += [f"{before_name}, last round ({before_rounds})", "its seeds' rule"]
+        align += ["---:", "---"]
         lines[0] += (
             f" Beside each, the same pair in `{before_name}` by its last round, as the claims list read it, and "
             "whether the seeds' verdict changed."
         )
+        if at is not None:
+            head += [f"these runs at round {at}", "their seeds' rule"]
+            align += ["---:", "---"]
+            lines[0] += (
+                f" The same runs read at round {at} tell what changed it: the rounds (their verdict at round {at} "
+                f"is `{before_name}`'s and the plateau's is not) or the runs (round {at} of these runs and of "
+                f"`{before_name}`'s differ in verdict: other kernels or a fix between the tables)."
+            )
+        head += ["changed"]
+        align += ["---"]
     lines += ["", "| " + " | ".join(head) + " |", "|" + "|".join(align) + "|"]
     for p in pairs:
         now = p.get("mean_last")
@@ -167,6 +215,11 @@ def markdown(pairs: Sequence[Mapping[str, Any]], before_name: str | None, before
         if before_name:
             then = p.get("before")
             cells += [_difference(then), then["seeds_verdict"] if then else "-"]
-            cells += ["**yes**" if p.get("changed") else ("no" if now and then else "-")]
+            if at is not None:
+                mid = p.get("at_round")
+                cells += [_difference(mid), mid["seeds_verdict"] if mid else "-"]
+            by = BY.get(tuple(p.get("changed_by") or ()))
+            flag = "**yes**" + (f": {by}" if by else "")
+            cells += [flag if p.get("changed") else ("no" if now and then else "-")]
         lines.append("| " + " | ".join(cells) + " |")
     return lines + [""]

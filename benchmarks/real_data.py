@@ -59,7 +59,9 @@ needs that no panel draws), give the claims' pairs (``benchmarks/_claim_pairs.py
 each other row, per column value, seed by seed, with ``wafl table``'s interval and both verdicts, written to
 ``claims-pairs.json`` and as a section of ``table.md``. A sweep that ``extends`` a table with kept records (a
 plateau table) sets each pair beside the same pair of that shorter table, read by its last round as the
-claims list read it, and flags each seeds' verdict that changed.
+claims list read it, flags each seeds' verdict that changed and says by what: the plateau runs read at that
+table's last round tell the rounds (the same runs read later) from the runs (that round's verdict differs
+between the two tables' runs).
 """
 
 from __future__ import annotations
@@ -777,24 +779,25 @@ def claims_pairs_section(sweep_file: Path, records: Mapping[str, Mapping[str, An
     panels, columns = compared(sweep_file)
     if not panels:
         return []
-    pairs = claim_pairs(panels, columns, records)
     doc: dict[str, Any] = {"sweep": _shown(sweep_file), "columns": columns, "unit": "points", "before": None}
-    before_name = before_rounds = None
     parent = tomllib.loads(sweep_file.read_text()).get("extends")
     parent_file = sweep_file.parent / parent if isinstance(parent, str) else None
+    kept: dict[str, Any] = {}
     if parent_file is not None and records_file(parent_file).is_file():
         kept = {n: r for n, r in read_records(records_file(parent_file)).items() if not incomplete(r)}
-        if kept:
-            earlier = claim_pairs(*compared(parent_file), kept)
-            pairs = moved(pairs, earlier)
-            before_name = parent_file.stem
-            rounds = sorted({int(r["config"]["rounds"]) for r in kept.values()})
-            before_rounds = "round " + ", ".join(map(str, rounds))
-            doc["before"] = {
-                "sweep": _shown(parent_file),
-                "records": _shown(records_file(parent_file)),
-                "rounds": rounds,
-            }
+    rounds = sorted({int(r["config"]["rounds"]) for r in kept.values()})
+    # the plateau runs read at the shorter table's last round too, where it has one
+    pairs = claim_pairs(panels, columns, records, rounds[0] if len(rounds) == 1 else None)
+    before_name = before_rounds = None
+    if kept and parent_file is not None:
+        pairs = moved(pairs, claim_pairs(*compared(parent_file), kept))
+        before_name = parent_file.stem
+        before_rounds = "round " + ", ".join(map(str, rounds))
+        doc["before"] = {
+            "sweep": _shown(parent_file),
+            "records": _shown(records_file(parent_file)),
+            "rounds": rounds,
+        }
     doc["pairs"] = pairs
     (here / CLAIM_PAIRS_JSON).write_text(json.dumps(doc, indent=1) + "\n")
     return markdown(pairs, before_name, before_rounds)

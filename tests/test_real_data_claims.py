@@ -195,6 +195,48 @@ def test_claim_pairs_and_the_verdicts_they_moved(tmp_path: Path) -> None:
     assert both[1]["before"] is None
     text = "\n".join(markdown(both, "short", "round 15"))
     assert "| GM: FedProx against FedAvg | FedProx − FedAvg | 3 |" in text and "| worse | **yes** |" in text
+    assert both[0]["changed_by"] == [] and "at round" not in text  # without the plateau runs' earlier reading
+
+
+def test_claim_pairs_read_at_the_shorter_tables_round_say_what_moved_a_verdict(tmp_path: Path) -> None:
+    """The plateau runs read at round R (their last evaluated round up to R) against a slow re-computation; a
+    seeds' verdict that changed is put down to the rounds when these runs already agreed with the shorter table
+    at round R, to the runs when they did not (and then kept it)."""
+    from benchmarks._claim_pairs import claim_pairs, markdown, moved
+
+    sweep = tmp_path / "s.toml"
+    sweep.write_text(SWEEP)
+    records = _records(sweep)
+    panels, columns = claim_panels(sweep)
+    # FedProx below FedAvg until round 5 on every seed, above afterwards (as _acc has it)
+    late = {n: {**r, "rows": [{**x, "gm_accuracy": x["gm_accuracy"] - (0.05 if "fedprox" in n and x["round"] <= 5
+                                                                       else 0.0)}
+                              for x in r["rows"]]} for n, r in records.items()}  # fmt: skip
+    for r in late.values():  # round 5 not evaluated: the reading takes round 4
+        r["rows"][4]["gm_accuracy"] = None
+    pairs = claim_pairs(panels, columns, late, at_round=5)
+
+    def slow(alg: str, seed: int) -> float:
+        rows = late[f"algorithm={alg},seed={seed}"]["rows"]
+        return 100 * [x["gm_accuracy"] for x in rows if x["round"] <= 5 and x["gm_accuracy"] is not None][-1]
+
+    gm, pm = pairs
+    want = [slow("fedprox", s) - slow("fedavg", s) for s in range(3)]
+    assert list(gm["at_round_by_seed"].values()) == pytest.approx(want) and max(want) < 0
+    assert gm["round"] == 5 and gm["at_round"]["seeds_verdict"] == "worse"
+    assert gm["mean_last"]["seeds_verdict"] == "better"
+    # the shorter table ended at round 5 with the same order: the rounds moved the verdict
+    shorter = {n: {**r, "rows": r["rows"][:5]} for n, r in late.items()}
+    both = moved(pairs, claim_pairs(panels, columns, shorter))
+    assert both[0]["changed"] and both[0]["changed_by"] == ["rounds"]
+    text = "\n".join(markdown(both, "short", "round 5"))
+    assert "these runs at round 5" in text and "| worse | **yes**: the rounds |" in text
+    # a shorter table whose runs already had FedProx above at round 5: the runs moved it, the rounds did not
+    other = moved(pairs, claim_pairs(panels, columns, {n: {**r, "rows": r["rows"][:5]} for n, r in records.items()}))
+    assert other[0]["before"]["seeds_verdict"] == "better" and not other[0]["changed"]
+    assert other[0]["changed_by"] == ["runs", "rounds"]  # both steps moved it, and back
+    # the PM at round 5: read on the seeds both evaluated by then
+    assert pm["at_round"]["n"] == 3
     # a row without finished runs: the pair is listed, without numbers
     fewer = {n: r for n, r in records.items() if "fedavg" not in n}
     (lonely, _) = claim_pairs(panels, columns, fewer)
