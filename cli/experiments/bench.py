@@ -57,6 +57,7 @@ from wafl.cli.launch.measured import launch_measured, measured_hosts
 from wafl.cli.report.bench_plots import PROTOCOL_ORDER, plot_pm_accuracy, plot_timelines
 from wafl.cli.report.provenance import git_commit
 from wafl.cli.report.run_records import read_jsonl, read_timelines, trained_phases
+from wafl.cli.report.text_columns import key_lines
 from wafl.cli.report.timeline_stats import (
     COMM_DEFINITION,
     IDEAL_DEFINITION,
@@ -291,9 +292,7 @@ def format_table(doc: Mapping[str, Any]) -> str:
         "best_pm_accuracy",
     )
     protos = list(doc["protocols"])
-    lines = [f"{'':<18}" + "".join(f"{p:>18}" for p in protos)]
-    for k in keys:
-        lines.append(f"{k:<18}" + "".join(f"{_fmt(doc['protocols'][p].get(k)):>18}" for p in protos))
+    lines = key_lines(doc["protocols"], keys, _fmt, 18, 18)
     lines.append(
         f"{'cpu used / quota':<18}"
         + "".join(f"{_cpu_summary(doc['protocols'][p].get('host_cpus')):>18}" for p in protos)

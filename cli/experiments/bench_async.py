@@ -40,6 +40,7 @@ from wafl.cli.launch.measured import launch_measured, measured_hosts
 from wafl.cli.report.bench_plots import plot_timelines, save_plot
 from wafl.cli.report.provenance import git_commit
 from wafl.cli.report.run_records import read_jsonl, read_timelines
+from wafl.cli.report.text_columns import key_lines
 from wafl.cli.report.timeline_stats import idle_fraction, rounded, share_of_wall, training_start
 from wafl.common.config import RunConfig
 from wafl.common.contract import ClientProtocol
@@ -229,10 +230,7 @@ def format_table(doc: Mapping[str, Any]) -> str:
         "idle_fraction",
         "staleness_mean",
     )
-    names = list(doc["runs"])
-    lines = [f"{'':<20}" + "".join(f"{n:>28}" for n in names)]
-    for k in keys:
-        lines.append(f"{k:<20}" + "".join(f"{_fmt(doc['runs'][n].get(k)):>28}" for n in names))
+    lines = key_lines(doc["runs"], keys, _fmt, 20, 28)
     for p, c in doc["comparison"].items():
         lines.append(
             f"{p}: buffered reaches the target {_fmt(c['speedup_to_target'])}x sooner; accuracy - sync's final: "
