@@ -154,9 +154,7 @@ def launch(
         prefix = (groups.exec_prefix("server") if groups else []) + (star.exec_prefix("server") if star else [])
         server_cmd = [
             *prefix,
-            sys.executable,
-            "-m",
-            "wafl.cli.main",
+            *MAIN,
             "server",
             "--config",
             str(cfg_file),
@@ -182,9 +180,7 @@ def launch(
             split_clients(cfg.federation.num_clients, workers, client_sizes(cfg)) if workers else []
         ):
             cmd = [
-                sys.executable,
-                "-m",
-                "wafl.cli.main",
+                *MAIN,
                 "worker",
                 "--server",
                 address,
@@ -192,16 +188,8 @@ def launch(
                 format_indices(indices),
                 "--slots",
                 str(slots or worker_slots(workers or 1)),
-                "--state-dir",
-                str(out / "clients"),
-                "--log-file",
-                str(logs / f"worker-{w}.jsonl"),
-                "--threads",
-                "1",
-                "--quiet",
+                *_client_side_args(cfg, out, logs / f"worker-{w}.jsonl"),
             ]
-            if cfg.data.data_dir:
-                cmd += ["--data-dir", cfg.data.data_dir]
             procs.append(_spawn(cmd, logs / f"worker-{w}.log", token, forker))
             names.append(f"worker{w}")
         for i in range(0 if workers else cfg.federation.num_clients):
@@ -210,24 +198,14 @@ def launch(
             )
             cmd = [
                 *prefix,
-                sys.executable,
-                "-m",
-                "wafl.cli.main",
+                *MAIN,
                 "client",
                 "--server",
                 address,
                 "--index",
                 str(i),
-                "--state-dir",
-                str(out / "clients"),
-                "--log-file",
-                str(logs / f"client-{i}.jsonl"),
-                "--threads",
-                "1",
-                "--quiet",
+                *_client_side_args(cfg, out, logs / f"client-{i}.jsonl"),
             ]
-            if cfg.data.data_dir:
-                cmd += ["--data-dir", cfg.data.data_dir]
             procs.append(_spawn(cmd, logs / f"client-{i}.log", token, forker))
             names.append(f"client{i}")
         summary.forked = any(isinstance(p, forking.ForkedProcess) for p in procs)
@@ -411,6 +389,13 @@ def _exit_on_sigterm() -> Any:
 
 
 MAIN = [sys.executable, "-m", "wafl.cli.main"]
+
+
+def _client_side_args(cfg: RunConfig, out: Path, log_file: Path) -> list[str]:
+    """The arguments a client or worker process shares: its state folder, its log file, one thread, quiet, and
+    the run's data folder where it names one."""
+    args = ["--state-dir", str(out / "clients"), "--log-file", str(log_file), "--threads", "1", "--quiet"]
+    return args + (["--data-dir", cfg.data.data_dir] if cfg.data.data_dir else [])
 
 
 def _spawn(cmd: list[str], log: Path, token: str = "", forker: Any = None) -> Any:
