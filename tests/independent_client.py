@@ -94,6 +94,23 @@ def generate_stubs(out_dir: Path) -> tuple[ModuleType, ModuleType]:
 # --------------------------------------------------------------------------- server process
 
 
+def server_events(out_dir: Path, event: str) -> list[dict[str, Any]]:
+    """The JSON records of ``out_dir/logs/server.jsonl`` whose ``event`` is ``event`` (none before the file exists;
+    a line being written, not JSON yet, is skipped)."""
+    path = out_dir / "logs" / "server.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if rec.get("event") == event:
+            out.append(rec)
+    return out
+
+
 class ServerProcess:
     """``python -m wafl.cli.main server`` on 127.0.0.1 with an ephemeral port."""
 
@@ -159,18 +176,7 @@ class ServerProcess:
 
     def events(self, event: str) -> list[dict[str, Any]]:
         """The server's JSON log records whose ``event`` is ``event``."""
-        path = self.out_dir / "logs" / "server.jsonl"
-        if not path.exists():
-            return []
-        out = []
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if rec.get("event") == event:
-                out.append(rec)
-        return out
+        return server_events(self.out_dir, event)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -20,26 +20,12 @@ import time
 from pathlib import Path
 
 import pytest
+from independent_client import server_events
 from test_resilience import free_port, rows, wait_for
 
 DEADLINE_S = 4
 CONFIG = {"num_clients": 2, "rounds": 30, "local_epochs": 1, "eval_every": 0, "round_deadline_s": DEADLINE_S}
 pytestmark = pytest.mark.timeout(600)
-
-
-def _events(out: Path, event: str) -> list[dict]:
-    path = out / "logs" / "server.jsonl"
-    if not path.exists():
-        return []
-    recs = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if rec.get("event") == event:
-            recs.append(rec)
-    return recs
 
 
 def _since_resume(out: Path, event: str) -> list[dict]:
@@ -94,9 +80,9 @@ def test_a_resumed_server_goes_on_without_a_client_that_is_away(tmp_path: Path) 
         first = server("server")
         c0 = client(0, "c0")
         # a new run still waits for every client: no run.start for two round deadlines with one of two joined
-        wait_for(lambda: len(_events(out, "client.join")) == 1, 120, "client 0 to join")
+        wait_for(lambda: len(server_events(out, "client.join")) == 1, 120, "client 0 to join")
         time.sleep(2 * DEADLINE_S)
-        assert not _events(out, "run.start"), "a new run started before every client joined"
+        assert not server_events(out, "run.start"), "a new run started before every client joined"
         c1 = client(1, "c1")
         wait_for(lambda: len(rows(out)) >= 2, 240, "two rounds with both clients")
         # client 1 goes away, and the server is killed with it and resumed
