@@ -46,9 +46,11 @@ class UsageError(Exception):
 
 
 class RunAborted(RuntimeError):
-    """A whole run on this machine stopped before its end (``wafl run --timeout`` passed, every client
-    process failed, the server never listened); its message is one line for the user, with where the
-    run's logs are, printed without a traceback (exit status 1)."""
+    """A run stopped before its end for a reason the user can act on: the server's run cannot go on (too few
+    clients joined, none uploaded for too long), or a whole ``wafl run`` on this machine stopped (``--timeout``
+    passed, every client process failed, the server never listened). Its message is one line for the user
+    (with where the run's logs are, where there are some), logged and printed without a traceback (exit
+    status 1)."""
 
 
 class AlreadyAccepted(Exception):

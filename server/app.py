@@ -12,7 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from wafl.common.codec import MAX_CHUNK_BYTES
 from wafl.common.config import ConfigError, RunConfig
-from wafl.common.errors import UsageError
+from wafl.common.errors import RunAborted, UsageError
 from wafl.common.proto import federation_pb2 as pb
 from wafl.common.tls import ServerTls
 from wafl.server.auth import JoinSecrets, check_token
@@ -191,8 +191,11 @@ async def serve(
     code = 0
     try:
         await engine.run_to_end(final_report_timeout_s)
-    except Exception as e:  # a run that cannot finish is logged with its reason
-        log.error("run.aborted", error=str(e), exc_info=True)  # with its traceback: where it failed
+    except RunAborted as e:  # a run that cannot go on: its reason is one line
+        log.error("run.aborted", error=str(e))
+        code = 1
+    except Exception as e:  # a run that failed: logged with its traceback, where it failed
+        log.error("run.aborted", error=str(e), exc_info=True)
         code = 1
     finally:
         for name in ("", SERVICE):

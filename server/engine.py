@@ -42,12 +42,12 @@ from wafl.server.results import ResultsLog
 from wafl.server.roster import Roster
 from wafl.server.rounds import RoundLoop
 from wafl.server.setup import Checkpoints, build, run_credentials, write_run_files
-from wafl.server.strategies import RunAborted, make_strategy
+from wafl.server.strategies import make_strategy
 from wafl.server.tensorboard import TensorBoardLog
 from wafl.server.upload import FoldWorkers
 from wafl.server.upload_registry import UploadRegistry
 
-__all__ = ["RoundEngine", "RunAborted"]
+__all__ = ["RoundEngine"]
 
 
 class RoundEngine:

@@ -21,6 +21,7 @@ import torch
 from wafl.common import metrics as M
 from wafl.common.algorithms.base import split_payload
 from wafl.common.config import RunConfig
+from wafl.common.errors import RunAborted
 from wafl.common.plateau import PlateauWatch
 from wafl.common.training import evaluate
 from wafl.server.accumulators import AccumulatorPool
@@ -29,7 +30,7 @@ from wafl.server.reports import Reports
 from wafl.server.results import ResultsLog, round_
 from wafl.server.roster import Roster
 from wafl.server.setup import RunParts
-from wafl.server.strategies import Collection, Drain, RunAborted, Strategy
+from wafl.server.strategies import Collection, Drain, Strategy
 from wafl.server.tensorboard import TensorBoardLog
 
 log = structlog.get_logger("server")

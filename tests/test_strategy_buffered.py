@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 from strategy_checks import IDS, SAMPLES, make, state, upload
 from wafl.common.config import ConfigError, load_config
-from wafl.common.errors import AlreadyAccepted, Code, Refused
+from wafl.common.errors import AlreadyAccepted, Code, Refused, RunAborted
 from wafl.server.staleness import staleness_function
 from wafl.server.strategies import check_aggregation
-from wafl.server.strategies.base import RunAborted
 from wafl.server.strategies.buffered import BufferedConfig, BufferedStrategy
 
 

@@ -3,8 +3,8 @@ results fields the policy owns."""
 
 import pytest
 from strategy_checks import IDS, SAMPLES, make, state, upload
-from wafl.common.errors import Code, InvariantError, Refused
-from wafl.server.strategies.base import RunAborted, local_accuracy
+from wafl.common.errors import Code, InvariantError, Refused, RunAborted
+from wafl.server.strategies.base import local_accuracy
 from wafl.server.strategies.sync import SyncStrategy
 
 

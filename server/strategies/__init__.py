@@ -25,14 +25,13 @@ from wafl.common.config import ConfigError, RunConfig
 from wafl.server.aggregation.accumulator import Accumulator
 from wafl.server.aggregation.robust import check_robust
 from wafl.server.aggregation.rule import check_aggregator
-from wafl.server.strategies.base import STRATEGIES, Collection, Deliveries, Drain, RunAborted, Strategy
+from wafl.server.strategies.base import STRATEGIES, Collection, Deliveries, Drain, Strategy
 
 __all__ = [
     "STRATEGIES",
     "Collection",
     "Deliveries",
     "Drain",
-    "RunAborted",
     "Strategy",
     "check_aggregation",
     "make_strategy",

@@ -49,10 +49,6 @@ class Drain(enum.StrEnum):
     WAIT = "wait"  # they may finish into it, for up to ``round_deadline_s``
 
 
-class RunAborted(RuntimeError):
-    """The run cannot go on (no client uploaded for too long); the message says why."""
-
-
 @dataclass
 class Collection:
     """The updates gathered for one new version."""

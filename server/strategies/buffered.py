@@ -42,14 +42,13 @@ import numpy as np
 import structlog
 import torch
 from wafl.common.config import ConfigError, RunConfig, int_at_least, one_of, positive
-from wafl.common.errors import Code, Refused
+from wafl.common.errors import Code, Refused, RunAborted
 from wafl.server.staleness import STALENESS, StalenessFunction
 from wafl.server.strategies.base import (
     Collection,
     Deliveries,
     Drain,
     RuleConfig,
-    RunAborted,
     State,
     Strategy,
     Ticket,

@@ -19,14 +19,13 @@ from typing import Any
 
 import torch
 from wafl.common.config import RunConfig
-from wafl.common.errors import Code, Refused
+from wafl.common.errors import Code, Refused, RunAborted
 from wafl.server.selection import select_clients
 from wafl.server.strategies.base import (
     Collection,
     Deliveries,
     Drain,
     RuleConfig,
-    RunAborted,
     State,
     Strategy,
     register,
