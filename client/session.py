@@ -244,7 +244,8 @@ class Session:
         return ((CREDENTIAL_KEY, self.credential),) if self.credential else ()
 
     async def models(self) -> AsyncIterator[ReceivedModel]:
-        """Every broadcast as a complete model, until the final one; reconnects as needed."""
+        """Every broadcast as a complete model, until the final one; reconnects as needed. A stream the server
+        ends with ``ABORTED`` (it aborted the run) raises ``ConnectionError`` with the server's reason."""
         self._open()
         backoff = Backoff(deadline_s=self.reconnect_s)
         while True:
@@ -264,6 +265,8 @@ class Session:
                 log.warning("broadcasts.ended_early")
                 await backoff.wait("broadcast stream ended")
             except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.ABORTED:  # the server ended the run before its end, and says why
+                    raise ConnectionError(f"the server ended the run: {e.details()}") from None
                 if e.code() in RETRYABLE or e.code() in (
                     grpc.StatusCode.NOT_FOUND,  # a restarted server: join again
                     grpc.StatusCode.FAILED_PRECONDITION,

@@ -193,9 +193,11 @@ async def serve(
         await engine.run_to_end(final_report_timeout_s)
     except RunAborted as e:  # a run that cannot go on: its reason is one line
         log.error("run.aborted", error=str(e))
+        engine.mailbox.abort(str(e))
         code = 1
     except Exception as e:  # a run that failed: logged with its traceback, where it failed
         log.error("run.aborted", error=str(e), exc_info=True)
+        engine.mailbox.abort(f"the server failed: {e}")
         code = 1
     finally:
         for name in ("", SERVICE):

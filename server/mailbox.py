@@ -1,7 +1,8 @@
 """The models sent to clients: each global model is encoded once (a :class:`Publication`) and put in the
 mailbox of each client the strategy decided on (a :class:`Delivery`: train on it or not, adapt it or not);
 each client's broadcast stream (:meth:`Mailbox.deliveries`) sends its latest delivery, then waits for the
-next one, until the final model."""
+next one, until the final model, or until the run is aborted (:meth:`Mailbox.abort`: every stream then ends
+with ``ABORTED`` and the reason)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from typing import cast
 
 from wafl.common.codec import RawChunk
+from wafl.common.errors import Code, Refused
 from wafl.common.knowledge import to_proto
 from wafl.common.proto import federation_pb2 as pb
 from wafl.common.wire import ChunkBatch, PreEncoded, encode_tensors, write_transfer
@@ -58,6 +60,7 @@ class Mailbox:
         self.final_sent: dict[str, int] = {}  # per client: messages of the final model it was sent
         self.final_messages = 0
         self.bytes_down = 0
+        self.aborted: str | None = None  # why the run was aborted, once it was
 
     async def publish(self, deliveries: Deliveries, final: bool = False) -> None:
         """Encodes the global model once (worker thread) and delivers it as the strategy decided."""
@@ -91,9 +94,18 @@ class Mailbox:
             if event is not None:
                 event.set()  # wakes this recipient's stream only
 
+    def abort(self, reason: str) -> None:
+        """Ends every broadcast stream, the waiting ones and those opened from now on, with ``ABORTED`` and
+        ``reason``: a client learns why the run ended, and the server stops without calls to cancel."""
+        self.aborted = reason
+        for event in self.mail.values():
+            event.set()
+
     async def _next_delivery(self, client_id: str, after: int) -> Delivery:
         event = self.mail.setdefault(client_id, asyncio.Event())
         while True:
+            if self.aborted is not None:
+                raise Refused(f"the run was aborted: {self.aborted}", Code.ABORTED)
             d = self.boxes.get(client_id)
             if d is not None and d.seq > after:
                 return d
