@@ -15,7 +15,8 @@ Each gets ``wafl table``'s statistics and both verdicts (:func:`wafl.cli.report.
 and the 95 % interval over seeds). :func:`moved` sets a plateau table's pairs beside the same pairs of the
 shorter table (its ``final`` reading, the one its claims used) and flags each seeds' verdict that changed, and
 by what: the plateau runs read at the shorter table's last round tell the rounds (the same runs, read later)
-from the runs (the same round of other runs: another machine's kernels, or a fix between the tables).
+from the runs (the same round of other runs: another machine's kernels, or a fix between the tables) and from
+the seeds a plateau table adds to the shorter one's.
 """
 
 from __future__ import annotations
@@ -136,11 +137,15 @@ def _key(pair: Mapping[str, Any]) -> tuple[str, str, str, str]:
 def moved(after: Sequence[Mapping[str, Any]], before: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Each pair of ``after`` (a plateau table, read by ``mean_last``) with the same pair of ``before`` (the
     shorter table, read by ``final``): ``changed`` when both have statistics and their seeds' verdicts differ
-    (the rule the claims list applies), ``interval_changed`` likewise for the interval's verdicts. Where the
-    plateau pair has its ``at_round`` reading (the shorter table's last round), ``changed_by`` says what moved
-    the seeds' verdict: ``rounds`` when it differs between that reading and ``mean_last`` (the same runs,
-    later), ``runs`` when it differs between the shorter table and that reading (the same round of the two
-    tables' runs); either, both or none of them."""
+    (the rule the claims list applies), ``interval_changed`` likewise for the interval's verdicts.
+
+    Where the plateau pair has its ``at_round`` reading (the shorter table's last round), ``changed_by`` says
+    which steps from the shorter table's seeds' verdict to the plateau's moved it, each step changing one thing:
+    ``runs`` (the shorter table against the plateau runs at the same round, on the seeds both ran:
+    ``at_round_same_seeds``), ``seeds`` (the plateau runs at that round on those seeds against all of theirs) and
+    ``rounds`` (the plateau runs at that round against their plateau); any of them, or none."""
+    from wafl.cli.report.table import paired
+
     earlier = {_key(p): p for p in before}
     out = []
     for p in after:
@@ -151,10 +156,13 @@ def moved(after: Sequence[Mapping[str, Any]], before: Sequence[Mapping[str, Any]
         entry["interval_changed"] = bool(now and then and now["interval_verdict"] != then["interval_verdict"])
         by = []
         if now and then and mid:
-            if mid["seeds_verdict"] != then["seeds_verdict"]:
-                by.append("runs")
-            if mid["seeds_verdict"] != now["seeds_verdict"]:
-                by.append("rounds")
+            shared = {str(s) for s in entry["before_seeds"]}
+            same = paired([d for s, d in p.get("at_round_by_seed", {}).items() if s in shared])
+            entry["at_round_same_seeds"] = same
+            steps = [then, same or mid, mid, now]
+            for name, (x, y) in zip(("runs", "seeds", "rounds"), zip(steps, steps[1:])):
+                if x["seeds_verdict"] != y["seeds_verdict"]:
+                    by.append(name)
         entry["changed_by"] = by
         out.append(entry)
     return out
@@ -171,7 +179,7 @@ def _interval(stats: Mapping[str, Any] | None) -> str:
     return "-" if ci is None else f"[{ci[0]:+.1f}, {ci[1]:+.1f}]"
 
 
-BY = {("runs",): "the runs", ("rounds",): "the rounds", ("runs", "rounds"): "the runs and the rounds"}
+NAMES = {"runs": "the runs", "seeds": "the added seeds", "rounds": "the rounds"}
 
 
 def markdown(pairs: Sequence[Mapping[str, Any]], before_name: str | None, before_rounds: str | None) -> list[str]:
@@ -201,8 +209,10 @@ def markdown(pairs: Sequence[Mapping[str, Any]], before_name: str | None, before
             align += ["---:", "---"]
             lines[0] += (
                 f" The same runs read at round {at} tell what changed it: the rounds (their verdict at round {at} "
-                f"is `{before_name}`'s and the plateau's is not) or the runs (round {at} of these runs and of "
-                f"`{before_name}`'s differ in verdict: other kernels or a fix between the tables)."
+                f"is `{before_name}`'s and the plateau's is not), the runs (round {at} of these runs and of "
+                f"`{before_name}`'s differ in verdict on the seeds both ran: other kernels or a fix between the "
+                f"tables) or the added seeds (these runs at round {at} on `{before_name}`'s seeds and on all of "
+                "theirs differ in verdict)."
             )
         head += ["changed"]
         align += ["---"]
@@ -218,7 +228,7 @@ def markdown(pairs: Sequence[Mapping[str, Any]], before_name: str | None, before
             if at is not None:
                 mid = p.get("at_round")
                 cells += [_difference(mid), mid["seeds_verdict"] if mid else "-"]
-            by = BY.get(tuple(p.get("changed_by") or ()))
+            by = " and ".join(NAMES[b] for b in p.get("changed_by") or ())
             flag = "**yes**" + (f": {by}" if by else "")
             cells += [flag if p.get("changed") else ("no" if now and then else "-")]
         lines.append("| " + " | ".join(cells) + " |")

@@ -4,6 +4,7 @@ plateau marked (a triangle and a dotted line where a seed stopped on it, a cross
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -237,6 +238,26 @@ def test_claim_pairs_read_at_the_shorter_tables_round_say_what_moved_a_verdict(t
     assert other[0]["changed_by"] == ["runs", "rounds"]  # both steps moved it, and back
     # the PM at round 5: read on the seeds both evaluated by then
     assert pm["at_round"]["n"] == 3
+    # a shorter table of two seeds, whose seed 1 had FedProx above at round 5 and seed 0 below: inconclusive there;
+    # these runs on those seeds are below on both (the runs), and the plateau is above (the rounds)
+    two = {}
+    for n in late:
+        if "seed=2" not in n:
+            source = late if "seed=0" in n else records
+            two[n] = {**source[n], "rows": source[n]["rows"][:5]}
+    (gm_two, _) = moved(pairs, claim_pairs(panels, columns, two))
+    assert gm_two["before_seeds"] == [0, 1] and gm_two["before"]["seeds_verdict"] == "inconclusive"
+    assert gm_two["at_round_same_seeds"]["n"] == 2 and gm_two["changed_by"] == ["runs", "rounds"]
+    # the same seeds' verdict, but the third seed makes these runs' round 5 inconclusive: the added seeds
+    third = copy.deepcopy(late)
+    for x in third["algorithm=fedprox,seed=2"]["rows"][:4]:
+        x["gm_accuracy"] += 0.2
+    shorter2 = {n: {**r, "rows": r["rows"][:5]} for n, r in late.items() if "seed=2" not in n}
+    (gm_third, _) = moved(claim_pairs(panels, columns, third, at_round=5), claim_pairs(panels, columns, shorter2))
+    assert gm_third["before"]["seeds_verdict"] == "worse"
+    assert gm_third["at_round_same_seeds"]["seeds_verdict"] == "worse"
+    assert gm_third["at_round"]["seeds_verdict"] == "inconclusive" and gm_third["changed_by"] == ["seeds", "rounds"]
+    assert "**yes**: the added seeds and the rounds" in "\n".join(markdown([gm_third], "short", "round 5"))
     # a row without finished runs: the pair is listed, without numbers
     fewer = {n: r for n, r in records.items() if "fedavg" not in n}
     (lonely, _) = claim_pairs(panels, columns, fewer)
