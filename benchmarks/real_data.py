@@ -61,7 +61,7 @@ each other row, per column value, seed by seed, with ``wafl table``'s interval a
 plateau table) sets each pair beside the same pair of that shorter table, read by its last round as the
 claims list read it, flags each seeds' verdict that changed and says by what: the plateau runs read at that
 table's last round tell the rounds (the same runs read later) from the runs (that round's verdict differs
-between the two tables' runs).
+between the two tables' runs on the seeds both ran) and from the seeds the plateau table adds.
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ import structlog
 import torch
 from wafl.client.trainer import Trainer
 from wafl.common.balance import balanced_groups
+from wafl.common.errors import InvariantError
 
 T = TypeVar("T")
 log = structlog.get_logger("client")
@@ -79,9 +80,8 @@ class ProcessSlots:
         return await child.call(call)
 
     async def fill(self, train: Callable[[Callable[[], bool]], T], stop: Callable[[], bool], wake: Any = None) -> T:
-        raise NotImplementedError(
-            "process slots run compute-and-wait only: a wait-free PM asks the event loop when to stop"
-        )
+        # simulate() refuses slot_processes for a wait-free run (trains_in_processes): reaching here is a bug
+        raise InvariantError("process slots run compute-and-wait only: a wait-free PM asks the event loop when to stop")
 
     def close(self) -> None:
         pass  # the pool outlives each client; :meth:`shutdown` ends it

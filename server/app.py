@@ -191,13 +191,11 @@ async def serve(
     code = 0
     try:
         await engine.run_to_end(final_report_timeout_s)
-    except RunAborted as e:  # a run that cannot go on: its reason is one line
-        log.error("run.aborted", error=str(e))
-        engine.mailbox.abort(str(e))
-        code = 1
-    except Exception as e:  # a run that failed: logged with its traceback, where it failed
-        log.error("run.aborted", error=str(e), exc_info=True)
-        engine.mailbox.abort(f"the server failed: {e}")
+    except Exception as e:
+        # a run that cannot go on (RunAborted) has a one-line reason; any other failure keeps its traceback
+        expected = isinstance(e, RunAborted)
+        log.error("run.aborted", error=str(e), exc_info=not expected)
+        engine.mailbox.abort(str(e) if expected else f"the server failed: {e}")
         code = 1
     finally:
         for name in ("", SERVICE):

@@ -17,6 +17,7 @@ from wafl.client.process_slots import ProcessSlots
 from wafl.client.trainer import Trainer
 from wafl.common.balance import balanced_groups
 from wafl.common.config import RunConfig, load_config
+from wafl.common.errors import InvariantError
 
 TIMING = {"wall_s", "round_s"}
 
@@ -131,7 +132,7 @@ def test_what_process_slots_refuse(tmp_path: Path) -> None:
                 await slots.run(len, [])
             with pytest.raises(TypeError, match="not client 0's gm or pm"):
                 await slots.run(trainers[0].evaluate_local, trainers[1].gm)
-            with pytest.raises(NotImplementedError, match="compute-and-wait only"):
+            with pytest.raises(InvariantError, match="compute-and-wait only"):
                 await slots.fill(lambda stop: None, lambda: True)
             acc, n = await slots.run(trainers[1].evaluate_local, trainers[1].gm)  # the client's own model: fine
             assert 0.0 <= acc <= 1.0 and n > 0
