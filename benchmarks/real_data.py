@@ -448,7 +448,7 @@ def summary(sweep_file: Path, kept: Path, work: Path | None = None) -> Path:
         f"Points done: {len(done)} of {len(names)}."
         + (f" Not yet run: {', '.join(f'`{m}`' for m in missing)}." if missing else ""),
         "",
-        *plateau_note(records[done[0]]["config"]),
+        *plateau_note(records[done[0]]["config"], {n: records[n] for n in done}),
         note + res.stdout.strip(),
         "",
         *pairs_text,
@@ -460,22 +460,53 @@ def summary(sweep_file: Path, kept: Path, work: Path | None = None) -> Path:
     return here
 
 
-def plateau_note(config: dict[str, Any]) -> list[str]:
-    """A paragraph on the plateau rule a sweep's points ran with (none without one)."""
+def plateau_note(config: dict[str, Any], records: Mapping[str, Mapping[str, Any]] | None = None) -> list[str]:
+    """A paragraph on the plateau rule a sweep's points ran with (none without one), naming the ``records``
+    that stopped under the earlier ``auto`` rule (:func:`earlier_rule`)."""
     w = config.get("plateau_window") or 0
     if not w:
         return []
     metric = config.get("plateau_metric", "auto")
-    watched = "watched accuracy (the PM of a method with one, else the GM)" if metric == "auto" else f"`{metric}`"
+    watched = (
+        "watched accuracies (the GM where it is evaluated and the PM where the method has one) had each"
+        if metric == "auto"
+        else f"`{metric}`"
+    )
     z = config.get("plateau_z") or 0
     room = f" with room for {z:g} standard errors of the difference" if z else ""
-    return [
+    text = [
         f"Each point stopped once its {watched} flattened (its mean over the last {w} rounds within "
         f"{config.get('plateau_delta', 0.3):g} points of the {w} before{room}; `common/plateau.py`) or at round "
         f"{config.get('rounds')}, the maximum: the `stopped` column says which. Accuracies are evaluated "
         f"every {config.get('eval_every', 1)} round(s) and every round over the last {2 * w} before the maximum.",
         "",
     ]
+    earlier = earlier_rule(records or {})
+    if earlier:
+        text += [
+            f"{len(earlier)} point(s) of methods with both models stopped under the earlier `auto` rule, which "
+            "watched the PM alone, so their GM may still have been rising (their results lines have "
+            "`plateau_gap`, not `plateau_gap_gm` and `plateau_gap_pm`); they are run again under the current "
+            f"rule: {', '.join(f'`{n}`' for n in earlier)}.",
+            "",
+        ]
+    return text
+
+
+def earlier_rule(records: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """The points whose ``plateau_metric = "auto"`` watched the PM alone although they have a GM too: the rule
+    before it watched both (their lines name one ``plateau_gap``)."""
+    found = []
+    for name, rec in records.items():
+        rows = rec["rows"]
+        if rec["config"].get("plateau_metric", "auto") != "auto" or not rec["config"].get("plateau_window"):
+            continue
+        both = any(r.get("gm_accuracy") is not None for r in rows) and any(
+            r.get("pm_accuracy") is not None for r in rows
+        )
+        if both and any("plateau_gap" in r for r in rows):
+            found.append(name)
+    return found
 
 
 # The claim-family figure (claims.png): the sweep file's ``#   claims panel "TITLE" METRIC ROW [ROW ...]`` lines

@@ -41,9 +41,9 @@ class Optimizer(Choice):
 
 
 class PlateauMetric(Choice):
-    """``plateau_metric``: the results field the plateau rule watches (:mod:`wafl.common.plateau`)."""
+    """``plateau_metric``: the results fields the plateau rule watches (:mod:`wafl.common.plateau`)."""
 
-    AUTO = "auto"  # the personalized model's accuracy where the algorithm has one, else the global model's
+    AUTO = "auto"  # each of the GM's (where evaluated) and the PM's (where the algorithm has one): all must flatten
     GM_ACCURACY = "gm_accuracy"
     PM_ACCURACY = "pm_accuracy"
 

@@ -288,7 +288,8 @@ class EvaluationSection:
     plateau_window: int = 0
     plateau_delta: float = 0.3
     plateau_z: float = 0.0  # > 0: |gap| plus plateau_z standard errors within plateau_delta (1.645: a 95 % bound)
-    # auto (the PM of a method with one, else the GM), gm_accuracy, pm_accuracy
+    # auto (the GM where it is evaluated and the PM where the method has one: stop once each flattened),
+    # gm_accuracy, pm_accuracy
     plateau_metric: PlateauMetric = PlateauMetric.AUTO
     # every N rounds (0: never) record the clients' gradient dissimilarity G_d at the global model (in process only)
     grad_dissimilarity_every: int = 0
@@ -371,7 +372,7 @@ class RunConfig:
 
     def _validate_plateau(self, algorithm: Any) -> None:
         """The plateau rule (``wafl.common.plateau``) against ``rounds`` and the run's resolved algorithm."""
-        from wafl.common.plateau import GM, PM, watched_metric
+        from wafl.common.plateau import GM, PM, watched_metrics
 
         ev = self.evaluation
         w = ev.plateau_window
@@ -382,16 +383,21 @@ class RunConfig:
                 f"plateau_window={w} with rounds={self.federation.rounds}: the rule compares two windows of "
                 f"rounds, so rounds must be at least 2 * plateau_window = {2 * w}"
             )
-        watched = watched_metric(ev.plateau_metric, algorithm)
+        watched = watched_metrics(ev.plateau_metric, algorithm)
         name = self.training.algorithm
-        if watched == PM and algorithm.personal == "none":
+        if PM in watched and algorithm.personal == "none":
             raise ConfigError(
                 f"plateau_metric={ev.plateau_metric!r} with algorithm={name!r}: it has no personalized model to watch"
             )
-        if watched == GM and not algorithm.evaluates_global:
+        if GM in watched and not algorithm.evaluates_global:
             raise ConfigError(
                 f"plateau_metric={ev.plateau_metric!r} with algorithm={name!r}: its global model is not "
                 "evaluated (gm_accuracy is empty); watch pm_accuracy"
+            )
+        if not watched:
+            raise ConfigError(
+                f"plateau_metric={ev.plateau_metric!r} with algorithm={name!r}: it evaluates neither a global nor "
+                "a personalized model, so the plateau rule has nothing to watch"
             )
 
     def evaluates(self, round: int) -> bool:

@@ -10,11 +10,11 @@ looks at the watched accuracy ``a(t)`` of the rounds ``t`` up to ``n = r - lag``
     flat   = 100 * (|gap| + z * se) <= D      (defined when n >= 2W and both windows hold a value;
                                                with z > 0, two values each)
 
-and, when ``flat``, ends the run after round ``r`` as it ends after the last one (the final model goes to
-every client: version ``r + 1``, as version ``rounds + 1`` ends a run that reaches its maximum, so the
-clients' final reports and the new clients' adaptation name round ``r``); ``rounds`` is the maximum. The
-round's results line then says ``stop_reason = "plateau"``; the last round's line says ``"max_rounds"``
-when the rule did not hold there either.
+and, when ``flat`` (for each watched accuracy, below), ends the run after round ``r`` as it ends after the
+last one (the final model goes to every client: version ``r + 1``, as version ``rounds + 1`` ends a run
+that reaches its maximum, so the clients' final reports and the new clients' adaptation name round ``r``);
+``rounds`` is the maximum. The round's results line then says ``stop_reason = "plateau"``; the last
+round's line says ``"max_rounds"`` when the rule did not hold there either.
 
 Choices the issue (52) leaves open, made here:
 
@@ -36,8 +36,16 @@ Choices the issue (52) leaves open, made here:
   gained 0.1-0.25 points a round (``docs/measurements/real-data.md``): two 10-round means fall within
   0.3 points of each other by chance. ``se`` takes each window's spread about its own mean, so a window
   on a rising curve counts its rise as noise too, which only delays the stop.
-* ``plateau_metric = "auto"`` watches ``pm_accuracy`` for a method with a personalized model (a personal
-  phase, or a local model that is the personal one) and ``gm_accuracy`` otherwise.
+* ``plateau_metric = "auto"`` watches every accuracy the method's tables report: ``gm_accuracy`` where its
+  global model is evaluated and ``pm_accuracy`` where it has a personalized model (a personal phase, or a
+  local model that is the personal one), and ends the run once each of them has flattened, at the first
+  evaluated round where the rule holds for all of them at once (each with its own lag). A method with both
+  models (SCD, Ditto, FedHKD, ...) is watched on both: its PM flattens tens of rounds before its GM, and a
+  rule that watched the PM alone stopped SCD at round 87 with its GM still gaining about 1.4 points every
+  10 rounds, so that the tables' GM verdicts compared a rising GM with a flat one. The results lines of a
+  run that watches two accuracies name each one's gap (``plateau_gap_gm``, ``plateau_gap_pm``; and
+  ``plateau_se_gm``, ``plateau_se_pm`` under ``plateau_z``); a run that watches one writes ``plateau_gap``
+  (and ``plateau_se``). ``gm_accuracy`` or ``pm_accuracy`` watches that one alone.
 * A run resumed from a checkpoint (``--resume``) reads the watched values of the rounds its checkpoint
   holds back from its ``results.jsonl``.
 """
@@ -89,11 +97,12 @@ class PlateauSettings(Protocol):
     def federation(self) -> PlateauRounds: ...
 
 
-def watched_metric(metric: str, algorithm: Algorithm) -> str:
-    """The results field ``plateau_metric`` watches for ``algorithm`` (``auto``: the PM where it has one)."""
+def watched_metrics(metric: str, algorithm: Algorithm) -> tuple[str, ...]:
+    """The results fields ``plateau_metric`` watches for ``algorithm``: the one named, or under ``auto`` the GM's
+    accuracy where its global model is evaluated and the PM's where it has a personalized model."""
     if metric != PlateauMetric.AUTO:
-        return str(metric)
-    return PM if algorithm.personal != "none" else GM
+        return (str(metric),)
+    return (GM,) * bool(algorithm.evaluates_global) + (PM,) * (algorithm.personal != "none")
 
 
 def gap(values: Mapping[int, float], newest: int, window: int) -> float | None:
@@ -136,19 +145,45 @@ def ran_to_end(rows: Sequence[Mapping[str, Any]], rounds: int) -> bool:
     return len(rows) == rounds or (bool(rows) and rows[-1].get("stop_reason") == PLATEAU)
 
 
-class PlateauWatch:
-    """The engine's side of the rule: it collects the watched accuracy round by round and says, at the
-    end of each round, what the round's results line records and whether the run stops there."""
+class Watched:
+    """One watched accuracy: its results field, the rounds it looks back (``lag``, module docstring) and its
+    values so far (round -> accuracy, evaluated rounds only)."""
 
-    def __init__(self, window: int, delta: float, metric: str, rounds: int, z: float = 0.0) -> None:
+    def __init__(self, metric: str) -> None:
+        self.metric = metric
+        self.lag = 1 if metric == PM else 0
+        self.values: dict[int, float] = {}
+
+    def check(self, r: int, window: int, z: float) -> tuple[float | None, float | None]:
+        """The gap of the windows that end at round ``r - lag`` (fractions; None where not defined) and, under
+        ``z``, its standard error."""
+        newest = r - self.lag
+        g = gap(self.values, newest, window)
+        return g, (gap_se(self.values, newest, window) if z and g is not None else None)
+
+
+class PlateauWatch:
+    """The engine's side of the rule: it collects the watched accuracies round by round and says, at the
+    end of each round, what the round's results line records and whether the run stops there (once every
+    watched accuracy has flattened)."""
+
+    def __init__(self, window: int, delta: float, metrics: Sequence[str], rounds: int, z: float = 0.0) -> None:
+        if not metrics:
+            raise ValueError("a plateau watch needs at least one accuracy to watch")
         self.window = window
         self.delta = delta
         self.z = z
-        self.metric = metric
-        self.lag = 1 if metric == PM else 0
+        self.watched = [Watched(m) for m in metrics]
         self.rounds = rounds
-        self.values: dict[int, float] = {}
         self.stop = False
+
+    @property
+    def metrics(self) -> tuple[str, ...]:
+        return tuple(w.metric for w in self.watched)
+
+    def values(self, metric: str) -> dict[int, float]:
+        """The values collected so far of the watched ``metric`` (round -> accuracy)."""
+        return next(w.values for w in self.watched if w.metric == metric)
 
     @classmethod
     def of(
@@ -159,44 +194,51 @@ class PlateauWatch:
         resumed_from: Path | None = None,
         resumed_through: int = 0,
     ) -> PlateauWatch | None:
-        """The watch of a run whose configuration enables the rule (None otherwise). A PM watch listens
+        """The watch of a run whose configuration enables the rule (None otherwise). A watch of the PM listens
         to the results lines as they are written (``listeners``); a resumed run reads the lines of the
         rounds up to ``resumed_through`` back from ``resumed_from`` (its ``results.jsonl``)."""
         ev = cfg.evaluation
         if not ev.plateau_window:
             return None
-        metric = watched_metric(ev.plateau_metric, algorithm)
-        watch = cls(ev.plateau_window, ev.plateau_delta, metric, cfg.federation.rounds, ev.plateau_z)
+        metrics = watched_metrics(ev.plateau_metric, algorithm)
+        watch = cls(ev.plateau_window, ev.plateau_delta, metrics, cfg.federation.rounds, ev.plateau_z)
         if resumed_from is not None and resumed_from.is_file():
             for line in resumed_from.read_text().splitlines():
                 if line.strip() and int((row := json.loads(line)).get("round", 0)) <= resumed_through:
                     watch.row(row)
-        if watch.metric == PM:
+        if PM in metrics:
             listeners.append(watch.row)
         return watch
 
     def row(self, row: Mapping[str, Any]) -> None:
-        """A results line: its watched accuracy, if it has one, joins the values."""
-        v = row.get(self.metric)
-        if v is not None:
-            self.values[int(row["round"])] = float(v)
+        """A results line: its watched accuracies, where it has them, join the values."""
+        for w in self.watched:
+            v = row.get(w.metric)
+            if v is not None:
+                w.values[int(row["round"])] = float(v)
 
     def end_of_round(self, r: int, gm: float | None, evaluated: bool, last: bool) -> dict[str, Any]:
         """Round ``r`` closed (its GM accuracy ``gm``, None where not evaluated; ``last``: the maximum was
-        reached): the fields its results line gets (``plateau_gap`` in points where the rule was checked, with
-        ``plateau_se`` under ``plateau_z``; ``stop_reason`` where the run ends). Sets :attr:`stop` when the
-        rule holds."""
-        if self.metric == GM and gm is not None:
-            self.values[r] = gm
+        reached): the fields its results line gets (each watched accuracy's gap in points where the rule was
+        checked, with its standard error under ``plateau_z``: ``plateau_gap`` and ``plateau_se`` for a watch of
+        one accuracy, ``plateau_gap_gm``, ``plateau_gap_pm``, ... for a watch of several; ``stop_reason`` where
+        the run ends). Sets :attr:`stop` when the rule holds for every watched accuracy."""
         fields: dict[str, Any] = {}
+        for w in self.watched:
+            if w.metric == GM and gm is not None:
+                w.values[r] = gm
         if evaluated:
-            g = gap(self.values, r - self.lag, self.window)
-            if g is not None:
-                fields["plateau_gap"] = round(100.0 * g, 6)
-                se = gap_se(self.values, r - self.lag, self.window) if self.z else None
+            flats = []
+            for w in self.watched:
+                g, se = w.check(r, self.window, self.z)
+                flats.append(g is not None and flat(g, self.delta, se, self.z))
+                if g is None:
+                    continue
+                suffix = "" if len(self.watched) == 1 else "_" + w.metric.removesuffix("_accuracy")
+                fields["plateau_gap" + suffix] = round(100.0 * g, 6)
                 if self.z and se is not None:
-                    fields["plateau_se"] = round(100.0 * se, 6)
-                self.stop = flat(g, self.delta, se, self.z)
+                    fields["plateau_se" + suffix] = round(100.0 * se, 6)
+            self.stop = all(flats)
         if self.stop or last:
             fields["stop_reason"] = PLATEAU if self.stop else MAX_ROUNDS
         return fields

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from wafl.cli.sim.simulate import simulate
 from wafl.common.config import ConfigError, RunConfig, load_config
-from wafl.common.plateau import MAX_ROUNDS, PLATEAU, PlateauWatch, gap, gap_se, ran_to_end
+from wafl.common.plateau import GM, MAX_ROUNDS, PLATEAU, PM, PlateauWatch, gap, gap_se, ran_to_end
 
 
 def slow_gap(values: dict[int, float], newest: int, window: int) -> float | None:
@@ -117,7 +117,7 @@ def test_watch_stops_where_the_slow_rule_first_holds(metric: str, z: float) -> N
         lag = 1 if metric == "pm_accuracy" else 0
         want = slow_stop(curve, evaluated, rounds, window, delta, lag, z)
 
-        watch = PlateauWatch(window, delta, metric, rounds, z)
+        watch = PlateauWatch(window, delta, [metric], rounds, z)
         written = 0  # the results lines written so far (a PM watch reads them)
         stopped_at, fields = None, {}
         for r in range(1, rounds + 1):
@@ -144,6 +144,66 @@ def test_watch_stops_where_the_slow_rule_first_holds(metric: str, z: float) -> N
         assert stopped_at == want
         if want is not None:
             assert fields["stop_reason"] == PLATEAU
+
+
+def slow_holds(values: dict[int, float], r: int, window: int, delta: float, lag: int, z: float) -> bool:
+    """Whether the slow rule holds at evaluated round r for one watched accuracy (its lines up to r - lag)."""
+    known = {t: v for t, v in values.items() if t <= r - lag}
+    g = slow_gap(known, r - lag, window)
+    if g is None:
+        return False
+    if not z:
+        return abs(g) * 100 <= delta
+    se = slow_se(known, r - lag, window)
+    return se is not None and (abs(g) + z * se) * 100 <= delta
+
+
+@pytest.mark.parametrize("z", [0.0, 1.645])
+def test_a_watch_of_gm_and_pm_stops_only_once_both_have_flattened(z: float) -> None:
+    """A GM that keeps rising after the PM has levelled off (as SCD's and FedHKD's do): the watch of both ends
+    the run at the first evaluated round where the slow rule holds for the GM (its windows ending at r) and
+    the PM (ending at r - 1) at once, not where it first holds for the PM, and records each one's gap."""
+    rng = random.Random(21 + int(10 * z))
+    later = 0
+    for _ in range(200):
+        window = rng.randint(2 if z else 1, 5)
+        rounds = rng.randint(2 * window, 60)
+        every = rng.randint(1, window // 2 if z else window)
+        cfg = RunConfig.from_mapping(dict(rounds=rounds, eval_every=every, plateau_window=window, plateau_z=z))
+        delta = rng.choice([0.5, 2.0, 5.0, 8.0] if z else [0.0, 0.5, 2.0, 5.0])
+        evaluated = {r for r in range(1, rounds + 1) if cfg.evaluates(r)}
+        rise_pm, rise_gm = rng.randint(0, rounds // 2), rng.randint(0, rounds)
+        pm = {r: 0.9 * min(1.0, r / max(1, rise_pm)) + rng.uniform(-0.02, 0.02) for r in evaluated}
+        gm = {r: 0.7 * min(1.0, r / max(1, rise_gm)) + rng.uniform(-0.02, 0.02) for r in evaluated}
+        both = [
+            r
+            for r in sorted(evaluated)
+            if slow_holds(gm, r, window, delta, 0, z) and slow_holds(pm, r, window, delta, 1, z)
+        ]
+        want = both[0] if both else None
+        pm_alone = next((r for r in sorted(evaluated) if slow_holds(pm, r, window, delta, 1, z)), None)
+        later += want != pm_alone
+
+        watch = PlateauWatch(window, delta, [GM, PM], rounds, z)
+        stopped_at, fields = None, {}
+        for r in range(1, rounds + 1):
+            if r - 1 in pm:
+                watch.row({"round": r - 1, "pm_accuracy": pm[r - 1], "gm_accuracy": gm.get(r - 1)})
+            fields = watch.end_of_round(r, gm.get(r), r in evaluated, last=r == rounds)
+            assert "plateau_gap" not in fields and "plateau_se" not in fields
+            for name, values, lag in (("gm", gm, 0), ("pm", pm, 1)):
+                known = {t: v for t, v in values.items() if t <= r - lag}
+                g = slow_gap(known, r - lag, window)
+                if r in evaluated and g is not None:
+                    assert fields[f"plateau_gap_{name}"] == pytest.approx(100 * g, abs=1e-5)
+                else:
+                    assert f"plateau_gap_{name}" not in fields
+            if watch.stop:
+                stopped_at = r
+                break
+        assert stopped_at == want
+        assert fields["stop_reason"] == (PLATEAU if want is not None else MAX_ROUNDS)
+    assert later >= 40  # the GM held many runs back past the round where the PM alone would have stopped them
 
 
 def test_the_last_two_windows_before_the_maximum_are_evaluated_every_round() -> None:
@@ -179,14 +239,18 @@ def test_wrong_plateau_settings_are_refused_naming_the_fields(fields: dict, mess
         load_config(None, {"rounds": 25, **fields})
 
 
-def test_auto_watches_the_pm_of_a_personalized_method() -> None:
+def test_auto_watches_every_model_the_method_evaluates() -> None:
+    """auto: the GM where it is evaluated, and the PM where the method has one (FedRep's GM is a shared body
+    without a head, not evaluated); a named metric is watched alone."""
     from wafl.common.algorithms import registry
-    from wafl.common.plateau import watched_metric
+    from wafl.common.plateau import watched_metrics
 
-    assert watched_metric("auto", registry.resolve("fedavg")) == "gm_accuracy"
-    assert watched_metric("auto", registry.resolve("ditto")) == "pm_accuracy"
-    assert watched_metric("auto", registry.resolve("fedrep")) == "pm_accuracy"
-    assert watched_metric("gm_accuracy", registry.resolve("ditto")) == "gm_accuracy"
+    assert watched_metrics("auto", registry.resolve("fedavg")) == (GM,)
+    assert watched_metrics("auto", registry.resolve("ditto")) == (GM, PM)
+    assert watched_metrics("auto", registry.resolve("scd")) == (GM, PM)
+    assert watched_metrics("auto", registry.resolve("fedrep")) == (PM,)
+    assert watched_metrics("gm_accuracy", registry.resolve("ditto")) == (GM,)
+    assert watched_metrics("pm_accuracy", registry.resolve("ditto")) == (PM,)
 
 
 def _tiny(**fields) -> RunConfig:
@@ -205,11 +269,16 @@ def test_a_run_in_process_ends_on_the_plateau_and_says_so(tmp_path: Path) -> Non
     assert len([r for r in finals if r.get("final") == 1.0]) == 3
     assert ran_to_end(rows, 8)
 
+    # Ditto: both models watched; the GM's rule is defined at round 4, the PM's (one round back) at round 5
     pm = simulate(_tiny(plateau_delta=100.0, algorithm="ditto", protocol="compute-and-wait"))
     assert [r["round"] for r in pm] == [1, 2, 3, 4, 5] and pm[-1]["stop_reason"] == PLATEAU
-    p = [r["pm_accuracy"] for r in pm]
-    assert pm[-1]["plateau_gap"] == pytest.approx(100 * ((p[2] + p[3]) / 2 - (p[0] + p[1]) / 2), abs=1e-5)
+    p, g = [r["pm_accuracy"] for r in pm], [r["gm_accuracy"] for r in pm]
+    assert pm[-1]["plateau_gap_pm"] == pytest.approx(100 * ((p[2] + p[3]) / 2 - (p[0] + p[1]) / 2), abs=1e-5)
+    assert pm[-1]["plateau_gap_gm"] == pytest.approx(100 * ((g[3] + g[4]) / 2 - (g[1] + g[2]) / 2), abs=1e-5)
+    assert "plateau_gap_pm" not in pm[3] and "plateau_gap_gm" in pm[3] and "stop_reason" not in pm[3]
     assert pm[-1]["pm_accuracy"] is not None  # the stopping round's PM, evaluated on the final model
+    alone = simulate(_tiny(plateau_delta=100.0, algorithm="ditto", protocol="compute-and-wait", plateau_metric=PM))
+    assert [r["round"] for r in alone] == [1, 2, 3, 4, 5] and "plateau_gap" in alone[-1]
 
 
 def test_a_run_that_never_flattens_reaches_its_maximum_and_says_so() -> None:
@@ -253,9 +322,12 @@ def test_a_resumed_run_reads_the_watched_values_its_checkpoint_holds_back(tmp_pa
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     listeners: list = []
     gm = PlateauWatch.of(_tiny(), registry.resolve("fedavg"), listeners, path, resumed_through=5)
-    assert gm is not None and gm.values == pytest.approx({r: 0.1 * r for r in range(1, 6)}) and listeners == []
+    assert gm is not None and gm.metrics == (GM,) and listeners == []
+    assert gm.values(GM) == pytest.approx({r: 0.1 * r for r in range(1, 6)})
     pm = PlateauWatch.of(_tiny(algorithm="ditto"), registry.resolve("ditto"), listeners, path, resumed_through=5)
-    assert pm is not None and pm.values == pytest.approx({1: 0.05, 3: 0.15, 5: 0.25}) and listeners == [pm.row]
+    assert pm is not None and pm.metrics == (GM, PM) and listeners == [pm.row]
+    assert pm.values(PM) == pytest.approx({1: 0.05, 3: 0.15, 5: 0.25})
+    assert pm.values(GM) == pytest.approx({r: 0.1 * r for r in range(1, 6)})
     assert PlateauWatch.of(_tiny(plateau_window=0), registry.resolve("fedavg"), [], path) is None
 
 

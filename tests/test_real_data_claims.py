@@ -293,3 +293,27 @@ def test_claims_pair_lines_add_pairs_that_are_not_drawn(tmp_path: Path) -> None:
     undrawn, drawn = doc["pairs"][2], doc["pairs"][1]
     assert undrawn["mean_last"]["mean"] == pytest.approx(-drawn["mean_last"]["mean"])  # the same pair, reversed
     assert "| PM, undrawn | fedavg − fedprox | 3 |" in text and doc["before"] is None
+
+
+def test_the_plateau_note_names_points_that_stopped_under_the_earlier_rule() -> None:
+    """A point with both models whose lines name one plateau_gap watched the PM alone (the rule before it
+    watched both); a point watched on both, a GM-only one and one that named its metric are not listed."""
+    from benchmarks.real_data import earlier_rule, plateau_note
+
+    cfg = {"plateau_window": 2, "plateau_delta": 0.5, "rounds": 10, "plateau_metric": "auto"}
+
+    def rec(rows: list[dict[str, Any]], **config: Any) -> dict[str, Any]:
+        return {"config": {**cfg, **config}, "rows": rows}
+
+    both = [{"round": 1, "gm_accuracy": 0.5, "pm_accuracy": 0.8}]
+    records = {
+        "old": rec([*both, {"round": 4, "gm_accuracy": 0.6, "pm_accuracy": 0.8, "plateau_gap": 0.1}]),
+        "new": rec([*both, {"round": 4, "gm_accuracy": 0.6, "pm_accuracy": 0.8, "plateau_gap_gm": 0.1}]),
+        "gm": rec([{"round": 4, "gm_accuracy": 0.6, "pm_accuracy": None, "plateau_gap": 0.1}]),
+        "named": rec([*both, {"round": 4, "gm_accuracy": 0.6, "plateau_gap": 0.1}], plateau_metric="pm_accuracy"),
+    }
+    assert earlier_rule(records) == ["old"]
+    text = "\n".join(plateau_note(cfg, records))
+    assert "1 point(s) of methods with both models" in text and "`old`" in text and "`new`" not in text
+    assert "earlier" not in "\n".join(plateau_note(cfg, {k: v for k, v in records.items() if k != "old"}))
+    assert plateau_note({**cfg, "plateau_window": 0}, records) == []

@@ -116,7 +116,7 @@ class Snapshot:
         plateau = engine.rounds.plateau
         if plateau is not None:
             for _, row, _ in results["pending"]:
-                plateau.row(row)  # a GM watch's values (a PM watch gets its value as the line is written)
+                plateau.row(row)  # the GM's values (a watched PM gets its value as the line is written)
         engine.mailbox.bytes_down = int(self.state["bytes_down"])
         engine.rounds.run_start -= float(self.state["wall_s"])  # the lines' wall_s go on from the snapshot's
         engine.results.run_start = engine.rounds.run_start
