@@ -8,7 +8,9 @@ round (``results.jsonl``) and ``point.json`` (the commit and the point's wall-cl
 logs and reports are not kept. ``save`` packs those of every finished point into one file a sweep,
 ``benchmarks/results/real-data/<sweep>/records.json`` (a point a line, merged with the points it
 already holds); ``restore`` unpacks them into a sweep's output folder, byte for byte as the run wrote
-them, so ``wafl sweep`` skips those points; ``run`` restores, runs the rest, then saves.
+them, so ``wafl sweep`` skips those points; ``run`` restores, runs the rest, then saves. A point of a method
+with both models that stopped when the plateau rule watched its PM alone is not restored: it runs again, and
+``save`` replaces its record.
 
     python benchmarks/real_data.py run configs/sweeps/scd_fmnist.toml --out /tmp/sweeps/scd_fmnist --jobs 2
     python benchmarks/real_data.py save configs/sweeps/scd_fmnist.toml --out /tmp/sweeps/scd_fmnist
@@ -213,16 +215,19 @@ def incomplete(record: dict[str, Any]) -> list[str]:
 
 def restore(kept: Path, out: Path) -> int:
     """Unpacks the kept records into ``out`` (points already finished there are left as they are). A kept
-    point that lacks a field is named on stderr and not restored, so the sweep runs it again."""
+    point that lacks a field, or that stopped under the earlier plateau rule (:func:`earlier_rule`), is named
+    on stderr and not restored, so the sweep runs it again (and ``save`` replaces its record)."""
     n = 0
-    for name, record in sorted(read_records(kept).items()):
+    records = read_records(kept)
+    earlier = set(earlier_rule({k: r for k, r in records.items() if not incomplete(r)}))
+    for name, record in sorted(records.items()):
         dst = out / name
         if (dst / "point.json").exists():
             continue
         lacks = incomplete(record)
-        if lacks:
-            print(f"real_data: {name} in {_shown(kept)} lacks {', '.join(lacks)}: not restored, it runs again",
-                  file=sys.stderr)  # fmt: skip
+        if lacks or name in earlier:
+            why = f"lacks {', '.join(lacks)}" if lacks else "stopped under the earlier plateau rule (the PM alone)"
+            print(f"real_data: {name} in {_shown(kept)} {why}: not restored, it runs again", file=sys.stderr)
             continue
         if dst.exists():
             shutil.rmtree(dst)  # an unfinished attempt: its files are replaced by the finished record

@@ -328,6 +328,37 @@ def test_rerun_drops_the_matching_points_records_and_folders(tmp_path: Path) -> 
         drop(sweep, out, kept, ["algorithm=fedrep,*"])
 
 
+def test_restore_leaves_out_points_of_the_earlier_plateau_rule_and_save_replaces_them(tmp_path: Path) -> None:
+    """A kept point with both models that stopped when ``auto`` watched its PM alone (one ``plateau_gap``) is
+    not restored, so the sweep runs it again; ``save`` then replaces its record with the new run's, which
+    ``restore`` takes back. A GM-only point of the same rule is restored as it is."""
+    from benchmarks.real_data import read_records, restore, save, write_records
+
+    sweep = tmp_path / "s.toml"
+    sweep.write_text(
+        'out = "o"\n[base]\nrounds = 1\n[[points]]\nalgorithm = "fedavg"\n[[points]]\nalgorithm = "ditto"\n'
+    )
+    cfg = {"plateau_window": 2, "plateau_metric": "auto", "rounds": 9}
+    old = [{"round": 4, "gm_accuracy": 0.5, "pm_accuracy": 0.8, "plateau_gap": 0.1, "stop_reason": "plateau"}]
+    gm = [{"round": 4, "gm_accuracy": 0.5, "plateau_gap": 0.1, "stop_reason": "plateau"}]
+    kept, out = tmp_path / "records.json", tmp_path / "out"
+    write_records(
+        kept,
+        {
+            "algorithm=ditto": {"config": cfg, "rows": old, "point": {"ok": True}},
+            "algorithm=fedavg": {"config": cfg, "rows": gm, "point": {"ok": True}},
+        },
+    )
+    assert restore(kept, out) == 1 and sorted(p.name for p in out.iterdir()) == ["algorithm=fedavg"]
+    new = [{"round": 4, "gm_accuracy": 0.5, "pm_accuracy": 0.8, "plateau_gap_gm": 0.1, "plateau_gap_pm": 0.2}]
+    (out / "algorithm=ditto").mkdir()
+    (out / "algorithm=ditto" / "config.json").write_text(json.dumps(cfg))
+    (out / "algorithm=ditto" / "results.jsonl").write_text(json.dumps(new[0]) + "\n")
+    (out / "algorithm=ditto" / "point.json").write_text('{"ok": true}\n')
+    assert save(sweep, out, kept) == 2 and read_records(kept)["algorithm=ditto"]["rows"] == new
+    assert restore(kept, tmp_path / "again") == 2
+
+
 def test_sweep_file_figure_commands_run_on_their_sweeps_records() -> None:
     """Every ``#   wafl analyze curves`` command in a sweep file's header reads that sweep's folder and
     writes files that ``real_data.py summary`` can put beside the records under their own names; the
