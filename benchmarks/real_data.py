@@ -928,6 +928,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="the sweep's output folder (run, restore, save)")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument(
+        "--first",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="with run: points whose names match this pattern run before the others (repeatable; wafl sweep --first)",
+    )
+    p.add_argument(
         "--records",
         type=Path,
         help="the kept records' file (default: benchmarks/results/real-data/<sweep>/records.json)",
@@ -959,6 +966,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--rounds N goes with verify, N at least 1")
     if a.rerun and a.action != "run":
         p.error("--rerun goes with the action run")
+    if a.first and a.action != "run":
+        p.error("--first goes with the action run")
     if bool(a.point) != (a.action == "verify"):
         p.error("verify needs --point GLOB, and --point goes with verify only")
     if a.smoke:
@@ -988,7 +997,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.action in ("run", "restore"):
         print(f"real_data: {restore(kept, a.out)} kept point(s) restored into {a.out}", file=sys.stderr)
     if a.action == "run":
-        rc = subprocess.call([WAFL, "sweep", str(sweep_file), "--jobs", str(a.jobs), "--out", str(a.out)], cwd=ROOT)
+        first = [arg for pattern in a.first for arg in ("--first", pattern)]
+        rc = subprocess.call(
+            [WAFL, "sweep", str(sweep_file), "--jobs", str(a.jobs), "--out", str(a.out), *first], cwd=ROOT
+        )
         print(f"real_data: {save(sweep_file, a.out, kept)} finished point(s) kept in {kept}", file=sys.stderr)
         return rc
     if a.action == "save":

@@ -298,6 +298,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(default 0: as often as keeps their cost under 2%% of the point's time)",
     )
     sw.add_argument("--out", help="output folder (default: the file's `out`, else runs/sweep-<name>)")
+    sw.add_argument(
+        "--first",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="run the points whose names match this pattern before the others (repeatable), e.g. '*,num_clients=10,*'",
+    )
     sw.add_argument("--quiet", action="store_true")
     sw.set_defaults(fn=cmd_sweep)
 

@@ -116,6 +116,31 @@ def test_sweep_file_mistakes_are_one_line(tmp_path: Path) -> None:
         assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
 
 
+def test_sweep_first_runs_the_matching_points_before_the_others(tmp_path: Path) -> None:
+    """--first GLOB: the matching points run first, each group in the file's order (one job: they finish in
+    the order they start); a pattern that matches no point is refused before anything runs."""
+    from wafl.cli.experiments.sweep import first_order, load_sweep
+
+    sweep = tmp_path / "s.toml"
+    sweep.write_text(SWEEP.format(out=tmp_path / "out").replace("rounds = 2", "rounds = 1"))
+    points = load_sweep(sweep)[1]
+    names = [n for n, _ in points]
+    order = [n for n, _ in first_order(points, ["*seed=2", "algorithm=fedprox,seed=0"])]
+    assert order[:3] == ["algorithm=fedavg,seed=2", "algorithm=fedprox,seed=0", "algorithm=fedprox,seed=2"]
+    assert sorted(order) == sorted(names) and order[3:] == [n for n in names if n not in order[:3]]
+    assert [n for n, _ in first_order(points, [])] == names
+
+    r = subprocess.run(_wafl("sweep", str(sweep), "--first", "*seed=9"), capture_output=True, text=True)
+    assert r.returncode == 2 and "--first '*seed=9' matches no point" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "out").exists()
+    two = tmp_path / "two.toml"
+    two.write_text(SWEEP.format(out=tmp_path / "out").replace("rounds = 2", "rounds = 1").replace("[0, 1, 2]", "[0]"))
+    r = subprocess.run(_wafl("sweep", str(two), "--first", "algorithm=fedprox*"), capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    finished = [line.split("] ")[1].split(" (")[0] for line in r.stderr.splitlines() if line.endswith(" s)")]
+    assert finished == ["algorithm=fedprox", "algorithm=fedavg"]
+
+
 def test_tensorboard_files_read_back_by_tensorboard(tmp_path: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

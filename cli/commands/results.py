@@ -29,6 +29,7 @@ def cmd_sweep(a: argparse.Namespace) -> int:
         show_progress=not a.quiet,
         slot_processes=a.slot_processes,
         snapshot_every=a.snapshot_every,
+        first=a.first,
     )
 
 

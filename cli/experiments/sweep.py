@@ -41,11 +41,16 @@ round 1, as every interrupted point did before.
 ``plateau_window`` (and ``plateau_delta``, ``plateau_metric``) in ``[base]`` stops each point once its curve
 flattened (:mod:`wafl.common.plateau`; ``rounds`` is then the maximum): the point is finished all the same,
 and its ``point.json`` records ``stop_reason`` (``"plateau"`` or ``"max_rounds"``) and ``rounds_run``.
+
+``--first GLOB`` (repeatable; ``fnmatch`` patterns of point names, e.g. ``'*,num_clients=10,*'``) runs the
+points that match one of them before the others, each group in the file's order: a table that takes several
+sittings completes the slice its claims read first. It changes no point's configuration or numbers.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import itertools
 import json
 import os
@@ -242,6 +247,17 @@ def run_point(
     return result
 
 
+def first_order(points: list[tuple[str, RunConfig]], patterns: list[str]) -> list[tuple[str, RunConfig]]:
+    """The points whose names match one of ``patterns`` (``fnmatch``), then the others, each in the file's
+    order; a pattern that matches no point is a :class:`ConfigError` that names it."""
+    names = [n for n, _ in points]
+    for pattern in patterns:
+        if not fnmatch.filter(names, pattern):
+            raise ConfigError(f"--first {pattern!r} matches no point of the sweep")
+    ahead = {n for n in names if any(fnmatch.fnmatchcase(n, pat) for pat in patterns)}
+    return [p for p in points if p[0] in ahead] + [p for p in points if p[0] not in ahead]
+
+
 def sweep(
     path: Path,
     network: bool = False,
@@ -250,13 +266,15 @@ def sweep(
     show_progress: bool = True,
     slot_processes: int = 0,
     snapshot_every: int = 0,
+    first: list[str] | None = None,
 ) -> int:
     """Runs every point not yet done; 0 when every point has finished. ``slot_processes`` (in process):
     each compute-and-wait point trains its clients in that many forked processes
     (:class:`~wafl.client.process_slots.ProcessSlots`), the others in threads as without it.
     ``snapshot_every``: rounds between two snapshots of an in-process point (0: as their cost allows;
-    :func:`run_point`)."""
+    :func:`run_point`). ``first``: name patterns of the points to run before the others (:func:`first_order`)."""
     default_out, points = load_sweep(path)
+    points = first_order(points, first or [])
     if network:
         from wafl.server.app import check_networked
 
