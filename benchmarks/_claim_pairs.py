@@ -9,7 +9,12 @@ minus that row on each seed both ran, in two readings of a run's accuracy:
 * ``mean_last``: the mean of its last 10 evaluated rounds (``wafl table``'s ``mean_last_*``), the final
   accuracy of a plateau table;
 * ``final``: its last evaluated round, how the claims list read the 15- and 35-round tables;
-* ``at_round`` (given a round R, the shorter table's last): its last evaluated round up to R.
+* ``at_round`` (given a round R, the shorter table's last): its last evaluated round up to R;
+* ``equal_rounds`` (a plateau table, whose runs stop at rounds of their own): on each seed both runs are read
+  by the mean of their last 10 evaluated rounds up to the earlier of their two last rounds. The plateau rule
+  lets a curve that still gains up to ``plateau_delta`` points a window stop, so a pair whose one run stopped
+  hundreds of rounds before the other's compares those rounds too; this reading compares the two methods
+  after the same training, and equals ``mean_last`` on a seed whose two runs stopped at the same round.
 
 Each gets ``wafl table``'s statistics and both verdicts (:func:`wafl.cli.report.table.paired`: the seeds' rule
 and the 95 % interval over seeds). :func:`moved` sets a plateau table's pairs beside the same pairs of the
@@ -43,6 +48,19 @@ def value_at(run: Any, metric: str, at_round: int) -> float | None:
     """``metric`` at the run's last evaluated round up to ``at_round`` (None when none is)."""
     values = [r[metric] for r in run.rows if r.get(metric) is not None and int(r["round"]) <= at_round]
     return float(values[-1]) if values else None
+
+
+def mean_last_upto(run: Any, metric: str, upto: int) -> float | None:
+    """``wafl table``'s mean of the last 10 evaluated values of ``metric`` (``mean_last``) over the run's rounds
+    up to ``upto`` (None when none is evaluated)."""
+    from wafl.cli.report.table import Run, run_metrics
+
+    head = Run(run.path, run.config, [r for r in run.rows if int(r["round"]) <= upto])
+    return run_metrics(head, target=1.0)[f"mean_last_{SUFFIX[metric]}"]
+
+
+def last_round(run: Any) -> int:
+    return int(run.rows[-1]["round"]) if run.rows else 0
 
 
 def seed_values(
@@ -88,11 +106,12 @@ def claim_pairs(
     columns: str | None,
     records: Mapping[str, Mapping[str, Any]],
     at_round: int | None = None,
+    equal_rounds: bool = False,
 ) -> list[dict[str, Any]]:
     """Every panel's subject minus each of its other rows, per value of ``columns`` (or once), on the seeds
     both have, in each reading (module docstring; ``at_round`` only given a round, on the seeds both evaluated
-    by then); a pair with no common seed yet has ``seeds`` [] and no statistics. Differences in points
-    (accuracy x 100)."""
+    by then; ``equal_rounds`` where asked, with the round each seed was read at, ``equal_rounds_round``); a pair
+    with no common seed yet has ``seeds`` [] and no statistics. Differences in points (accuracy x 100)."""
     from wafl.cli.report.curves import field, select
     from wafl.cli.report.table import paired
 
@@ -106,9 +125,13 @@ def claim_pairs(
         subject, *others = panel.rows
         for value in values:
             here = [r for r in runs if columns is None or field(r.config, columns) == value]
-            a = seed_values(select(here, subject.where), panel.metric, f"claims row {subject.spec!r}", at_round)
+            picked = select(here, subject.where)
+            a = seed_values(picked, panel.metric, f"claims row {subject.spec!r}", at_round)
+            a_runs = {int(r.config.get("seed", 0)): r for r in picked}
             for other in others:
-                b = seed_values(select(here, other.where), panel.metric, f"claims row {other.spec!r}", at_round)
+                chosen = select(here, other.where)
+                b = seed_values(chosen, panel.metric, f"claims row {other.spec!r}", at_round)
+                b_runs = {int(r.config.get("seed", 0)): r for r in chosen}
                 seeds = sorted(set(a) & set(b))
                 pair: dict[str, Any] = {
                     "panel": panel.title,
@@ -126,6 +149,16 @@ def claim_pairs(
                     pair[f"{reading}_by_seed"] = dict(zip(map(str, both), diffs))
                 if at_round is not None:
                     pair["round"] = at_round
+                if equal_rounds:
+                    diffs, upto = {}, {}
+                    for s in seeds:
+                        r = min(last_round(a_runs[s]), last_round(b_runs[s]))
+                        x, y = mean_last_upto(a_runs[s], panel.metric, r), mean_last_upto(b_runs[s], panel.metric, r)
+                        if x is not None and y is not None:
+                            diffs[str(s)], upto[str(s)] = 100.0 * (x - y), r
+                    pair["equal_rounds"] = paired(list(diffs.values()))
+                    pair["equal_rounds_by_seed"] = diffs
+                    pair["equal_rounds_round"] = upto
                 out.append(pair)
     return out
 
@@ -189,6 +222,7 @@ def markdown(pairs: Sequence[Mapping[str, Any]], before_name: str | None, before
         return []
     column = pairs[0]["column"]
     at = next((p["round"] for p in pairs if p.get("round") is not None), None)
+    equal = any("equal_rounds" in p for p in pairs)
     head = ["claim family", *([column] if column else []), "pair", "seeds", "difference", "95 % interval"]
     head += ["seeds' rule", "interval"]
     align = ["---", *(["---:"] if column else []), "---", "---:", "---:", "---:", "---", "---"]
@@ -197,6 +231,14 @@ def markdown(pairs: Sequence[Mapping[str, Any]], before_name: str | None, before
         + (f", at equal {column}" if column else "")
         + "; points, on the seeds both have; the mean of each seed's last 10 evaluated rounds, verdicts as above).",
     ]
+    if equal:
+        head += ["at equal rounds", "its seeds' rule"]
+        align += ["---:", "---"]
+        lines[0] += (
+            " At equal rounds: on each seed both runs read by the mean of their last 10 evaluated rounds up to the "
+            "earlier of their two stops, the two methods after the same training (the rule lets a curve that "
+            "still gains a little stop, so runs that stop hundreds of rounds apart compare those rounds too)."
+        )
     if before_name:
         head += [f"{before_name}, last round ({before_rounds})", "its seeds' rule"]
         align += ["---:", "---"]
@@ -222,6 +264,9 @@ def markdown(pairs: Sequence[Mapping[str, Any]], before_name: str | None, before
         cells = [p["panel"], *([str(p["value"])] if column else []), f"{p['subject']} − {p['other']}"]
         cells += [str(len(p["seeds"])), _difference(now), _interval(now)]
         cells += [now["seeds_verdict"], now["interval_verdict"]] if now else ["not yet run", "-"]
+        if equal:
+            same = p.get("equal_rounds")
+            cells += [_difference(same), same["seeds_verdict"] if same else "-"]
         if before_name:
             then = p.get("before")
             cells += [_difference(then), then["seeds_verdict"] if then else "-"]

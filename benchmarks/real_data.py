@@ -63,7 +63,8 @@ each other row, per column value, seed by seed, with ``wafl table``'s interval a
 plateau table) sets each pair beside the same pair of that shorter table, read by its last round as the
 claims list read it, flags each seeds' verdict that changed and says by what: the plateau runs read at that
 table's last round tell the rounds (the same runs read later) from the runs (that round's verdict differs
-between the two tables' runs on the seeds both ran) and from the seeds the plateau table adds.
+between the two tables' runs on the seeds both ran) and from the seeds the plateau table adds. A plateau table's
+pairs are also read at equal rounds: on each seed both runs up to the earlier of their two stops.
 """
 
 from __future__ import annotations
@@ -822,8 +823,10 @@ def claims_pairs_section(sweep_file: Path, records: Mapping[str, Mapping[str, An
     if parent_file is not None and records_file(parent_file).is_file():
         kept = {n: r for n, r in read_records(records_file(parent_file)).items() if not incomplete(r)}
     rounds = sorted({int(r["config"]["rounds"]) for r in kept.values()})
-    # the plateau runs read at the shorter table's last round too, where it has one
-    pairs = claim_pairs(panels, columns, records, rounds[0] if len(rounds) == 1 else None)
+    # the plateau runs read at the shorter table's last round too, where it has one; and, where the runs stop on
+    # the plateau at rounds of their own, each pair at the earlier of its two runs' last rounds
+    plateau = any(r["config"].get("plateau_window") for r in records.values())
+    pairs = claim_pairs(panels, columns, records, rounds[0] if len(rounds) == 1 else None, equal_rounds=plateau)
     before_name = before_rounds = None
     if kept and parent_file is not None:
         pairs = moved(pairs, claim_pairs(*compared(parent_file), kept))

@@ -317,3 +317,35 @@ def test_the_plateau_note_names_points_that_stopped_under_the_earlier_rule() -> 
     assert "1 point(s) of methods with both models" in text and "`old`" in text and "`new`" not in text
     assert "earlier" not in "\n".join(plateau_note(cfg, {k: v for k, v in records.items() if k != "old"}))
     assert plateau_note({**cfg, "plateau_window": 0}, records) == []
+
+
+def test_claim_pairs_at_equal_rounds_read_both_runs_up_to_the_earlier_stop(tmp_path: Path) -> None:
+    """equal_rounds: on each seed both runs by the mean of their last 10 evaluated rounds up to the earlier of
+    their two last rounds, against a slow re-computation; it equals mean_last on a seed whose runs stopped at
+    the same round, and table.md shows it only where asked (a plateau table)."""
+    from benchmarks._claim_pairs import claim_pairs, markdown
+
+    sweep = tmp_path / "s.toml"
+    sweep.write_text(SWEEP)
+    ends = {**ENDS, "fedavg": {0: (18, "plateau"), 1: (24, "plateau"), 2: (30, "max_rounds")}}
+    records = _records(sweep, ends)
+    panels, columns = claim_panels(sweep)
+    plain = claim_pairs(panels, columns, records)
+    assert all("equal_rounds" not in p for p in plain) and "equal rounds" not in "\n".join(markdown(plain, None, None))
+    pairs = claim_pairs(panels, columns, records, equal_rounds=True)
+
+    def slow(alg: str, seed: int, metric: str, upto: int) -> float:
+        rows = records[f"algorithm={alg},seed={seed}"]["rows"]
+        values = [r[metric] for r in rows if r[metric] is not None and r["round"] <= upto][-10:]
+        return 100 * sum(values) / len(values)
+
+    for p in pairs:
+        upto = {s: min(ENDS["fedprox"][s][0], ends["fedavg"][s][0]) for s in range(3)}
+        assert p["equal_rounds_round"] == {"0": 18, "1": 22, "2": 20} == {str(s): r for s, r in upto.items()}
+        want = [slow("fedprox", s, p["metric"], upto[s]) - slow("fedavg", s, p["metric"], upto[s]) for s in range(3)]
+        assert list(p["equal_rounds_by_seed"].values()) == pytest.approx(want)
+        assert p["equal_rounds"]["mean"] == pytest.approx(sum(want) / 3)
+        assert p["equal_rounds_by_seed"]["0"] == pytest.approx(p["mean_last_by_seed"]["0"])  # both stopped at 18
+        assert p["equal_rounds_by_seed"]["1"] != pytest.approx(p["mean_last_by_seed"]["1"])
+    text = "\n".join(markdown(pairs, None, None))
+    assert "| at equal rounds | its seeds' rule |" in text and "At equal rounds: on each seed" in text
