@@ -20,6 +20,7 @@ test:  ## style (ruff), the layer contract (lint-imports), the types (mypy), the
 	$(VENV)/bin/mkdocs build --strict --quiet  # docs/: a broken link, an unlisted page or an unresolved API reference fails
 	bash scripts/node_modules.sh >/dev/null  # the Node.js conformance client's npm packages (cached outside the clone)
 	bash scripts/datasets.sh fashion-mnist  # the tests read the real Fashion-MNIST files
+	bash scripts/compose_cli.sh  # the compose files' tests resolve them through docker-compose
 	$(VENV)/bin/python -m pytest -q $(ARGS)
 
 docs:  ## the documentation site (docs/ -> build/site)
