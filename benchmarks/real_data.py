@@ -241,11 +241,13 @@ def drop(sweep_file: Path, out: Path, kept: Path, patterns: list[str]) -> list[s
     """Forgets the points whose names match one of ``patterns`` (``fnmatch``, e.g. ``algorithm=pfedme,*``):
     their kept records and their folders in ``out``, so that ``run`` runs them again (after a fix that
     changes their rows). Returns the names dropped; a pattern that matches no point of the sweep is an error."""
-    names = points(sweep_file)
-    for pattern in patterns:
-        if not fnmatch.filter(names, pattern):
-            raise SystemExit(f"real_data: --rerun {pattern!r} matches no point of {_shown(sweep_file)}")
-    chosen = [n for n in names if any(fnmatch.fnmatchcase(n, pat) for pat in patterns)]
+    from wafl.cli.experiments.sweep import matching
+    from wafl.common.config import ConfigError
+
+    try:
+        chosen = matching(points(sweep_file), patterns, "--rerun")
+    except ConfigError as e:
+        raise SystemExit(f"real_data: {e} ({_shown(sweep_file)})") from None
     records = read_records(kept)
     for name in chosen:
         records.pop(name, None)

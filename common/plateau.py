@@ -224,20 +224,18 @@ class PlateauWatch:
         one accuracy, ``plateau_gap_gm``, ``plateau_gap_pm``, ... for a watch of several; ``stop_reason`` where
         the run ends). Sets :attr:`stop` when the rule holds for every watched accuracy."""
         fields: dict[str, Any] = {}
+        flats = []
         for w in self.watched:
             if w.metric == GM and gm is not None:
                 w.values[r] = gm
-        if evaluated:
-            flats = []
-            for w in self.watched:
-                g, se = w.check(r, self.window, self.z)
-                flats.append(g is not None and flat(g, self.delta, se, self.z))
-                if g is None:
-                    continue
+            g, se = w.check(r, self.window, self.z) if evaluated else (None, None)
+            flats.append(g is not None and flat(g, self.delta, se, self.z))
+            if g is not None:
                 suffix = "" if len(self.watched) == 1 else "_" + w.metric.removesuffix("_accuracy")
                 fields["plateau_gap" + suffix] = round(100.0 * g, 6)
-                if self.z and se is not None:
+                if se is not None:
                     fields["plateau_se" + suffix] = round(100.0 * se, 6)
+        if evaluated:
             self.stop = all(flats)
         if self.stop or last:
             fields["stop_reason"] = PLATEAU if self.stop else MAX_ROUNDS

@@ -247,14 +247,19 @@ def run_point(
     return result
 
 
-def first_order(points: list[tuple[str, RunConfig]], patterns: list[str]) -> list[tuple[str, RunConfig]]:
-    """The points whose names match one of ``patterns`` (``fnmatch``), then the others, each in the file's
-    order; a pattern that matches no point is a :class:`ConfigError` that names it."""
-    names = [n for n, _ in points]
+def matching(names: list[str], patterns: list[str], option: str) -> list[str]:
+    """The ``names`` (point names, in their order) that match one of ``patterns`` (``fnmatch``, case as written);
+    a pattern that matches none is a :class:`ConfigError` that names it and ``option``."""
     for pattern in patterns:
-        if not fnmatch.filter(names, pattern):
-            raise ConfigError(f"--first {pattern!r} matches no point of the sweep")
-    ahead = {n for n in names if any(fnmatch.fnmatchcase(n, pat) for pat in patterns)}
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+            raise ConfigError(f"{option} {pattern!r} matches no point of the sweep")
+    return [n for n in names if any(fnmatch.fnmatchcase(n, pat) for pat in patterns)]
+
+
+def first_order(points: list[tuple[str, RunConfig]], patterns: list[str]) -> list[tuple[str, RunConfig]]:
+    """The points whose names match one of ``patterns`` (:func:`matching`), then the others, each in the file's
+    order."""
+    ahead = set(matching([n for n, _ in points], patterns, "--first"))
     return [p for p in points if p[0] in ahead] + [p for p in points if p[0] not in ahead]
 
 
