@@ -214,20 +214,46 @@ def incomplete(record: dict[str, Any]) -> list[str]:
     return [f for f in FIELDS if not record.get(f)]
 
 
-def restore(kept: Path, out: Path) -> int:
+def changed_points(sweep_file: Path, records: Mapping[str, Mapping[str, Any]]) -> dict[str, list[str]]:
+    """The complete ``records`` of points that ran with another configuration than ``sweep_file`` gives them
+    now (the file or a default changed since), each with its changes
+    (:func:`~wafl.cli.experiments.sweep.config_changes`)."""
+    from wafl.cli.experiments.sweep import config_changes
+
+    now = dict(load_sweep_configs(sweep_file))
+    found = {}
+    for name, record in records.items():
+        if name in now and not incomplete(dict(record)):
+            changes = config_changes(dict(record["config"]), now[name])
+            if changes:
+                found[name] = changes
+    return found
+
+
+def restore(kept: Path, out: Path, sweep_file: Path | None = None) -> int:
     """Unpacks the kept records into ``out`` (points already finished there are left as they are). A kept
-    point that lacks a field, or that stopped under the earlier plateau rule (:func:`earlier_rule`), is named
-    on stderr and not restored, so the sweep runs it again (and ``save`` replaces its record)."""
+    point that lacks a field, that stopped under the earlier plateau rule (:func:`earlier_rule`), or (given the
+    ``sweep_file``) that ran with another configuration than the file gives it now (a changed file or default:
+    :func:`~wafl.cli.experiments.sweep.config_changes`) is named on stderr and not restored, so the sweep runs
+    it again (and ``save`` replaces its record)."""
     n = 0
     records = read_records(kept)
     earlier = set(earlier_rule({k: r for k, r in records.items() if not incomplete(r)}))
+    stale = changed_points(sweep_file, records) if sweep_file is not None else {}
     for name, record in sorted(records.items()):
         dst = out / name
         if (dst / "point.json").exists():
             continue
         lacks = incomplete(record)
-        if lacks or name in earlier:
-            why = f"lacks {', '.join(lacks)}" if lacks else "stopped under the earlier plateau rule (the PM alone)"
+        changed = stale.get(name, [])
+        if lacks or name in earlier or changed:
+            why = (
+                f"lacks {', '.join(lacks)}"
+                if lacks
+                else f"ran with another configuration ({'; '.join(changed)})"
+                if changed
+                else "stopped under the earlier plateau rule (the PM alone)"
+            )
             print(f"real_data: {name} in {_shown(kept)} {why}: not restored, it runs again", file=sys.stderr)
             continue
         if dst.exists():
@@ -284,8 +310,8 @@ def untimed(row: Mapping[str, Any]) -> dict[str, Any]:
 
 def differences(kept: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], config: Mapping[str, Any]) -> list[str]:
     """How a new run of a point differs from its kept record (empty: the same numbers): the rows timing fields
-    aside, then the configuration (a field the kept one lacks must hold its default in the new one)."""
-    from wafl.common.config import RunConfig
+    aside, then the configuration (:func:`~wafl.cli.experiments.sweep.config_changes`)."""
+    from wafl.cli.experiments.sweep import config_changes
 
     found = []
     old = [untimed(r) for r in kept["rows"]]
@@ -297,11 +323,7 @@ def differences(kept: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], conf
             fields = sorted(k for k in set(a) | set(b) if a.get(k, "(none)") != b.get(k, "(none)"))
             found.append(f"round {a.get('round')}: " + ", ".join(f"{k} {a.get(k)} -> {b.get(k)}" for k in fields))
             break
-    defaults = json.loads(RunConfig().to_json())
-    for k in sorted(set(kept["config"]) | set(config)):
-        want = kept["config"].get(k, defaults.get(k))
-        if config.get(k) != want:
-            found.append(f"config {k}: {want!r} -> {config.get(k)!r}")
+    found.extend(f"config {c}" for c in config_changes(kept["config"], dict(config)))
     return found
 
 
@@ -456,6 +478,7 @@ def summary(sweep_file: Path, kept: Path, work: Path | None = None) -> Path:
         f"Points done: {len(done)} of {len(names)}."
         + (f" Not yet run: {', '.join(f'`{m}`' for m in missing)}." if missing else ""),
         "",
+        *changed_note(changed_points(sweep_file, {n: records[n] for n in done})),
         *plateau_note(records[done[0]]["config"], {n: records[n] for n in done}),
         note + res.stdout.strip(),
         "",
@@ -466,6 +489,21 @@ def summary(sweep_file: Path, kept: Path, work: Path | None = None) -> Path:
         text += [f"* {f}" for f in figures] + [""]
     (here / "table.md").write_text("\n".join(text))
     return here
+
+
+def changed_note(changed: Mapping[str, list[str]]) -> list[str]:
+    """A paragraph naming the kept points that ran with another configuration than the sweep file gives them
+    now (:func:`changed_points`): they are in the table until their new runs replace them."""
+    if not changed:
+        return []
+    kinds = sorted({c.split(":")[0] for cs in changed.values() for c in cs})
+    first = next(iter(changed.values()))[0]
+    return [
+        f"{len(changed)} point(s) in this table ran with another configuration than the sweep file gives them now "
+        f"({', '.join(f'`{k}`' for k in kinds)}; e.g. {first}): they are run again and their new records replace "
+        f"them: {', '.join(f'`{n}`' for n in sorted(changed))}.",
+        "",
+    ]
 
 
 def plateau_note(config: dict[str, Any], records: Mapping[str, Mapping[str, Any]] | None = None) -> list[str]:
@@ -1000,7 +1038,7 @@ def main(argv: list[str] | None = None) -> int:
         dropped = drop(sweep_file, a.out, kept, a.rerun)
         print(f"real_data: {len(dropped)} point(s) to run again: {', '.join(dropped)}", file=sys.stderr)
     if a.action in ("run", "restore"):
-        print(f"real_data: {restore(kept, a.out)} kept point(s) restored into {a.out}", file=sys.stderr)
+        print(f"real_data: {restore(kept, a.out, sweep_file)} kept point(s) restored into {a.out}", file=sys.stderr)
     if a.action == "run":
         first = [arg for pattern in a.first for arg in ("--first", pattern)]
         rc = subprocess.call(

@@ -32,7 +32,16 @@ from wafl.common.errors import InvariantError
 from wafl.common.heterogeneity import new_client_indices
 from wafl.common.models import build_model
 from wafl.common.partition import client_shard, public_split
-from wafl.common.training import Batch, PhaseStats, batches, epochs, evaluate, make_optimizer, train_phase
+from wafl.common.training import (
+    Batch,
+    PhaseStats,
+    batches,
+    clip_before_step,
+    epochs,
+    evaluate,
+    make_optimizer,
+    train_phase,
+)
 from wafl.common.verified import load_verified, save_verified
 
 STATE_MAGIC = b"WAFL-CLIENT-STATE-1\n"  # a client state file (wafl.common.verified)
@@ -179,10 +188,10 @@ class Trainer:
         return state, extras
 
     def _optimizer(self, params: list[torch.nn.Parameter], phase: Phase | None = None) -> torch.optim.Optimizer:
-        if phase is not None and phase.optimizer is not None:
-            return phase.optimizer(params)
         t = self.cfg.training
-        return make_optimizer(t.optimizer, params, t.lr, t.momentum, t.weight_decay)
+        if phase is not None and phase.optimizer is not None:
+            return clip_before_step(phase.optimizer(params), t.grad_clip)
+        return clip_before_step(make_optimizer(t.optimizer, params, t.lr, t.momentum, t.weight_decay), t.grad_clip)
 
     def public_batches(self, batch_size: int | None = None, shuffle: bool = False) -> Iterator[Batch]:
         """One pass over the public split as ``(x, position in the public split)``."""

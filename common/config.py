@@ -230,6 +230,9 @@ class TrainingSection:
     lr: float = 0.05
     momentum: float = 0.9
     weight_decay: float = 0.0
+    # > 0: every local step's gradient is scaled to an L2 norm of at most this before the optimizer steps
+    # (common/training.py clip_before_step); 0: off. ASD's code clips every method's steps at 10.
+    grad_clip: float = 0.0
     batch_size: int = 32
     local_epochs: int = 2  # E_G
     device: str = DeviceKind.AUTO.value  # auto, cpu, cuda or cuda:N (DeviceKind)
@@ -245,6 +248,7 @@ class TrainingSection:
         _positive("lr", self.lr)
         _in_range("momentum", self.momentum, 0.0, 1.0, high_open=True)
         _in_range("weight_decay", self.weight_decay, 0.0, math.inf)
+        _in_range("grad_clip", self.grad_clip, 0.0, math.inf)
         _int_at_least("batch_size", self.batch_size, 1)
         _int_at_least("local_epochs", self.local_epochs, 1)
         _check_device(self.device)

@@ -99,6 +99,22 @@ def make_optimizer(
     raise ValueError(f"optimizer={str(name)!r} is not one of {[o.value for o in Optimizer]}")
 
 
+def clip_before_step(opt: torch.optim.Optimizer, max_norm: float) -> torch.optim.Optimizer:
+    """``opt``, whose every step first scales the gradients of all its parameters together to an L2 norm of at most
+    ``max_norm`` (``torch.nn.utils.clip_grad_norm_``, in a step pre-hook: the gradient the optimizer steps with,
+    after any step rule's correction such as SCAFFOLD's); ``max_norm = 0`` leaves it as it is (the same bits).
+    The run option ``grad_clip``: the code of FedDyn and of the methods built on it (ASD's) clips every local
+    step of every method at 10."""
+    if max_norm > 0:
+        params = [p for group in opt.param_groups for p in group["params"]]
+
+        def clip(*_: Any) -> None:
+            torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+        opt.register_step_pre_hook(clip)
+    return opt
+
+
 @dataclass
 class PhaseStats:
     steps: int = 0

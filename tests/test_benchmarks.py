@@ -359,6 +359,32 @@ def test_restore_leaves_out_points_of_the_earlier_plateau_rule_and_save_replaces
     assert restore(kept, tmp_path / "again") == 2
 
 
+def test_restore_leaves_out_points_of_another_configuration_and_the_table_names_them(tmp_path: Path, capsys) -> None:
+    """A kept point that ran before its sweep file (or a default) changed is not restored, so the sweep runs it
+    again; a point of the current configuration is; summary's table names the changed ones until replaced."""
+    from benchmarks.real_data import changed_note, changed_points, load_sweep_configs, restore, write_records
+
+    sweep = tmp_path / "s.toml"
+    sweep.write_text('out = "o"\n[base]\nrounds = 1\ngrad_clip = 10.0\n[grid]\nalgorithm = ["fedavg", "fedprox"]\n')
+    now = dict(load_sweep_configs(sweep))
+    row = [{"round": 1, "gm_accuracy": 0.5}]
+    before = {k: v for k, v in now["algorithm=fedprox"].items() if k != "grad_clip"}  # written before the field
+    records = {
+        "algorithm=fedavg": {"config": now["algorithm=fedavg"], "rows": row, "point": {"ok": True}},
+        "algorithm=fedprox": {"config": before, "rows": row, "point": {"ok": True}},
+    }
+    kept = tmp_path / "records.json"
+    write_records(kept, records)
+    assert restore(kept, tmp_path / "all") == 2  # without the sweep file: every complete record
+    assert restore(kept, tmp_path / "out", sweep) == 1
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["algorithm=fedavg"]
+    assert "algorithm=fedprox in" in capsys.readouterr().err
+    changed = changed_points(sweep, records)
+    assert changed == {"algorithm=fedprox": ["grad_clip: 0.0 -> 10.0"]}
+    note = changed_note(changed)[0]
+    assert note.startswith("1 point(s) in this table ran with another configuration") and "`grad_clip`" in note
+
+
 def test_sweep_file_figure_commands_run_on_their_sweeps_records() -> None:
     """Every ``#   wafl analyze curves`` command in a sweep file's header reads that sweep's folder and
     writes files that ``real_data.py summary`` can put beside the records under their own names; the

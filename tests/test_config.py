@@ -259,8 +259,9 @@ def test_the_wafl_command_refuses_an_unknown_rule_in_one_line(tmp_path: Path, co
 
 
 # The JSON of the default configuration as the flat RunConfig wrote it (9ab00e5): config.json, JoinReply.config_json
-# and the sweep records compare configurations by these bytes.
-DEFAULT_JSON = (
+# and the sweep records compare configurations by these bytes. Fields added since (grad_clip) follow in
+# DEFAULT_JSON; a configuration written before them reads back with their defaults.
+DEFAULT_JSON_9AB00E5 = (
     '{"act_prob": null, "aggregation": "sync", "aggregation_params": {}, "aggregator": "mean", "algorithm": "fedavg", '
     '"alpha": 0.5, "batch_size": 32, "broadcast_all": false, "buffer_size": null, "checkpoint": true, '
     '"client_size": null, "clip_norm": null, "code_len": 32, "concurrency": null, "data_dir": null, '
@@ -278,11 +279,15 @@ DEFAULT_JSON = (
 )
 
 
+DEFAULT_JSON = DEFAULT_JSON_9AB00E5.replace('"fraction": 1.0, ', '"fraction": 1.0, "grad_clip": 0.0, ')
+
+
 def test_the_flat_json_is_written_as_before() -> None:
     assert RunConfig().to_json() == DEFAULT_JSON
     cfg = RunConfig.from_json(DEFAULT_JSON)
     assert cfg == RunConfig() and cfg.to_json() == DEFAULT_JSON
     assert load_config().to_json() == DEFAULT_JSON  # validation fills in fedavg's (empty) params
+    assert RunConfig.from_json(DEFAULT_JSON_9AB00E5) == RunConfig()  # an older config.json: the new fields' defaults
 
 
 def test_every_field_has_one_section_and_no_section_is_a_field() -> None:
@@ -329,7 +334,7 @@ def test_files_may_give_fields_by_section(tmp_path: Path) -> None:
         (
             {"training": {"seed": 1}},
             "unknown configuration field training.seed (seed is in federation); known in training: "
-            "['model', 'code_len', 'algorithm', 'params', 'optimizer', 'lr', 'momentum', 'weight_decay', "
+            "['model', 'code_len', 'algorithm', 'params', 'optimizer', 'lr', 'momentum', 'weight_decay', 'grad_clip', "
             "'batch_size', 'local_epochs', 'device']",
         ),
         (

@@ -141,6 +141,27 @@ def test_sweep_first_runs_the_matching_points_before_the_others(tmp_path: Path) 
     assert finished == ["algorithm=fedprox", "algorithm=fedavg"]
 
 
+def test_a_finished_point_of_another_configuration_is_refused_by_name(tmp_path: Path) -> None:
+    """A sweep file (or a default) changed after some points finished: the sweep does not skip them as done,
+    nor run over them; it names them and the changed field, and leaves every folder as it was."""
+    from wafl.cli.experiments.sweep import config_changes
+
+    sweep = tmp_path / "s.toml"
+    text = SWEEP.format(out=tmp_path / "out").replace("rounds = 2", "rounds = 1").replace("[0, 1, 2]", "[0]")
+    sweep.write_text(text)
+    r = subprocess.run(_wafl("sweep", str(sweep)), capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    before = {p: p.read_bytes() for p in (tmp_path / "out").rglob("*") if p.is_file()}
+    sweep.write_text(text.replace("[base]\n", "[base]\ngrad_clip = 10.0\n"))
+    r = subprocess.run(_wafl("sweep", str(sweep)), capture_output=True, text=True)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "2 finished point(s)" in r.stderr and "algorithm=fedavg (grad_clip: 0.0 -> 10.0)" in r.stderr
+    assert {p: p.read_bytes() for p in (tmp_path / "out").rglob("*") if p.is_file()} == before
+    # a field the finished point lacks holds its default; params compare key by key, without defaults
+    assert config_changes({"lr": 0.1}, {"lr": 0.1, "grad_clip": 0.0}) == []
+    assert config_changes({"params": {"mu": 1}}, {"params": {"mu": 1, "clip": 1.1}}) == ["params.clip: '(none)' -> 1.1"]
+
+
 def test_tensorboard_files_read_back_by_tensorboard(tmp_path: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -247,6 +247,38 @@ def run_point(
     return result
 
 
+def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """How the flat configuration ``new`` differs from ``old`` (a finished point's ``config.json``), one
+    ``"field: old -> new"`` a field; a field ``old`` lacks (added to the configuration since) counts as its
+    default. ``params`` compare key by key (``params.name``) with no such default: a point written before a
+    parameter existed differs from one that resolves it, since the parameter's default need not be the
+    earlier behaviour."""
+    defaults = json.loads(RunConfig().to_json())
+    found = []
+    for k in sorted(set(old) | set(new)):
+        want, have = old.get(k, defaults.get(k)), new.get(k)
+        if isinstance(want, dict) and isinstance(have, dict):
+            for q in sorted(set(want) | set(have)):
+                if want.get(q, "(none)") != have.get(q, "(none)"):
+                    found.append(f"{k}.{q}: {want.get(q, '(none)')!r} -> {have.get(q, '(none)')!r}")
+        elif have != want:
+            found.append(f"{k}: {want!r} -> {have!r}")
+    return found
+
+
+def stale_points(out: Path, points: list[tuple[str, RunConfig]]) -> dict[str, list[str]]:
+    """The finished points of ``out`` whose ``config.json`` is not the sweep file's configuration of the point
+    (the sweep file or a default changed since they ran), each with its :func:`config_changes`."""
+    stale = {}
+    for n, cfg in points:
+        path = out / n / "config.json"
+        if (out / n / DONE).exists() and path.is_file():
+            changes = config_changes(json.loads(path.read_text()), json.loads(cfg.to_json()))
+            if changes:
+                stale[n] = changes
+    return stale
+
+
 def matching(names: list[str], patterns: list[str], option: str) -> list[str]:
     """The ``names`` (point names, in their order) that match one of ``patterns`` (``fnmatch``, case as written);
     a pattern that matches none is a :class:`ConfigError` that names it and ``option``."""
@@ -287,6 +319,13 @@ def sweep(
             check_networked(cfg)
     out = out or default_out
     out.mkdir(parents=True, exist_ok=True)
+    stale = stale_points(out, points)
+    if stale:
+        shown = "; ".join(f"{n} ({', '.join(c)})" for n, c in list(stale.items())[:3])
+        raise ConfigError(
+            f"{len(stale)} finished point(s) in {out} ran with another configuration than {path} gives them now: "
+            f"{shown}{' ...' if len(stale) > 3 else ''}; remove their folders to run them again, or use another --out"
+        )
     todo = [(n, c) for n, c in points if not (out / n / DONE).exists()]
     for n, _ in points:  # a point killed after its point.json, before it removed its snapshots
         if (out / n / DONE).exists():

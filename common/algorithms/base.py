@@ -181,6 +181,38 @@ class StepRule:
         pass
 
 
+class ClippedStep(StepRule):
+    """The default step with the gradient's L2 norm (over the phase's trained parameters) clipped to
+    ``max_norm`` before the optimizer steps; ``when`` (None: always) decides per round, in :meth:`begin`,
+    whether this round's steps are clipped."""
+
+    def __init__(self, max_norm: float, when: Callable[[RoundContext], bool] | None = None) -> None:
+        self.max_norm = max_norm
+        self.when = when
+        self.active = True
+
+    def begin(self, ctx: RoundContext, model: nn.Module, params: list[nn.Parameter]) -> None:
+        self.active = self.when is None or self.when(ctx)
+
+    def step(self, ctx: StepContext) -> torch.Tensor:
+        loss = backward(ctx.closure, ctx.optimizer)
+        if self.active:
+            torch.nn.utils.clip_grad_norm_(ctx.params, self.max_norm)
+        ctx.optimizer.step()
+        return loss
+
+
+def with_knowledge(ctx: RoundContext) -> bool:
+    """Whether the round trains with global knowledge (FedHKD's and FedProto's rounds after the first)."""
+    return bool(ctx.knowledge)
+
+
+def clipped_with_knowledge(max_norm: float) -> ClippedStep | None:
+    """The step of FedHKD's code (FedHKD's and FedProto's): clipped to ``max_norm`` in the rounds with global
+    knowledge; None (the default step) for ``max_norm = 0``."""
+    return ClippedStep(max_norm, with_knowledge) if max_norm else None
+
+
 def backward(closure: Callable[[], torch.Tensor], opt: torch.optim.Optimizer) -> torch.Tensor:
     """The batch's loss at the current weights, its gradients left in ``.grad`` (cleared first)."""
     loss = closure()

@@ -36,13 +36,11 @@ import torch.nn.functional as F
 from torch import nn
 from wafl.common.algorithms.base import (
     Algorithm,
+    ClippedStep,
     Forward,
     LossTerm,
     Phase,
     RoundContext,
-    StepContext,
-    StepRule,
-    backward,
 )
 from wafl.common.algorithms.params import param
 from wafl.common.algorithms.registry import register
@@ -126,17 +124,6 @@ class LipschitzAlignment(LossTerm):
         gap = lipschitz_gap(x, out.h.detach(), *sub_block(first, last, x, self.width, relu_out))
         ce = F.cross_entropy(out.logits, out.y).detach()
         return self.mu * (ce / gap.detach().clamp_min(EPS)) * gap
-
-
-class ClippedStep(StepRule):
-    def __init__(self, max_norm: float) -> None:
-        self.max_norm = max_norm
-
-    def step(self, ctx: StepContext) -> torch.Tensor:
-        loss = backward(ctx.closure, ctx.optimizer)
-        torch.nn.utils.clip_grad_norm_(ctx.params, self.max_norm)
-        ctx.optimizer.step()
-        return loss
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,12 @@ Models through Federated Learning with Data-Free Hyper-Knowledge Distillation", 
 hyper-knowledge (class-mean representations and soft predictions, Gaussian DP noise
 on the representations) shared with the model; the loss pulls the classifier and the features
 towards the global knowledge. ``gamma = 0`` is FedHKD*. The personalized model is the local
-model right after local training."""
+model right after local training.
+
+``knowledge_clip`` (1.1 by default, 0: off): in the rounds that train with global knowledge (the second on),
+each step's gradient is clipped to this L2 norm before the optimizer steps, as the authors' code does
+(``ClientFedHKD.update_weights_HKD``, a fixed ``clip_grad_norm_(..., max_norm=1.1)``; the paper does not
+mention it). The first round, without knowledge, is not clipped there either."""
 
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from wafl.common.algorithms.base import Algorithm, Forward, LossTerm, RoundContext
+from wafl.common.algorithms.base import Algorithm, Forward, LossTerm, Phase, RoundContext, clipped_with_knowledge
 from wafl.common.algorithms.hyperknowledge import extract_knowledge, fedhkd_loss_terms
 from wafl.common.algorithms.params import param
 from wafl.common.algorithms.registry import register
@@ -42,6 +47,7 @@ class FedHKDParams:
     zeta: float = param(3.0, "> 0")
     sigma: float = param(7.0, ">= 0")
     delta: float = param(1e-5, "(0, 1)")
+    knowledge_clip: float = param(1.1, ">= 0")  # the authors' code's clip in the rounds with knowledge; 0: off
 
 
 def build(p: FedHKDParams, run: Mapping[str, Any]) -> Algorithm:
@@ -63,9 +69,11 @@ def build(p: FedHKDParams, run: Mapping[str, Any]) -> Algorithm:
             }
         return dataclasses.asdict(privacy_report(p.sigma, p.delta, p.zeta, releases))
 
+    terms: list[LossTerm] = [HyperKnowledgeLoss(p.lambda_, p.gamma, p.temperature)]
     return Algorithm(
         "fedhkd",
-        gm_terms=[HyperKnowledgeLoss(p.lambda_, p.gamma, p.temperature)],
+        gm_terms=terms,
+        phases=[Phase("gm", terms=terms, step=clipped_with_knowledge(p.knowledge_clip))],
         knowledge=knowledge,
         local_model_is_personal=True,
         privacy=privacy,

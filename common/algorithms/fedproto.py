@@ -21,18 +21,28 @@ only state, both persisted by the client.
 ``fedproto-avg`` (FedProto as FedHKD's paper runs it): the same client loss averaged over the
 samples that have a prototype, the prototypes averaged as ``proto_weighting`` says (the same
 choice and default; its count-weighted average is what it always did), and a FedAvg global model
-besides.
+besides. ``knowledge_clip`` (1.1 by default, 0: off): as FedHKD's (:mod:`~wafl.common.algorithms.fedhkd`),
+the gradient clip that FedHKD's code applies to FedProto's steps in the rounds with global prototypes
+(``ClientFedProto.update_weights_Proto``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
-from wafl.common.algorithms.base import NOTHING, Algorithm, Forward, LossTerm, RoundContext
+from wafl.common.algorithms.base import (
+    NOTHING,
+    Algorithm,
+    Forward,
+    LossTerm,
+    Phase,
+    RoundContext,
+    clipped_with_knowledge,
+)
 from wafl.common.algorithms.params import param
 from wafl.common.algorithms.prototypes import extract_prototypes, fedproto_paper_term, fedproto_term
 from wafl.common.algorithms.registry import register
@@ -77,14 +87,22 @@ register(
     ),
 )
 
-register(
-    "fedproto-avg",
-    FedProtoParams,
-    lambda p, run: Algorithm(
+
+@dataclass(frozen=True)
+class FedProtoAvgParams(FedProtoParams):
+    knowledge_clip: float = param(1.1, ">= 0")  # FedHKD's code's clip in the rounds with prototypes; 0: off
+
+
+def _fedproto_avg(p: FedProtoAvgParams, run: Mapping[str, Any]) -> Algorithm:
+    terms: list[LossTerm] = [PrototypeLoss(p.proto_lambda, over_all_samples=False)]
+    return Algorithm(
         "fedproto-avg",
-        gm_terms=[PrototypeLoss(p.proto_lambda, over_all_samples=False)],
+        gm_terms=terms,
+        phases=[Phase("gm", terms=terms, step=clipped_with_knowledge(p.knowledge_clip))],
         knowledge=_prototypes,
         knowledge_weighting=p.proto_weighting,
         local_model_is_personal=True,
-    ),
-)
+    )
+
+
+register("fedproto-avg", FedProtoAvgParams, _fedproto_avg)
