@@ -11,6 +11,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 from wafl.client.trainer import Trainer
+from wafl.common.algorithms.base import extra_name
+from wafl.common.algorithms.scaffold import PREFIX
+from wafl.common.algorithms.scaffold import STATE_KEY as SCAFFOLD_STATE
 from wafl.common.config import load_config
 from wafl.common.training import epochs
 
@@ -66,3 +69,18 @@ def close(a: torch.nn.Module | list[torch.Tensor], b: torch.nn.Module | list[tor
     pa = [p.detach() for p in (a.parameters() if isinstance(a, torch.nn.Module) else a)]
     pb = [p.detach() for p in (b.parameters() if isinstance(b, torch.nn.Module) else b)]
     return len(pa) == len(pb) and all(torch.allclose(x, y, atol=atol, rtol=1e-4) for x, y in zip(pa, pb))
+
+
+def with_variates(t: Trainer, scale: float) -> tuple[dict, dict, dict]:
+    """SCAFFOLD: random server and client control variates (``scale`` x N(0, 1)) put in the first payload and
+    the client's state; returns ``(payload, c, c_i)``."""
+    g = global_payload(t)
+    names = [n for n, _ in t.gm.named_parameters()]
+    assert [k for k in g if k.startswith("extra.")] == [extra_name(PREFIX + n) for n in names]
+    gen = torch.Generator().manual_seed(0)
+    c = {n: scale * torch.randn(p.shape, generator=gen) for n, p in t.gm.named_parameters()}
+    c_i = {n: scale * torch.randn(p.shape, generator=gen) for n, p in t.gm.named_parameters()}
+    for n in names:
+        g[extra_name(PREFIX + n)] = c[n]
+    t.client_state[SCAFFOLD_STATE] = {n: v.clone() for n, v in c_i.items()}
+    return g, c, c_i

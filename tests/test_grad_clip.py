@@ -10,11 +10,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from algorithm_checks import client, close, future_batches, global_payload
-from wafl.common.algorithms.base import extra_name
+from algorithm_checks import client, close, future_batches, global_payload, with_variates
 from wafl.common.algorithms.hyperknowledge import fedhkd_loss_terms
 from wafl.common.algorithms.registry import resolve
-from wafl.common.algorithms.scaffold import STATE_KEY
 from wafl.common.config import ConfigError, load_config
 from wafl.common.datasets import load_dataset
 from wafl.common.training import clip_before_step
@@ -85,14 +83,8 @@ def test_the_run_option_clips_every_local_step(digits) -> None:
 def test_scaffold_clips_the_corrected_gradient(digits) -> None:
     """ASD's code clips SCAFFOLD's step after the correction (the linear term is in its loss): so does the option."""
     t = client(digits, "scaffold", grad_clip=0.05)
-    g = global_payload(t)
+    g, c, c_i = with_variates(t, 0.5)
     names = [n for n, _ in t.gm.named_parameters()]
-    gen = torch.Generator().manual_seed(0)
-    c = {n: 0.5 * torch.randn(p.shape, generator=gen) for n, p in t.gm.named_parameters()}
-    c_i = {n: 0.5 * torch.randn(p.shape, generator=gen) for n, p in t.gm.named_parameters()}
-    for n in names:
-        g[extra_name("c." + n)] = c[n]
-    t.client_state[STATE_KEY] = {n: v.clone() for n, v in c_i.items()}
     t.begin_round(1, g)
     slow = copy.deepcopy(t.gm)
     (batches,) = future_batches(t, 1)

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from algorithm_checks import client, close, future_batches, global_payload
+from algorithm_checks import client, close, future_batches, global_payload, with_variates
 from wafl.common.algorithms.base import extra_name
 from wafl.common.algorithms.scaffold import STATE_KEY
 from wafl.common.datasets import load_dataset
@@ -19,15 +19,8 @@ def digits():
 def test_scaffold_client_round_by_hand(digits, tmp_path) -> None:
     lr = 0.05
     t = client(digits, "scaffold", state_dir=tmp_path)
-    g = global_payload(t)
+    g, c, c_i = with_variates(t, 0.01)
     names = [n for n, _ in t.gm.named_parameters()]
-    assert [k for k in g if k.startswith("extra.")] == [extra_name("c." + n) for n in names]
-    gen = torch.Generator().manual_seed(0)
-    c = {n: 0.01 * torch.randn(p.shape, generator=gen) for n, p in t.gm.named_parameters()}
-    c_i = {n: 0.01 * torch.randn(p.shape, generator=gen) for n, p in t.gm.named_parameters()}
-    for n in names:
-        g[extra_name("c." + n)] = c[n]
-    t.client_state[STATE_KEY] = {n: v.clone() for n, v in c_i.items()}
     t.begin_round(1, g)
     slow = copy.deepcopy(t.gm)
     x0 = {n: p.detach().clone() for n, p in slow.named_parameters()}
