@@ -28,7 +28,7 @@ from wafl.common.algorithms.base import Algorithm, Phase, RoundContext, extra_na
 from wafl.common.choices import DeviceKind
 from wafl.common.config import ConfigError, RunConfig
 from wafl.common.datasets import FederatedDataset, load_dataset
-from wafl.common.errors import InvariantError
+from wafl.common.errors import InvariantError, TrainingDiverged
 from wafl.common.heterogeneity import new_client_indices
 from wafl.common.models import build_model
 from wafl.common.partition import client_shard, public_split
@@ -317,7 +317,16 @@ class Trainer:
                 evaluated = ("pm", *self.evaluate_personal())
             elif self.algorithm.personal == "none":
                 evaluated = ("local", *self.evaluate_local(self.gm))
-        return GmRound(stats, knowledge, evaluated, self.gm_upload_state(base))
+        state = self.gm_upload_state(base)
+        bad = [k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+        if bad:
+            r = self._started[0] if self._started is not None else "?"
+            raise TrainingDiverged(
+                f"client {self.index}, round {r}: local training diverged, {len(bad)} tensor(s) to upload hold NaN "
+                f"or Inf (first {bad[0]!r}; the round's mean loss {stats.mean_loss:g}); a smaller lr, or grad_clip, "
+                "keeps the steps bounded"
+            )
+        return GmRound(stats, knowledge, evaluated, state)
 
     def gm_upload_state(self, base: Mapping[str, torch.Tensor] | None = None) -> OrderedDict[str, torch.Tensor]:
         """The tensors the algorithm shares, on the CPU, or their difference to ``base`` (buffered

@@ -53,6 +53,11 @@ class RunAborted(RuntimeError):
     status 1)."""
 
 
+class TrainingDiverged(RunAborted):
+    """A client's local training gave NaN or Inf weights: the client stops with one line naming the round and the
+    tensor (the server would refuse the upload as malformed), instead of uploading it."""
+
+
 class AlreadyAccepted(Exception):
     """A retry of an upload that was already committed (same client, version and idempotency key)."""
 

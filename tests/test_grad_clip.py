@@ -141,3 +141,21 @@ def test_the_knowledge_clip_defaults_to_the_authors_code() -> None:
     assert resolve("fedhkd", {}).params["knowledge_clip"] == 1.1
     assert resolve("fedproto-avg", {}).params["knowledge_clip"] == 1.1
     assert "knowledge_clip" not in resolve("fedproto", {}).params  # FedProto's own paper and code: no clip
+
+
+def test_a_client_whose_training_diverges_stops_with_one_line_instead_of_uploading(digits, tmp_path) -> None:
+    """NaN weights are not uploaded (the server would refuse them as malformed): the client names the round and
+    the tensor; in process the run ends with that error, and grad_clip keeps the same steps finite."""
+    from wafl.cli.sim.simulate import simulate
+    from wafl.common.errors import TrainingDiverged
+
+    t = client(digits, "fedavg", lr=1e30)
+    t.begin_round(3, global_payload(t))
+    with pytest.raises(TrainingDiverged, match=r"client 0, round 3: local training diverged, \d+ tensor\(s\)"):
+        t.gm_round()
+    cfg = {"num_clients": 2, "rounds": 2, "lr": 1e30, "local_epochs": 1, "protocol": "compute-and-wait"}
+    with pytest.raises(TrainingDiverged, match="round 1: local training diverged"):
+        simulate(load_config(None, cfg), tmp_path / "a")
+    clipped = client(digits, "fedavg", lr=1e30, grad_clip=1e-30)
+    clipped.begin_round(3, global_payload(clipped))
+    assert all(bool(torch.isfinite(v).all()) for v in clipped.gm_round().state.values())
