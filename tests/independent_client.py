@@ -111,6 +111,18 @@ def server_events(out_dir: Path, event: str) -> list[dict[str, Any]]:
     return out
 
 
+def server_command(
+    config: Path, out: Path, port: int = 0, ready_file: Path | None = None, extra: Sequence[str] = ()
+) -> list[str]:
+    """``wafl server`` on 127.0.0.1 as a process of this interpreter: ``port`` 0 lets the OS choose (the
+    ``ready_file`` then names it), logs quiet, ``extra`` arguments last."""
+    ready = ["--ready-file", str(ready_file)] if ready_file is not None else []
+    return [
+        sys.executable, "-m", "wafl.cli.main", "server", "--config", str(config), "--host", "127.0.0.1",
+        "--port", str(port), "--out", str(out), *ready, "--quiet", *extra,
+    ]  # fmt: skip
+
+
 class ServerProcess:
     """``python -m wafl.cli.main server`` on 127.0.0.1 with an ephemeral port."""
 
@@ -127,24 +139,7 @@ class ServerProcess:
         self._log = open(self.log_path, "wb")
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "wafl.cli.main",
-                "server",
-                "--config",
-                str(self.config_path),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",
-                "--out",
-                str(self.out_dir),
-                "--ready-file",
-                str(self.ready_file),
-                "--quiet",
-                *extra_args,
-            ],
+            server_command(self.config_path, self.out_dir, ready_file=self.ready_file, extra=extra_args),
             stdout=self._log,
             stderr=subprocess.STDOUT,
             cwd=str(work_dir),

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 import wafl.client.trainer as trainer_module
+from independent_client import server_command
 from wafl.cli.config_flags import resolve_config as _resolve_config
 from wafl.cli.main import build_parser, main
 from wafl.client.trainer import Trainer, resolve_device
@@ -133,23 +134,7 @@ def test_client_reports_its_device_in_join(tmp_path: Path) -> None:
     out = tmp_path / "out"
     ready = out / "server.json"
     server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "wafl.cli.main",
-            "server",
-            "--config",
-            str(cfg),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--out",
-            str(out),
-            "--ready-file",
-            str(ready),
-            "--quiet",
-        ],
+        server_command(cfg, out, ready_file=ready),
         env=_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+from independent_client import server_command
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -33,21 +35,7 @@ def test_clients_reconnect_to_a_resumed_server(tmp_path: Path) -> None:
     cfg = tmp_path / "cfg.json"
     cfg.write_text(json.dumps({"num_clients": 2, "rounds": 6, "local_epochs": 1, "round_deadline_s": 60}))
     port = free_port()
-    server_cmd = [
-        sys.executable,
-        "-m",
-        "wafl.cli.main",
-        "server",
-        "--config",
-        str(cfg),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--out",
-        str(out),
-        "--quiet",
-    ]
+    server_cmd = server_command(cfg, out, port)
     procs = []
     try:
         server = subprocess.Popen(server_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
