@@ -416,7 +416,8 @@ def summary(sweep_file: Path, kept: Path, work: Path | None = None) -> Path:
     ``work`` (default ``runs/real-data/<sweep>``, emptied first)."""
     names = points(sweep_file)
     records = read_records(kept)
-    done = [n for n in names if n in records and not incomplete(records[n])]
+    changed = changed_points(sweep_file, records)  # kept, but not what the sweep file runs now: left out
+    done = [n for n in names if n in records and not incomplete(records[n]) and n not in changed]
     if not done:
         raise SystemExit(f"real_data: no finished points of {_shown(sweep_file)} in {_shown(kept)}")
     work = work or ROOT / "runs" / "real-data" / sweep_file.stem
@@ -478,7 +479,7 @@ def summary(sweep_file: Path, kept: Path, work: Path | None = None) -> Path:
         f"Points done: {len(done)} of {len(names)}."
         + (f" Not yet run: {', '.join(f'`{m}`' for m in missing)}." if missing else ""),
         "",
-        *changed_note(changed_points(sweep_file, {n: records[n] for n in done})),
+        *changed_note(changed),
         *plateau_note(records[done[0]]["config"], {n: records[n] for n in done}),
         note + res.stdout.strip(),
         "",
@@ -493,15 +494,15 @@ def summary(sweep_file: Path, kept: Path, work: Path | None = None) -> Path:
 
 def changed_note(changed: Mapping[str, list[str]]) -> list[str]:
     """A paragraph naming the kept points that ran with another configuration than the sweep file gives them
-    now (:func:`changed_points`): they are in the table until their new runs replace them."""
+    now (:func:`changed_points`): they are left out of the table until their new runs replace them."""
     if not changed:
         return []
     kinds = sorted({c.split(":")[0] for cs in changed.values() for c in cs})
     first = next(iter(changed.values()))[0]
     return [
-        f"{len(changed)} point(s) in this table ran with another configuration than the sweep file gives them now "
-        f"({', '.join(f'`{k}`' for k in kinds)}; e.g. {first}): they are run again and their new records replace "
-        f"them: {', '.join(f'`{n}`' for n in sorted(changed))}.",
+        f"{len(changed)} kept point(s) ran with another configuration than the sweep file gives them now "
+        f"({', '.join(f'`{k}`' for k in kinds)}; e.g. {first}): they are left out of the table and run again, and "
+        f"their new records replace them: {', '.join(f'`{n}`' for n in sorted(changed))}.",
         "",
     ]
 

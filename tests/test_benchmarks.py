@@ -382,7 +382,7 @@ def test_restore_leaves_out_points_of_another_configuration_and_the_table_names_
     changed = changed_points(sweep, records)
     assert changed == {"algorithm=fedprox": ["grad_clip: 0.0 -> 10.0"]}
     note = changed_note(changed)[0]
-    assert note.startswith("1 point(s) in this table ran with another configuration") and "`grad_clip`" in note
+    assert note.startswith("1 kept point(s) ran with another configuration") and "`grad_clip`" in note
 
 
 def test_sweep_file_figure_commands_run_on_their_sweeps_records() -> None:
