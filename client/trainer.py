@@ -190,8 +190,10 @@ class Trainer:
     def _optimizer(self, params: list[torch.nn.Parameter], phase: Phase | None = None) -> torch.optim.Optimizer:
         t = self.cfg.training
         if phase is not None and phase.optimizer is not None:
-            return clip_before_step(phase.optimizer(params), t.grad_clip)
-        return clip_before_step(make_optimizer(t.optimizer, params, t.lr, t.momentum, t.weight_decay), t.grad_clip)
+            opt = phase.optimizer(params)
+        else:
+            opt = make_optimizer(t.optimizer, params, t.lr, t.momentum, t.weight_decay)
+        return clip_before_step(opt, t.grad_clip)
 
     def public_batches(self, batch_size: int | None = None, shuffle: bool = False) -> Iterator[Batch]:
         """One pass over the public split as ``(x, position in the public split)``."""
