@@ -160,6 +160,12 @@ def test_a_finished_point_of_another_configuration_is_refused_by_name(tmp_path: 
     # a field the finished point lacks holds its default; params compare key by key, without defaults
     assert config_changes({"lr": 0.1}, {"lr": 0.1, "grad_clip": 0.0}) == []
     assert config_changes({"params": {"mu": 1}}, {"params": {"mu": 1, "clip": 1.1}}) == ["params.clip: '(none)' -> 1.1"]
+    # unless the algorithm declares the value its runs had before the parameter existed (param(before=...))
+    old = {"algorithm": "fedspeed", "params": {"lambda": 10.0}}
+    assert config_changes(old, {"algorithm": "fedspeed", "params": {"lambda": 10.0, "dual_mean": "participants"}}) == []
+    assert config_changes(old, {"algorithm": "fedspeed", "params": {"lambda": 10.0, "dual_mean": "all"}}) == [
+        "params.dual_mean: 'participants' -> 'all'"
+    ]
 
 
 def test_tensorboard_files_read_back_by_tensorboard(tmp_path: Path) -> None:
@@ -359,6 +365,38 @@ def test_a_sweep_file_extends_another(tmp_path: Path) -> None:
         load_sweep(long)
     long.write_text('extends = "gone.toml"\n')
     with pytest.raises(ConfigError, match="gone.toml.*does not exist"):
+        load_sweep(long)
+
+
+def test_params_for_gives_an_algorithms_points_their_parameters(tmp_path: Path) -> None:
+    """``[params_for.<base>]``: parameters for every point whose algorithm has that base (composed ones too),
+    over ``[base]``'s params and under a point's own, merged through ``extends``, not in the folder names."""
+    from wafl.cli.experiments.sweep import load_sweep
+
+    (tmp_path / "short.toml").write_text(
+        "[base]\nnum_clients = 3\nrounds = 2\n[grid]\nseed = [0]\n"
+        '[[points]]\nalgorithm = "fedavg"\n[[points]]\nalgorithm = "fedspeed"\n'
+        '[[points]]\nalgorithm = "fedspeed+asd"\n"params.asd_lambda" = 2.0\n'
+        '[[points]]\nalgorithm = "fedspeed"\n"params.rho" = 0.1\n"params.lambda" = 5.0\n'
+        "[params_for.fedspeed]\nlambda = 20.0\n"
+    )
+    long = tmp_path / "long.toml"
+    long.write_text('extends = "short.toml"\n[params_for.fedspeed]\ndual_mean = "all"\n')
+    _, points = load_sweep(long)
+    assert [n for n, _ in points] == [
+        "algorithm=fedavg",
+        "algorithm=fedspeed",
+        "algorithm=fedspeed+asd,params.asd_lambda=2.0",
+        "algorithm=fedspeed,params.lambda=5.0,params.rho=0.1",
+    ]
+    params = [c.training.params for _, c in points]
+    assert "dual_mean" not in params[0]
+    assert [(p["dual_mean"], p["lambda"]) for p in params[1:]] == [("all", 20.0), ("all", 20.0), ("all", 5.0)]
+    long.write_text('extends = "short.toml"\nparams_for = { fedspeed = 1 }\n')
+    with pytest.raises(ConfigError, match="params_for must hold one table of parameters per algorithm"):
+        load_sweep(long)
+    long.write_text('extends = "short.toml"\n[params_for.fedspeed]\ndual_mean = "some"\n')
+    with pytest.raises(ConfigError, match="dual_mean"):
         load_sweep(long)
 
 

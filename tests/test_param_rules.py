@@ -14,6 +14,7 @@ from wafl.common.algorithms.params import (
     Choice,
     Flag,
     ParamRule,
+    earlier_values,
     fields_of,
     instance,
     param,
@@ -83,6 +84,27 @@ def test_a_keyword_parameter_keeps_its_public_name() -> None:
     assert [(d.name, d.attribute) for d in fields_of(Keyword)] == [("lambda", "lambda_"), ("k", "k")]
     p = instance(Keyword, {"lambda": 3.0, "k": 2})
     assert (p.lambda_, p.k) == (3.0, 2)
+
+
+def test_a_parameter_added_later_names_the_value_earlier_runs_had() -> None:
+    """``before``: the value a run made before the field existed behaved as, checked by the field's rule;
+    ``registry.earlier`` gathers them over a composed algorithm's classes (FedSpeed's ``dual_mean``)."""
+
+    @dataclass(frozen=True)
+    class Later:
+        a: float = param(1.0, "> 0")
+        mode: str = param("new", "old|new", before="old")
+
+    assert earlier_values(Later) == {"mode": "old"}
+    assert registry.earlier("fedspeed+asd") == {"dual_mean": "participants"}
+    assert registry.earlier("fedavg") == {} and registry.earlier("no-such-algorithm") == {}
+
+    @dataclass(frozen=True)
+    class BadBefore:
+        mode: str = param("new", "old|new", before="older")
+
+    with pytest.raises(ValueError, match=r"BadBefore\.mode: the before params\.mode='older' must be one of"):
+        fields_of(BadBefore)
 
 
 def test_a_class_that_does_not_declare_its_parameters_with_param_is_refused() -> None:

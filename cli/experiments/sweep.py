@@ -16,9 +16,13 @@ The file::
 Fields are named flat (``lr``), as a section's table (``[base.training]`` then ``lr = 0.1``) or as
 ``"training.lr"`` (:func:`~wafl.common.config.flat_fields`); a point's folder is named by the keys as written.
 
+``[params_for.<algorithm>]`` gives algorithm parameters to every point whose algorithm has that base
+(``[params_for.fedspeed]`` then ``dual_mean = "all"`` reaches ``fedspeed`` and ``fedspeed+asd``), over
+``[base]``'s ``params`` and under a point's own; they are not part of the points' folder names.
+
 A file may start from another: ``extends = "scd_fmnist.toml"`` takes that sweep's ``base``, ``grid`` and
-``points``, with this file's ``base`` fields over them and its ``grid`` lists and ``points`` (if any) in
-their place (the same comparison run longer, for example).
+``points``, with this file's ``base`` fields (and ``params_for`` parameters) over them and its ``grid`` lists
+and ``points`` (if any) in their place (the same comparison run longer, for example).
 
 A point's folder is named by the values that vary (``algorithm=fedavg,seed=0``) and is a normal
 run folder (``config.json``, ``results.jsonl``, ...). Points run in process (the same engine and
@@ -66,6 +70,7 @@ from pathlib import Path
 from typing import Any
 
 from wafl.cli.report.provenance import git_commit
+from wafl.common.algorithms import registry
 from wafl.common.config import ConfigError, RunConfig, flat_fields, load_config
 from wafl.common.plateau import ran_to_end
 from wafl.server.strategies import check_aggregation
@@ -99,18 +104,22 @@ def point_kernels() -> Iterator[None]:
             os.environ.pop(k, None)
 
 
+SECTIONS = {"out", "base", "grid", "points", "extends", "params_for"}  # a sweep file's top-level keys
+
+
 def load_sweep(path: Path) -> tuple[Path, list[tuple[str, RunConfig]]]:
     """The output folder and every point as ``(folder name, validated configuration)``, each point's
     aggregation rule checked (:func:`~wafl.server.strategies.check_aggregation`)."""
     if not path.is_file():
         raise ConfigError(f"sweep file {str(path)!r} does not exist")
     spec = _read_toml(path)
-    unknown = sorted(set(spec) - {"out", "base", "grid", "points", "extends"})
+    unknown = sorted(set(spec) - SECTIONS)
     if unknown:
         raise ConfigError(
-            f"sweep file {str(path)!r}: unknown section(s) {unknown}; known: base, grid, points, out, extends"
+            f"sweep file {str(path)!r}: unknown section(s) {unknown}; known: {', '.join(sorted(SECTIONS))}"
         )
     spec = _extended(path, spec, [path.resolve()])
+    params_for = _params_for(path, spec)
     base = flat_fields(spec.get("base", {}), check=False)
     grid = dict(spec.get("grid", {}))
     for k, v in grid.items():
@@ -124,17 +133,18 @@ def load_sweep(path: Path) -> tuple[Path, list[tuple[str, RunConfig]]]:
     points: list[tuple[str, RunConfig]] = []
     for o in overrides:
         data = dict(base)
-        params = dict(base.get("params", {}))
+        own: dict[str, Any] = {}  # the point's own parameters
         for k, v in flat_fields(o, check=False).items():
             if k.startswith("params."):
-                params[k[len("params.") :]] = v
+                own[k[len("params.") :]] = v
             elif k == "params":
                 if not isinstance(v, dict):
                     raise ConfigError(f"sweep point {o}: params must be a table of algorithm parameters")
-                params.update(v)
+                own.update(v)
             else:
                 data[k] = v
-        data["params"] = params
+        for_base = params_for.get(str(data.get("algorithm", "")).split("+")[0], {})
+        data["params"] = {**base.get("params", {}), **for_base, **own}
         try:
             cfg = check_aggregation(load_config(None, data))
         except ConfigError as e:
@@ -146,6 +156,17 @@ def load_sweep(path: Path) -> tuple[Path, list[tuple[str, RunConfig]]]:
         raise ConfigError(f"sweep file {str(path)!r}: two points have the same settings")
     out = Path(spec.get("out") or Path("runs") / f"sweep-{path.stem}")
     return out, points
+
+
+def _params_for(path: Path, spec: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The file's ``[params_for.<algorithm>]`` tables, checked to be tables of parameters."""
+    found = spec.get("params_for", {})
+    if not isinstance(found, dict) or not all(isinstance(v, dict) for v in found.values()):
+        raise ConfigError(
+            f"sweep file {str(path)!r}: params_for must hold one table of parameters per algorithm "
+            '([params_for.fedspeed] then dual_mean = "all")'
+        )
+    return found
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
@@ -177,6 +198,11 @@ def _extended(path: Path, spec: dict[str, Any], seen: list[Path]) -> dict[str, A
     if "params" in parent_base and "params" in own_base:
         base["params"] = {**parent_base["params"], **own_base["params"]}
     merged: dict[str, Any] = {"base": base, "grid": {**parent.get("grid", {}), **spec.get("grid", {})}}
+    params_for = {**_params_for(parent_path, parent)}
+    for algorithm, given in _params_for(path, spec).items():
+        params_for[algorithm] = {**params_for.get(algorithm, {}), **given}
+    if params_for:
+        merged["params_for"] = params_for
     points = spec.get("points") or parent.get("points")
     if points:
         merged["points"] = points
@@ -252,12 +278,16 @@ def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     ``"field: old -> new"`` a field; a field ``old`` lacks (added to the configuration since) counts as its
     default. ``params`` compare key by key (``params.name``) with no such default: a point written before a
     parameter existed differs from one that resolves it, since the parameter's default need not be the
-    earlier behaviour."""
+    earlier behaviour, unless the algorithm declares the value it had before (``param(before=...)``,
+    :func:`~wafl.common.algorithms.registry.earlier`)."""
     defaults = json.loads(RunConfig().to_json())
+    earlier = registry.earlier(str(new.get("algorithm", "")))
     found = []
     for k in sorted(set(old) | set(new)):
         want, have = old.get(k, defaults.get(k)), new.get(k)
         if isinstance(want, dict) and isinstance(have, dict):
+            if k == "params":
+                want = {**earlier, **want}
             for q in sorted(set(want) | set(have)):
                 if want.get(q, "(none)") != have.get(q, "(none)"):
                     found.append(f"{k}.{q}: {want.get(q, '(none)')!r} -> {have.get(q, '(none)')!r}")

@@ -9,6 +9,10 @@ Each field is declared with :func:`param`, which carries its default and the rul
 
 A field whose public name is a Python keyword keeps that name through ``name``:
 ``lambda_: float = param(1.0, ">= 0", name="lambda")`` is ``params.lambda`` and ``-p lambda=...``.
+A field added to a class after runs were made without it names, through ``before``, the value those runs
+behaved as (``param("participants", "participants|all", before="participants")``): a finished run's
+configuration that lacks the field then reads as that value (:func:`earlier_values`), so it still counts as the
+same configuration where the new default keeps the old behaviour.
 :func:`fields_of` reads a class's declared fields (refusing any other class) and :func:`instance` builds the
 dataclass from values checked by public name (:func:`wafl.common.algorithms.registry.resolve`).
 """
@@ -89,7 +93,8 @@ RULES: dict[str, ParamRule] = {
     r.text: r for r in (POSITIVE, NON_NEGATIVE, UNIT, UNIT_FROM_ZERO, OPEN_UNIT, COUNT, POSITIVE_COUNT, FLAG)
 }
 
-_RULE, _NAME = "wafl.param.rule", "wafl.param.name"  # the metadata keys of a field declared with param()
+_RULE, _NAME, _BEFORE = "wafl.param.rule", "wafl.param.name", "wafl.param.before"  # param()'s metadata keys
+_UNSET = object()
 
 
 def rule_of(text: str) -> ParamRule:
@@ -102,11 +107,15 @@ def rule_of(text: str) -> ParamRule:
     return RULES[text]
 
 
-def param(default: T, rule: ParamRule | str, *, name: str | None = None) -> T:
+def param(default: T, rule: ParamRule | str, *, name: str | None = None, before: Any = _UNSET) -> T:
     """A dataclass field with ``default`` and the rule a given value must meet (a rule, or its text for
-    :func:`rule_of`); ``name``: the public name where it is not the attribute's (a Python keyword)."""
+    :func:`rule_of`); ``name``: the public name where it is not the attribute's (a Python keyword); ``before``:
+    for a field added after runs were made without it, the value those runs behaved as."""
     checker = rule_of(rule) if isinstance(rule, str) else rule
-    return dataclasses.field(default=default, metadata={_RULE: checker, _NAME: name})
+    meta: dict[str, Any] = {_RULE: checker, _NAME: name}
+    if before is not _UNSET:
+        meta[_BEFORE] = before
+    return dataclasses.field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True)
@@ -117,6 +126,7 @@ class Declared:
     attribute: str
     default: Any
     rule: ParamRule
+    before: Any = _UNSET  # the value runs made before the field existed behaved as (param(before=...))
 
     def check(self, value: Any) -> Any:
         """The value as the algorithm takes it (a number, an int, a bool, a choice); raises ``ValueError``
@@ -139,13 +149,21 @@ def fields_of(cls: type[Any]) -> list[Declared]:
     for f in dataclasses.fields(cls):
         if _RULE not in f.metadata:
             raise TypeError(f"{cls.__name__}.{f.name} is not declared with param(default, rule)")
-        d = Declared(f.metadata[_NAME] or f.name, f.name, f.default, f.metadata[_RULE])
-        try:
-            d.check(d.default)
-        except ValueError as e:
-            raise ValueError(f"{cls.__name__}.{f.name}: the default {e}") from None
+        d = Declared(f.metadata[_NAME] or f.name, f.name, f.default, f.metadata[_RULE], f.metadata.get(_BEFORE, _UNSET))
+        for what, value in (("default", d.default), ("before", d.before)):
+            try:
+                if value is not _UNSET:
+                    d.check(value)
+            except ValueError as e:
+                raise ValueError(f"{cls.__name__}.{f.name}: the {what} {e}") from None
         out.append(d)
     return out
+
+
+def earlier_values(cls: type[Any]) -> dict[str, Any]:
+    """The fields of ``cls`` declared with ``before``, by public name: the value each had in runs made before it
+    existed."""
+    return {d.name: d.before for d in fields_of(cls) if d.before is not _UNSET}
 
 
 def instance(cls: type[P], values: Mapping[str, Any]) -> P:

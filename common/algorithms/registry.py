@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeAlias, TypeVar
 
 from wafl.common.algorithms.base import Algorithm, LossTerm
-from wafl.common.algorithms.params import Declared, fields_of, instance
+from wafl.common.algorithms.params import Declared, earlier_values, fields_of, instance
 from wafl.common.registry import Registry
 
 P = TypeVar("P")
@@ -44,6 +44,19 @@ def register_regularizer(name: str, params: type[P], build: RegBuilder[P]) -> No
 
 def names() -> tuple[list[str], list[str]]:
     return _BASES.names(), _REGULARIZERS.names()
+
+
+def earlier(name: str) -> dict[str, Any]:
+    """The parameters of algorithm ``name`` (``base+reg...``) added after runs were made without them, with the
+    value each had in those runs (:func:`~wafl.common.algorithms.params.earlier_values`); an unknown name has
+    none."""
+    base, *regs = name.split("+")
+    if base not in _BASES or any(r not in _REGULARIZERS for r in regs):
+        return {}
+    out: dict[str, Any] = {}
+    for cls in [_BASES[base][0], *(_REGULARIZERS[r][0] for r in regs)]:
+        out.update(earlier_values(cls))
+    return out
 
 
 def resolve(name: str, params: Mapping[str, Any] | None = None, run: Mapping[str, Any] | None = None) -> Algorithm:
