@@ -37,6 +37,7 @@ from wafl.common.training import (
     PhaseStats,
     batches,
     clip_before_step,
+    decay_lr,
     epochs,
     evaluate,
     make_optimizer,
@@ -193,7 +194,7 @@ class Trainer:
             opt = phase.optimizer(params)
         else:
             opt = make_optimizer(t.optimizer, params, t.lr, t.momentum, t.weight_decay)
-        return clip_before_step(opt, t.grad_clip)
+        return decay_lr(clip_before_step(opt, t.grad_clip), t.lr_decay, self._context().round)
 
     def public_batches(self, batch_size: int | None = None, shuffle: bool = False) -> Iterator[Batch]:
         """One pass over the public split as ``(x, position in the public split)``."""
@@ -265,6 +266,7 @@ class Trainer:
             if self._pm_optimizer_state is not None:  # the state saved before a restart
                 self.pm_optimizer.load_state_dict(self._pm_optimizer_state)
                 self._pm_optimizer_state = None
+        decay_lr(self.pm_optimizer, self.cfg.training.lr_decay, ctx.round)  # kept across rounds: this round's rate
         if self.pm_stream is not None:
             self.pm_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.pm_stream):

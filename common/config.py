@@ -228,6 +228,9 @@ class TrainingSection:
     params: dict[str, Any] = field(default_factory=dict)  # algorithm hyper-parameters
     optimizer: Optimizer = Optimizer.SGD
     lr: float = 0.05
+    # the clients' learning rate in round t is lr * lr_decay ** (t - 1) (common/training.py decay_lr); 1: constant.
+    # The code of FedDyn and of the methods built on it (ASD's) decays it by 0.998 a round.
+    lr_decay: float = 1.0
     momentum: float = 0.9
     weight_decay: float = 0.0
     # > 0: every local step's gradient is scaled to an L2 norm of at most this before the optimizer steps
@@ -246,6 +249,7 @@ class TrainingSection:
         self.optimizer = _choice("optimizer", self.optimizer, Optimizer)
         _int_at_least("code_len", self.code_len, 1)
         _positive("lr", self.lr)
+        _in_range("lr_decay", self.lr_decay, 0.0, 1.0, low_open=True)
         _in_range("momentum", self.momentum, 0.0, 1.0, high_open=True)
         _in_range("weight_decay", self.weight_decay, 0.0, math.inf)
         _in_range("grad_clip", self.grad_clip, 0.0, math.inf)

@@ -115,6 +115,21 @@ def clip_before_step(opt: torch.optim.Optimizer, max_norm: float) -> torch.optim
     return opt
 
 
+_BASE_LR = "wafl_base_lr"  # a param group's learning rate before decay_lr scaled it
+
+
+def decay_lr(opt: torch.optim.Optimizer, decay: float, round: int) -> torch.optim.Optimizer:
+    """``opt`` with each param group's learning rate set to its first one times ``decay ** (round - 1)``: the run
+    option ``lr_decay``, round 1 at the configured rate (the code of FedDyn and of the methods built on it, ASD's,
+    decays every client's rate by 0.998 a round). An optimizer kept across rounds (a PM's) is set anew each round
+    from the rate it had first; ``decay = 1`` leaves it as it is (the same bits)."""
+    if decay != 1.0:
+        factor = decay ** (round - 1)
+        for group in opt.param_groups:
+            group["lr"] = group.setdefault(_BASE_LR, group["lr"]) * factor
+    return opt
+
+
 @dataclass
 class PhaseStats:
     steps: int = 0

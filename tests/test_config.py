@@ -259,7 +259,7 @@ def test_the_wafl_command_refuses_an_unknown_rule_in_one_line(tmp_path: Path, co
 
 
 # The JSON of the default configuration as the flat RunConfig wrote it (9ab00e5): config.json, JoinReply.config_json
-# and the sweep records compare configurations by these bytes. Fields added since (grad_clip) follow in
+# and the sweep records compare configurations by these bytes. Fields added since (grad_clip, lr_decay) follow in
 # DEFAULT_JSON; a configuration written before them reads back with their defaults.
 DEFAULT_JSON_9AB00E5 = (
     '{"act_prob": null, "aggregation": "sync", "aggregation_params": {}, "aggregator": "mean", "algorithm": "fedavg", '
@@ -279,7 +279,9 @@ DEFAULT_JSON_9AB00E5 = (
 )
 
 
-DEFAULT_JSON = DEFAULT_JSON_9AB00E5.replace('"fraction": 1.0, ', '"fraction": 1.0, "grad_clip": 0.0, ')
+DEFAULT_JSON = DEFAULT_JSON_9AB00E5.replace('"fraction": 1.0, ', '"fraction": 1.0, "grad_clip": 0.0, ').replace(
+    '"lr": 0.05, ', '"lr": 0.05, "lr_decay": 1.0, '
+)
 
 
 def test_the_flat_json_is_written_as_before() -> None:
@@ -334,8 +336,8 @@ def test_files_may_give_fields_by_section(tmp_path: Path) -> None:
         (
             {"training": {"seed": 1}},
             "unknown configuration field training.seed (seed is in federation); known in training: "
-            "['model', 'code_len', 'algorithm', 'params', 'optimizer', 'lr', 'momentum', 'weight_decay', 'grad_clip', "
-            "'batch_size', 'local_epochs', 'device']",
+            "['model', 'code_len', 'algorithm', 'params', 'optimizer', 'lr', 'lr_decay', 'momentum', 'weight_decay', "
+            "'grad_clip', 'batch_size', 'local_epochs', 'device']",
         ),
         (
             {"output.lr": 0.1},

@@ -23,7 +23,8 @@ beta``, 0 by default, which is the update above): with ``Delta = tau_eff sum_i p
     v <- beta v + Delta,    x <- x - v                           (v zero at first, checkpointed)
 
 the authors' code keeps ``v / lr`` and steps by ``lr``, the same while the learning rate is constant
-(it is in wafl).
+(it is in wafl unless ``lr_decay`` is below 1: then ``v`` here keeps the updates of earlier rounds at their own
+rates, where the authors' rescales them to the current one).
 
 Departure, normalization statistics: BatchNorm's running mean and variance (and its batch count)
 take the streaming mean with the same weights ``n_i / a_i``, not the sample-weighted mean
