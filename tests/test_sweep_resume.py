@@ -220,3 +220,29 @@ def test_every_table_algorithm_resumes_with_the_lines_of_an_uninterrupted_run(al
     assert run_point(cfg.to_json(), str(tmp_path / "point"), False, 0, 1)["ok"]
     _uninterrupted(cfg, tmp_path / "whole")
     _same_point(tmp_path / "point", tmp_path / "whole")
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "params"),
+    [("fedspeed", {"dual_mean": "all"}), ("ditto", {})],
+)
+def test_a_decayed_clipped_point_resumes_with_the_lines_of_an_uninterrupted_run(
+    algorithm: str, params: dict[str, Any], tmp_path: Path
+) -> None:
+    """The ASD plateau tables' recipe (``lr_decay``, ``grad_clip``) with FedSpeed's server-kept duals and with a PM
+    whose optimizer lives across rounds: the resumed point takes each round's rate as the uninterrupted one does."""
+    cfg = _cfg(
+        algorithm=algorithm,
+        params=params,
+        protocol="compute-and-wait",
+        fraction=0.5,
+        rounds=5,
+        lr_decay=0.8,
+        grad_clip=10.0,
+        checkpoint=False,
+    )
+    assert not_resumable(cfg) is None
+    assert len(_first_sitting(KILLED_AFTER_A_LINE, cfg, tmp_path / "point", 0, 3)) == 3
+    assert run_point(cfg.to_json(), str(tmp_path / "point"), False, 0, 1)["ok"]
+    _uninterrupted(cfg, tmp_path / "whole")
+    _same_point(tmp_path / "point", tmp_path / "whole")
