@@ -304,6 +304,7 @@ class RoundLoop:
     def _evaluate(self) -> tuple[float | None, int, float | None]:
         if not self.algorithm.evaluates_global:
             return None, 0, None  # the shared tensors make no model (FedMD, FedProto, FedRep's body)
-        self.model.load_state_dict(split_payload(self.global_model.state)[0], strict=False)
+        scored = self.algorithm.server.scored(self.global_model.state)  # the global model, or FedDyn's mean
+        self.model.load_state_dict(split_payload(scored)[0], strict=False)
         test_idx = np.arange(len(self.dataset.test_labels))
         return evaluate(self.model, self.dataset.test, test_idx, self.cfg.evaluation.eval_batch_size)

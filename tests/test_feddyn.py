@@ -100,3 +100,31 @@ def test_feddyn_h_divides_by_the_training_clients_not_the_held_out_ones():
         exp_h -= alpha / m * (wk - w_g)
     np.testing.assert_allclose(algo.server.h["w"].numpy(), exp_h, rtol=1e-12, atol=1e-15)
     np.testing.assert_allclose(out["w"].numpy(), np.mean(locals_, axis=0) - exp_h / alpha, rtol=1e-9, atol=1e-9)
+
+
+def test_feddyn_scores_the_participants_mean_when_asked() -> None:
+    """``scored_model = "participants"``: the server evaluates the round's uniform mean of the uploads, the model
+    FedDyn's and ASD's code score; the broadcast model is the corrected one either way, and the run trains the
+    same: only the GM's accuracy and loss differ from the default's."""
+    from wafl.cli.sim.simulate import simulate
+    from wafl.common.algorithms.registry import resolve
+    from wafl.common.config import load_config
+
+    server = resolve("feddyn", {"scored_model": "participants"}, {"num_clients": 4}).server
+    prev = {"w": torch.ones(3, dtype=torch.float64), "bn.num_batches_tracked": torch.tensor(2)}
+    mean = {"w": torch.tensor([2.0, 3.0, 4.0], dtype=torch.float64), "bn.num_batches_tracked": torch.tensor(5)}
+    assert server.scored(prev) is prev  # nothing aggregated yet: the global model
+    out = server.finalize(prev, mean, 2)
+    assert not torch.equal(out["w"], mean["w"]) and torch.equal(server.scored(out)["w"], mean["w"])
+    assert server.scored(out)["bn.num_batches_tracked"] is out["bn.num_batches_tracked"]
+    plain = resolve("feddyn", {}, {"num_clients": 4}).server
+    corrected = plain.finalize(prev, mean, 2)
+    assert plain.scored(corrected) is corrected and torch.equal(corrected["w"], out["w"])
+
+    base = {"algorithm": "feddyn", "num_clients": 4, "fraction": 0.5, "rounds": 3, "lr": 0.1, "checkpoint": False}
+    rows = {s: simulate(load_config(None, {**base, "params": {"scored_model": s}})) for s in ("global", "participants")}
+    drop = ("gm_accuracy", "gm_loss", "run_id", "wall_s", "round_s", "timestamp")
+    assert [{k: v for k, v in r.items() if k not in drop} for r in rows["global"]] == [
+        {k: v for k, v in r.items() if k not in drop} for r in rows["participants"]
+    ]
+    assert [r["gm_loss"] for r in rows["global"]] != [r["gm_loss"] for r in rows["participants"]]

@@ -306,6 +306,11 @@ class ServerUpdate:
     ) -> dict[str, torch.Tensor]:
         return mean
 
+    def scored(self, state: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """The model the server evaluates after :meth:`finalize` made ``state`` the global one: by default that
+        model itself (FedDyn's code scores the participants' mean instead, ``FedDynUpdate``)."""
+        return state
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 

@@ -15,7 +15,10 @@ trains on
     w_g <- mean_S(w_k) - h / alpha
 
 (:func:`feddyn_server_update`, on every trained floating tensor; normalization statistics are
-averaged). ``m`` is the paper's number of clients: with ``new_clients = K`` held out of training it
+averaged). ``scored_model`` is the model the server evaluates: ``"global"`` (the default) the ``w_g`` it
+broadcasts, ``"participants"`` the round's uniform mean ``mean_S(w_k)`` before ``h`` corrects it, the model
+FedDyn's code and ASD's score (``avg_model``, "Communication sel"; the paper's analysis bounds that average's
+risk too). ``m`` is the paper's number of clients: with ``new_clients = K`` held out of training it
 is ``num_clients - K`` (:func:`~wafl.common.algorithms.server_updates.training_clients`), the
 clients whose ``g_k`` the server's ``h`` tracks (a held-out client never uploads). ``alpha`` 0.01.
 The term joins the phase like any loss term, so a composed regularizer (``feddyn+asd``) adds its
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor, nn
@@ -119,9 +122,11 @@ class FedDynUpdate(ServerUpdate):
 
     buffered_ok = False
 
-    def __init__(self, alpha: float, num_clients: int) -> None:
+    def __init__(self, alpha: float, num_clients: int, score_participants: bool = False) -> None:
         self.alpha, self.num_clients = alpha, num_clients
+        self.score_participants = score_participants  # evaluate mean_S(w_k), not the corrected w_g
         self.h: dict[str, torch.Tensor] = {}
+        self._mean: dict[str, torch.Tensor] | None = None
 
     def weight(self, num_samples: int, metrics: Mapping[str, float] | None = None) -> float:
         return 1.0
@@ -136,7 +141,12 @@ class FedDynUpdate(ServerUpdate):
                 out[k], self.h[k] = feddyn_server_update(
                     w, mean[k].to(w.dtype) * participants, participants, h, self.alpha, self.num_clients
                 )
+        if self.score_participants:
+            self._mean = {k: mean[k].to(w.dtype) if is_weight(k, w) else out[k] for k, w in out.items()}
         return out
+
+    def scored(self, state: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        return self._mean if self.score_participants and self._mean is not None else state
 
     def state_dict(self) -> dict[str, Any]:
         return {"h": self.h}
@@ -148,13 +158,14 @@ class FedDynUpdate(ServerUpdate):
 @dataclass(frozen=True)
 class FedDynParams:
     alpha: float = param(0.01, "> 0")
+    scored_model: Literal["global", "participants"] = param("global", "global|participants", before="global")
 
 
 def build(p: FedDynParams, run: Mapping[str, Any]) -> Algorithm:
     return Algorithm(
         "feddyn",
         gm_terms=[DynamicRegularizer(p.alpha)],
-        server=FedDynUpdate(p.alpha, training_clients(run)),
+        server=FedDynUpdate(p.alpha, training_clients(run), p.scored_model == "participants"),
     )
 
 
