@@ -419,7 +419,13 @@ def summary(sweep_file: Path, kept: Path, work: Path | None = None) -> Path:
     changed = changed_points(sweep_file, records)  # kept, but not what the sweep file runs now: left out
     done = [n for n in names if n in records and not incomplete(records[n]) and n not in changed]
     if not done:
-        raise SystemExit(f"real_data: no finished points of {_shown(sweep_file)} in {_shown(kept)}")
+        why = (
+            f": the {len(changed)} kept point(s) ran with another configuration than the sweep file gives them now "
+            f"({'; '.join(n + ': ' + ', '.join(cs) for n, cs in sorted(changed.items()))}); run the sweep again"
+            if changed
+            else ""
+        )
+        raise SystemExit(f"real_data: no finished points of {_shown(sweep_file)} in {_shown(kept)}{why}")
     work = work or ROOT / "runs" / "real-data" / sweep_file.stem
     if work.exists():
         shutil.rmtree(work)

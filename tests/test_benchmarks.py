@@ -362,7 +362,14 @@ def test_restore_leaves_out_points_of_the_earlier_plateau_rule_and_save_replaces
 def test_restore_leaves_out_points_of_another_configuration_and_the_table_names_them(tmp_path: Path, capsys) -> None:
     """A kept point that ran before its sweep file (or a default) changed is not restored, so the sweep runs it
     again; a point of the current configuration is; summary's table names the changed ones until replaced."""
-    from benchmarks.real_data import changed_note, changed_points, load_sweep_configs, restore, write_records
+    from benchmarks.real_data import (
+        changed_note,
+        changed_points,
+        load_sweep_configs,
+        restore,
+        summary,
+        write_records,
+    )
 
     sweep = tmp_path / "s.toml"
     sweep.write_text('out = "o"\n[base]\nrounds = 1\ngrad_clip = 10.0\n[grid]\nalgorithm = ["fedavg", "fedprox"]\n')
@@ -383,6 +390,10 @@ def test_restore_leaves_out_points_of_another_configuration_and_the_table_names_
     assert changed == {"algorithm=fedprox": ["grad_clip: 0.0 -> 10.0"]}
     note = changed_note(changed)[0]
     assert note.startswith("1 kept point(s) ran with another configuration") and "`grad_clip`" in note
+    only_changed = tmp_path / "changed.json"
+    write_records(only_changed, {"algorithm=fedprox": records["algorithm=fedprox"]})
+    with pytest.raises(SystemExit, match=r"1 kept point\(s\) ran with another configuration .*fedprox: grad_clip"):
+        summary(sweep, only_changed, tmp_path / "work")  # says why nothing is left, not just that nothing is
 
 
 def test_sweep_file_figure_commands_run_on_their_sweeps_records() -> None:
